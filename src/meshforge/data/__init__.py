@@ -1,0 +1,1 @@
+"""Tokenizers, corpus preparation into token shards, and the resumable sampler."""

@@ -1,0 +1,85 @@
+"""Tokenizers: a built-in byte-level one, and Hugging Face ``tokenizer.json`` files."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from meshforge.errors import DataError
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+    name: str
+
+    def encode(self, text: str) -> np.ndarray: ...
+    def decode(self, ids: list[int] | np.ndarray) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257 (separates documents).
+
+    Needs no files and no training, so every machine can train at once; the price is
+    longer sequences than a learned BPE vocabulary would give.
+    """
+
+    name = "byte"
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: list[int] | np.ndarray) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+_EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` read by the ``tokenizers`` library (no network)."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _Tok
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise DataError(
+                f"data.tokenizer = '{path}' is neither 'byte' nor an existing tokenizer.json; "
+                "point it at a Hugging Face tokenizer.json file (or its directory)"
+            )
+        try:
+            self._tok = _Tok.from_file(str(p))
+        except Exception as e:  # the library raises a bare Exception on malformed files
+            raise DataError(f"could not read tokenizer file {p}: {e}") from None
+        self.path = p
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = next((t for t in _EOS_CANDIDATES if self._tok.token_to_id(t) is not None), None)
+        if eos is None:
+            raise DataError(
+                f"tokenizer {p} has none of the usual end-of-text tokens ({', '.join(_EOS_CANDIDATES)}); "
+                "meshforge needs one to separate documents"
+            )
+        self.eos_id = self._tok.token_to_id(eos)
+        self.name = "hf:" + hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids: list[int] | np.ndarray) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` or a path to a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)

@@ -1,0 +1,1 @@
+"""MFU/HFU, logging sinks (console, JSONL, TensorBoard)."""

@@ -1,0 +1,98 @@
+"""Where metrics go: the console, ``metrics.jsonl``, ``events.jsonl`` and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from meshforge.metrics.tensorboard import TensorBoardWriter
+
+
+def _fmt_duration(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _fmt_rate(x: float) -> str:
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if x >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+class JsonlWriter:
+    def __init__(self, path: Path):
+        self._f = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class MetricsLogger:
+    """Fans one record per logged step out to every enabled sink (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, console: bool = True, jsonl: bool = True,
+                 tensorboard: bool = True, stream: TextIO | None = None):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.console = console
+        self.metrics = JsonlWriter(run_dir / "metrics.jsonl") if jsonl else None
+        self.events = JsonlWriter(run_dir / "events.jsonl")
+        self.tb = TensorBoardWriter(run_dir / "tensorboard") if tensorboard else None
+        self.t0 = time.perf_counter()
+
+    def log_step(self, rec: dict[str, Any]) -> None:
+        if self.metrics:
+            self.metrics.write(rec)
+        if self.tb:
+            self.tb.add_scalars(rec["step"], {k: v for k, v in rec.items()
+                                              if k != "step" and isinstance(v, (int, float))})
+        if self.console:
+            step = rec["step"]
+            elapsed = time.perf_counter() - self.t0
+            eta = elapsed / step * (self.total - step) if step else float("nan")
+            width = 20
+            done = int(width * step / self.total)
+            bar = "#" * done + "." * (width - done)
+            print(
+                f"[{bar}] step {step:>{len(str(self.total))}}/{self.total} | loss {rec['loss']:.4f} | "
+                f"lr {rec['lr']:.2e} | {_fmt_rate(rec['tokens_per_s'])} tok/s | MFU {100 * rec['mfu']:.1f}% | "
+                f"ETA {_fmt_duration(eta)}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def log_eval(self, step: int, loss: float) -> None:
+        ppl = math.exp(min(loss, 50))
+        rec = {"step": step, "val_loss": loss, "val_ppl": ppl}
+        self.event("eval", **rec)
+        if self.tb:
+            self.tb.add_scalars(step, {"val_loss": loss, "val_ppl": ppl})
+        if self.console:
+            print(f"  eval @ step {step}: val loss {loss:.4f} | perplexity {ppl:.2f}", file=self.stream, flush=True)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.events.write({"time": time.time(), "event": kind, **fields})
+
+    def print(self, text: str) -> None:
+        if self.console:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        for s in (self.metrics, self.events, self.tb):
+            if s:
+                s.close()

@@ -1,0 +1,253 @@
+"""Hugging Face Llama checkpoints: read ``config.json`` + safetensors, write what ``transformers`` loads.
+
+meshforge's RoPE uses the same rotate-half layout as HF Llama, so weights map one to
+one by name; only the names differ. Tensors go through safetensors only (never pickle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from meshforge.errors import MeshforgeError
+from meshforge.models.llama import ModelArgs, Transformer, build_model
+from meshforge.models.presets import check_model_args
+
+_LAYER_MAP = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight"}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+
+
+class HFCheckpointError(MeshforgeError):
+    pass
+
+
+def to_hf_name(name: str) -> str:
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    m = _LAYER_RE.match(name)
+    if not m or m.group(2) not in _LAYER_MAP:
+        raise KeyError(f"no Hugging Face name for parameter {name}")
+    return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.weight"
+
+
+def from_hf_name(name: str) -> str | None:
+    """meshforge name for an HF tensor name; None for tensors meshforge does not use (e.g. rotary caches)."""
+    for ours, theirs in _TOP_MAP.items():
+        if name == theirs:
+            return ours
+    m = _HF_LAYER_RE.match(name)
+    if m:
+        for ours, theirs in _LAYER_MAP.items():
+            if m.group(2) == theirs:
+                return f"layers.{m.group(1)}.{ours}.weight"
+    return None
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
+    arch = cfg.get("architectures") or []
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+        raise HFCheckpointError(
+            f"{source} describes a '{cfg.get('model_type')}' model ({', '.join(arch) or 'no architectures'}); "
+            "meshforge reads Llama-family checkpoints (model_type 'llama', LlamaForCausalLM) only"
+        )
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise HFCheckpointError(f"{source}: only SwiGLU (silu) Llama models without biases are supported")
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    if cfg.get("head_dim") not in (None, hidden // heads):
+        raise HFCheckpointError(f"{source}: head_dim {cfg['head_dim']} != hidden_size / heads; not supported")
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or rope
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rtype = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rtype not in ("default", "llama3"):
+        raise HFCheckpointError(f"{source}: rope type '{rtype}' is not supported (only default and llama3)")
+    args = ModelArgs(
+        hidden=hidden,
+        layers=cfg["num_hidden_layers"],
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        ffn_hidden=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=float(theta),
+        rope_scaling="llama3" if rtype == "llama3" else "none",
+        init_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    if rtype == "llama3":
+        args.rope_factor = float(scaling["factor"])
+        args.rope_low_freq_factor = float(scaling["low_freq_factor"])
+        args.rope_high_freq_factor = float(scaling["high_freq_factor"])
+        args.rope_original_max_seq_len = int(scaling["original_max_position_embeddings"])
+    check_model_args(args)
+    return args
+
+
+def hf_config_from_args(a: ModelArgs, dtype: torch.dtype) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": a.hidden,
+        "intermediate_size": a.ffn_hidden,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "head_dim": a.head_dim,
+        "vocab_size": a.vocab_size,
+        "max_position_embeddings": a.max_seq_len,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": a.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": a.init_std,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if a.rope_scaling == "llama3":
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": a.rope_factor,
+            "low_freq_factor": a.rope_low_freq_factor,
+            "high_freq_factor": a.rope_high_freq_factor,
+            "original_max_position_embeddings": a.rope_original_max_seq_len,
+        }
+    return cfg
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise HFCheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise HFCheckpointError(
+        f"{path} has neither model.safetensors nor model.safetensors.index.json; meshforge reads "
+        "safetensors checkpoints only (save with safe_serialization=True)"
+    )
+
+
+def read_hf_config(path: str | Path) -> dict:
+    p = Path(path)
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise HFCheckpointError(f"{p} is not a Hugging Face model directory (no config.json)")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> Transformer:
+    """A meshforge model with the weights of the Hugging Face Llama checkpoint at ``path``."""
+    p = Path(path)
+    args = args_from_hf_config(read_hf_config(p), str(p / "config.json"))
+    model = build_model(args, device=device, seed=None).to(dtype)
+    expected = dict(model.state_dict())
+    loaded: set[str] = set()
+    for f in _weight_files(p):
+        if not f.is_file():
+            raise HFCheckpointError(f"weight file {f} listed in the index is missing")
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    ours = from_hf_name(name)
+                    if ours is None or ours not in expected:
+                        continue
+                    t = st.get_tensor(name)
+                    if t.shape != expected[ours].shape:
+                        raise HFCheckpointError(f"{f}: {name} has shape {tuple(t.shape)}, "
+                                                f"config.json implies {tuple(expected[ours].shape)}")
+                    with torch.no_grad():
+                        expected[ours].copy_(t)
+                    loaded.add(ours)
+        except HFCheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise HFCheckpointError(f"cannot read {f}: {e}") from None
+    if args.tie_embeddings:
+        loaded.add("output.weight") if "tok_embeddings.weight" in loaded else None
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise HFCheckpointError(f"{p} lacks {len(missing)} tensors meshforge needs, e.g. {missing[:3]}")
+    return model
+
+
+def unwrap(model: nn.Module) -> Transformer:
+    """The plain Transformer under DDP / compile wrappers."""
+    while not isinstance(model, Transformer):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise TypeError(f"expected a meshforge Transformer, got {type(model).__name__}")
+        model = inner
+    return model
+
+
+def save_hf_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None,
+                       max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``model`` as a Hugging Face Llama directory (config.json + safetensors)."""
+    m = unwrap(model)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in m.state_dict().items():
+        if name == "output.weight" and m.args.tie_embeddings:
+            continue  # HF re-ties lm_head to embed_tokens
+        t = t.detach().to("cpu")
+        tensors[to_hf_name(name)] = (t.to(dtype) if dtype else t).contiguous().clone()
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config_from_args(m.args, out_dtype), indent=2))
+    return out
+
+
+def args_dict(a: ModelArgs) -> dict:
+    return dataclasses.asdict(a)

@@ -1,0 +1,215 @@
+"""A Llama 3 style decoder-only transformer, written for one device.
+
+Nothing here knows about parallelism: tensor, pipeline and data parallelism are
+applied from outside (meshforge.parallel.parallelize). Two choices keep that possible:
+view shapes use -1 for the head count, so column-sharded projections just see fewer
+local heads; and blocks live in a ModuleDict keyed by layer index, so a pipeline stage
+can drop layers while parameter names (and so checkpoints) stay the same.
+
+RoPE uses the "rotate half" layout (the first and second halves of each head are the
+two coordinates of a rotated pair), which is the layout of Hugging Face Llama weights,
+so those import without permuting q/k projections.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # "none" | "llama3"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies per rotated pair, with the Llama 3.1 long-context scaling when asked.
+
+    Llama 3.1 scaling leaves high frequencies (wavelength shorter than
+    original_max / high_freq_factor) alone, divides low frequencies (wavelength longer
+    than original_max / low_freq_factor) by ``factor``, and interpolates smoothly between.
+    """
+    hd = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+    if args.rope_scaling == "llama3":
+        old = args.rope_original_max_seq_len
+        low_wavelen = old / args.rope_low_freq_factor
+        high_wavelen = old / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - args.rope_low_freq_factor) / (args.rope_high_freq_factor - args.rope_low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv / args.rope_factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        scaled = torch.where(mid, (1 - smooth) * inv / args.rope_factor + smooth * inv, scaled)
+        inv = scaled
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq, head_dim), computed in fp32 whatever the autocast."""
+    with torch.autocast(device_type=positions.device.type, enabled=False):
+        freqs = torch.outer(positions.float(), inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, head_dim) by position; pairs are (i, i + head_dim/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama does) and return the input dtype.
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hd = args.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(args.hidden, args.heads * hd, bias=False)
+        self.wk = nn.Linear(args.hidden, args.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(args.hidden, args.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(args.heads * hd, args.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.hidden, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.layers)})
+        self.norm = RMSNorm(args.hidden, args.norm_eps)
+        self.output = nn.Linear(args.hidden, args.vocab_size, bias=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Initialise every parameter from (seed, parameter name) alone.
+
+    Each parameter draws from its own generator seeded by its fully qualified name, so
+    the full weights do not depend on construction order, on which parameters a rank
+    holds, or on how they are later sharded. Output projections of the residual branches
+    (wo, w2) get std / sqrt(2 * layers), as in GPT-2, to keep the residual stream's
+    variance flat with depth.
+    """
+    args = model.args
+    model.rope_inv_freq = rope_inv_freq(args, device=model.rope_inv_freq.device)
+    residual_std = args.init_std / math.sqrt(2 * args.layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        std = residual_std if name.endswith(("wo.weight", "w2.weight")) else args.init_std
+        gen = torch.Generator(device=p.device.type if p.device.type != "meta" else "cpu")
+        gen.manual_seed(_param_seed(seed, name))
+        full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        full.normal_(0.0, std, generator=gen)
+        p.copy_(full)
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
+    """Build on the meta device, then materialise on ``device`` and initialise from ``seed``.
+
+    ``device="meta"`` gives a model with shapes but no memory (for counting the large
+    presets); ``seed=None`` leaves the memory uninitialised (weights are loaded next).
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    if seed is not None:
+        init_weights(model, seed)
+    else:
+        model.rope_inv_freq = rope_inv_freq(args, device=device)
+    return model

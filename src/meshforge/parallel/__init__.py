@@ -1,0 +1,1 @@
+"""Parallelism applied to a single-device model from outside; parallelize.py composes it."""

@@ -1,0 +1,20 @@
+"""Mixed precision: bf16 autocast over fp32 master weights; the loss stays in fp32."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """``auto`` is bf16 on CUDA (tensor cores) and fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if requested == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return requested
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
