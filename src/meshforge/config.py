@@ -312,6 +312,9 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     for f in dataclasses.fields(args):
         if hasattr(m, f.name):
             setattr(m, f.name, getattr(args, f.name))
+    if cfg.parallel.dp_shard == -1:
+        dp = data_parallel_degree(cfg, world_size)
+        cfg.parallel.dp_shard = dp // cfg.parallel.dp_replicate
     if cfg.optim.warmup_steps < 0:
         cfg.optim.warmup_steps = min(100, cfg.train.steps // 10)
     validate(cfg, world_size)

@@ -16,5 +16,4 @@ def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Modul
         process_group=mesh.device_mesh.get_group("dp"),
         device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
-        broadcast_buffers=False,
     )

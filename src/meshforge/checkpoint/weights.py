@@ -1,0 +1,82 @@
+"""A meshforge weights directory: ``model.safetensors`` + ``meshforge.json`` (the model shape).
+
+This is what a finished (or interrupted) run leaves in ``run.dir/final`` and what
+``meshforge convert --from-hf`` writes; ``model.init_from`` and ``convert --to-hf``
+read it. It holds full, unsharded weights — the portable form of a model, not a
+resumable training checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from meshforge.errors import MeshforgeError
+from meshforge.models.hf import load_hf_checkpoint, read_hf_config, unwrap
+from meshforge.models.llama import ModelArgs, Transformer, build_model
+
+FORMAT = "meshforge-weights"
+VERSION = 1
+
+
+def save_weights(model: nn.Module, path: str | Path) -> Path:
+    m = unwrap(model)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in m.state_dict().items()
+               if not (k == "output.weight" and m.args.tie_embeddings)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    meta = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(m.args)}
+    (out / "meshforge.json").write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
+    p = Path(path)
+    meta_file = p / "meshforge.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MeshforgeError(f"cannot read {meta_file}: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise MeshforgeError(f"{meta_file} is not a meshforge weights file (format {meta.get('format')!r})")
+    if meta.get("version", 0) > VERSION:
+        raise MeshforgeError(f"{meta_file} was written by a newer meshforge (version {meta['version']}); upgrade")
+    args = ModelArgs(**meta["model"])
+    model = build_model(args, device=device, seed=None)
+    try:
+        tensors = load_file(str(p / "model.safetensors"), device=str(device))
+    except Exception as e:  # safetensors raises its own types for truncated/corrupt files
+        raise MeshforgeError(f"cannot read {p / 'model.safetensors'}: {e}") from None
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not (k == "output.weight" and args.tie_embeddings)]
+    if missing or unexpected:
+        raise MeshforgeError(f"{p / 'model.safetensors'} does not match meshforge.json: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    return model
+
+
+def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
+    """Weights from a meshforge weights directory or a Hugging Face Llama directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise MeshforgeError(f"{p} does not exist or is not a directory of weights")
+    if (p / "meshforge.json").is_file():
+        return load_weights(p, device)
+    if (p / "config.json").is_file():
+        read_hf_config(p)
+        return load_hf_checkpoint(p, device=device)
+    raise MeshforgeError(f"{p} holds neither meshforge.json nor a Hugging Face config.json")
+
+
+def shape_mismatch(a: ModelArgs, b: ModelArgs) -> list[str]:
+    """Shape fields where two model descriptions differ (ignoring init-only fields)."""
+    skip = {"init_std", "max_seq_len"}
+    return [f"{f.name}: {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in dataclasses.fields(ModelArgs)
+            if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)]

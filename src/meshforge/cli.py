@@ -1,0 +1,175 @@
+"""``meshforge`` command line: train, data prepare, convert."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshforge import __version__
+from meshforge.errors import ConfigError, MeshforgeError
+
+TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--section.key=value ...]
+
+Train a model. Any config key can be overridden as --section.key=value or --section.key value,
+e.g. --train.steps=100 --model.preset llama3.2-1b --optim.lr 3e-4. Sections: model, parallel,
+train, optim, data, checkpoint, metrics, run. See README.md and configs/ for examples."""
+
+_TRAIN_FLAGS = ("--config", "--nproc", "--max-restarts", "--help")
+
+
+def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, Any]]:
+    """Split ``train`` arguments into (config file, nproc, max restarts, {section.key: value})."""
+    from meshforge.config import parse_value
+
+    config, nproc, restarts = None, 1, 0
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key=value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and not nxt.startswith("--"):
+                value, i = nxt, i + 1
+            elif "." in name:
+                value = "true"  # a bare --section.flag turns a boolean on
+            elif name not in ("help",):
+                raise ConfigError(f"--{name} needs a value")
+        i += 1
+        if name == "config":
+            config = value
+        elif name in ("nproc", "max-restarts"):
+            try:
+                n = int(value)
+            except ValueError:
+                raise ConfigError(f"--{name} takes a whole number, got '{value}'") from None
+            if name == "nproc":
+                nproc = n
+            else:
+                restarts = n
+        elif "." in name:
+            overrides[name] = parse_value(value)
+        else:
+            close = difflib.get_close_matches("--" + name, _TRAIN_FLAGS, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"unknown option --{name}; {hint}options are {', '.join(_TRAIN_FLAGS)} "
+                              "and --section.key=value config overrides")
+    return config, nproc, restarts, overrides
+
+
+def cmd_train(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(TRAIN_USAGE)
+        return 0
+    from meshforge.config import load_config
+    from meshforge.launch import check_nproc, launch_local, under_torchrun
+    from meshforge.trainer import preflight, train
+
+    config_file, nproc, restarts, overrides = parse_train_args(argv)
+    cfg = load_config(config_file, overrides)
+    if under_torchrun():
+        if nproc > 1:
+            raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
+        summary = train(cfg)
+        return 0 if summary else 1
+    check_nproc(nproc, cfg.train.device)
+    if nproc == 1:
+        train(cfg)
+        return 0
+    # Check everything (config, run dir, data) once here, before any rank starts.
+    cfg = preflight(cfg, nproc)
+    child = ["train"]
+    if config_file:
+        child += ["--config", config_file]
+    child += [f"--{k}={v}" if not isinstance(v, (list, bool)) else f"--{k}={str(v).lower()}"
+              for k, v in overrides.items() if k != "run.dir"]
+    child.append(f"--run.dir={cfg.run.dir}")
+    return launch_local(nproc, child, restarts)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from meshforge.data.prepare import prepare
+    from meshforge.data.tokenizer import load_tokenizer
+
+    if not 0 <= args.val_fraction < 1:
+        raise ConfigError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    tok = load_tokenizer(args.tokenizer)
+    out = prepare(args.input, args.out, tok, args.val_fraction)
+    import json
+
+    index = json.loads((out / "index.json").read_text())
+    counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
+    print(f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "
+          f"{counts.get('val', 0):,} val tokens ({index['dtype']}, tokenizer {index['tokenizer']})")
+    print(f"train on it with: meshforge train --data.path {out}"
+          + (f" --data.tokenizer {args.tokenizer}" if args.tokenizer != "byte" else ""))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from meshforge.checkpoint.weights import load_pretrained, save_weights
+    from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise MeshforgeError(f"--out {out} exists and is not empty; choose a new directory")
+    if args.from_hf:
+        model = load_hf_checkpoint(args.from_hf)
+        save_weights(model, out)
+        print(f"converted Hugging Face checkpoint {args.from_hf} -> meshforge weights {out}")
+        print(f"train from it with: meshforge train --model.init_from {out} ...")
+    else:
+        model = load_pretrained(args.to_hf)
+        save_hf_checkpoint(model, out)
+        print(f"converted {args.to_hf} -> Hugging Face checkpoint {out} (loads with from_pretrained)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshforge", description="Train transformer language models across a device mesh.")
+    p.add_argument("--version", action="version", version=f"meshforge {__version__}")
+    sub = p.add_subparsers(dest="command")
+    sub.add_parser("train", help="train a model (meshforge train --help)", add_help=False)
+    data = sub.add_parser("data", help="prepare corpora into token shards")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", help="tokenize text, directories or JSONL into shards")
+    prep.add_argument("--input", nargs="+", required=True, help="text files, directories, or JSONL with a 'text' field")
+    prep.add_argument("--out", required=True, help="directory to create")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
+    prep.add_argument("--val-fraction", type=float, default=0.01)
+    conv = sub.add_parser("convert", help="convert between Hugging Face and meshforge weights")
+    g = conv.add_mutually_exclusive_group(required=True)
+    g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama directory to read")
+    g.add_argument("--to-hf", metavar="DIR", help="meshforge weights (e.g. a run's final/) to write as Hugging Face")
+    conv.add_argument("--out", required=True, metavar="DIR")
+    return p
+
+
+class _Parser(argparse.ArgumentParser):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "train":
+            return cmd_train(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command == "data":
+            return cmd_data(args)
+        if args.command == "convert":
+            return cmd_convert(args)
+        parser.print_help()
+        return 0
+    except MeshforgeError as e:
+        print(f"meshforge: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("meshforge: aborted", file=sys.stderr)
+        return 130

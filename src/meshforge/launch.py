@@ -1,0 +1,53 @@
+"""Start N local ranks through PyTorch's elastic launcher, or detect that torchrun started us."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from meshforge.errors import ConfigError
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    """Refuse process counts this machine cannot reasonably run."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be >= 1")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        n = torch.cuda.device_count()
+        if nproc > n:
+            raise ConfigError(f"--nproc {nproc} is more than the {n} visible GPUs; use --nproc {n} or fewer")
+    else:
+        cores = os.cpu_count() or 1
+        limit = max(8, 4 * cores)
+        if nproc > limit:
+            raise ConfigError(
+                f"--nproc {nproc} CPU ranks on {cores} cores would thrash this machine; use at most {limit} "
+                "(CPU ranks are for development and tests; use GPUs or torchrun across nodes for more)"
+            )
+
+
+def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> int:
+    """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        "--module", "meshforge", *child_argv,
+    ])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above",
+              file=sys.stderr)
+        return 2 if codes == [2] else 1
+    return 0

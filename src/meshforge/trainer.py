@@ -1,0 +1,410 @@
+"""The step loop: micro-batches, gradient accumulation, clipping, LR schedule, optimizer
+step, evaluation, metrics and the final save.
+
+``preflight`` does everything that can fail on bad input (config, run directory, data,
+vocabulary) so the CLI can run it once before starting any ranks; ``train`` is what
+each rank runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import resource
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshforge.checkpoint.weights import load_pretrained, save_weights, shape_mismatch
+from meshforge.config import Config, resolve, to_toml
+from meshforge.data.dataset import TokenDataset
+from meshforge.data.prepare import prepared_dir_for
+from meshforge.data.sampler import GlobalBatchSampler
+from meshforge.data.tokenizer import load_tokenizer
+from meshforge.errors import ConfigError, DataError
+from meshforge.metrics.mfu import peak_flops, utilization
+from meshforge.metrics.sinks import MetricsLogger
+from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token, num_params
+from meshforge.models.hf import save_hf_checkpoint
+from meshforge.models.llama import build_model
+from meshforge.models.presets import model_args_from_config
+from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
+from meshforge.parallel.parallelize import parallelize
+from meshforge.parallel.precision import autocast, resolve_precision
+
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
+def default_run_dir(cfg: Config) -> str:
+    return str(Path("runs") / f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def check_run_dir(cfg: Config) -> Path:
+    """Refuse to write a new run over an old one unless run.overwrite is set."""
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        raise ConfigError(
+            f"run.dir = {run_dir} already holds a run (metrics.jsonl); choose another run.dir "
+            "or pass --run.overwrite=true to replace it"
+        )
+    return run_dir
+
+
+def dataset_root(cfg: Config) -> Path:
+    tok = load_tokenizer(cfg.data.tokenizer)
+    return prepared_dir_for(cfg.data.path, tok, cfg.data.val_fraction, cfg.data.cache_dir)
+
+
+def open_data(cfg: Config) -> TokenDataset:
+    """Prepare (or reuse) the token shards for cfg.data and check they fit the model and batch."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    root = dataset_root(cfg)
+    ds = TokenDataset(root, cfg.train.seq_len)
+    if ds.tokenizer != tok.name:
+        raise DataError(
+            f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{cfg.data.tokenizer}' "
+            f"('{tok.name}'); set data.tokenizer to the tokenizer the data was prepared with"
+        )
+    vocab = model_args_from_config(cfg.model).vocab_size
+    if ds.vocab_size > vocab:
+        raise ConfigError(
+            f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
+            f"set --model.vocab_size={ds.vocab_size} (or larger)"
+        )
+    if len(ds.train) < cfg.train.global_batch_size:
+        raise DataError(
+            f"the corpus at {cfg.data.path or 'the default corpus'} has {len(ds.train)} training sequences of "
+            f"{cfg.train.seq_len + 1} tokens ({ds.train.tokens} tokens), fewer than one global batch of "
+            f"{cfg.train.global_batch_size}; add data or lower train.global_batch_size / train.seq_len"
+        )
+    return ds
+
+
+def preflight(cfg: Config, world_size: int) -> Config:
+    """Resolve and validate the config, pick the run dir, and make sure the data is usable."""
+    cfg = resolve(cfg, world_size)
+    if cfg.train.precision == "auto":
+        cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+        cfg.train.precision = resolve_precision("auto", torch.device("cuda" if cuda else "cpu"))
+    if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
+        raise ConfigError(f"model.init_from = {cfg.model.init_from} is not a directory of weights")
+    if not cfg.run.dir:
+        cfg.run.dir = default_run_dir(cfg)
+    check_run_dir(cfg)
+    open_data(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to a floor."""
+    o = cfg.optim
+    peak, floor = o.lr, o.lr * o.min_lr_ratio
+    if step < o.warmup_steps:
+        return peak * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return peak
+    end = o.decay_steps or cfg.train.steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, end - o.warmup_steps))
+    if o.schedule == "linear":
+        return peak - (peak - floor) * progress
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and embeddings (incl. a head tied to the embedding)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+    o = cfg.optim
+    impl = o.implementation
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    kw: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kw)
+
+
+def peak_mem_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """One rank's training state and loop."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, stream: TextIO | None = None):
+        self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
+        t = cfg.train
+        self.precision = resolve_precision(t.precision, self.device)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(t.seed)
+
+        if mesh.distributed and not mesh.is_main:
+            dist.barrier()  # let rank 0 build the data cache first
+        self.data = open_data(cfg)
+        if mesh.distributed and mesh.is_main:
+            dist.barrier()
+
+        self.args = model_args_from_config(cfg.model)
+        self.model = build_model(self.args, device=self.device, seed=t.seed)
+        if cfg.model.init_from:
+            pre = load_pretrained(cfg.model.init_from, device=self.device)
+            diff = shape_mismatch(pre.args, self.args)
+            if diff:
+                raise ConfigError(f"model.init_from = {cfg.model.init_from} has another shape than [model]: "
+                                  + "; ".join(diff))
+            self.model.load_state_dict(pre.state_dict())
+        self.train_model = parallelize(self.model, cfg, mesh)
+        self.optimizer = build_optimizer(self.model, cfg, self.device)
+
+        self.sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
+        self.local_batch = t.global_batch_size // mesh.dp_size
+        self.micro = t.micro_batch_size or self.local_batch
+        self.accum = self.local_batch // self.micro
+        self.tokens_per_step = t.global_batch_size * t.seq_len
+        self.flops_per_token = model_flops_per_token(self.args, t.seq_len)
+        self.hw_flops_per_token = hardware_flops_per_token(self.args, t.seq_len, t.activation_checkpoint)
+        self.peak = peak_flops(self.device, self.precision)
+        self.step = 0
+        self.tokens_seen = 0
+        self._stop = False
+        self.logger = None
+        if mesh.is_main:
+            m = cfg.metrics
+            self.logger = MetricsLogger(Path(cfg.run.dir), t.steps, m.console, m.jsonl, m.tensorboard, stream)
+
+    # -- one optimizer step ---------------------------------------------------------------
+
+    def train_step(self, batch: torch.Tensor) -> tuple[float, float]:
+        """Forward/backward over ``accum`` micro-batches of this rank's slice, then one update.
+
+        Returns the loss averaged over the whole global batch and the pre-clip global grad norm.
+        """
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        ddp = self.train_model is not self.model
+        total = torch.zeros((), device=self.device)
+        for i in range(self.accum):
+            sl = slice(i * self.micro, (i + 1) * self.micro)
+            last = i == self.accum - 1
+            sync = contextlib.nullcontext() if (last or not ddp) else self.train_model.no_sync()
+            with sync:
+                with autocast(self.device, self.precision):
+                    logits = self.train_model(inputs[sl])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets[sl].flatten())
+                (loss / self.accum).backward()
+            total += loss.detach()
+        loss = total / self.accum
+        if self.mesh.distributed:
+            dist.all_reduce(loss, group=self.mesh.device_mesh.get_group("dp"))
+            loss /= self.mesh.dp_size
+        clip = self.cfg.train.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss), float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the first eval_batches x micro x dp sequences of the validation split."""
+        val = self.data.val
+        n = min(len(val), self.cfg.train.eval_batches * self.micro * self.mesh.dp_size)
+        n -= n % self.mesh.dp_size
+        if n == 0:
+            return None
+        per = n // self.mesh.dp_size
+        start = self.mesh.dp_rank * per
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for s in range(start, start + per, self.micro):
+            idx = list(range(s, min(s + self.micro, start + per)))
+            batch = val.get(idx).to(self.device)
+            with autocast(self.device, self.precision):
+                logits = self.model(batch[:, :-1])
+            total += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").double()
+        if self.mesh.distributed:
+            dist.all_reduce(total, group=self.mesh.device_mesh.get_group("dp"))
+        return float(total) / (n * self.cfg.train.seq_len)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _request_stop(self, signum, frame) -> None:
+        if self._stop:  # a second Ctrl-C means "now"
+            raise KeyboardInterrupt
+        self._stop = True
+        if self.logger:
+            self.logger.print("\nstop requested: finishing the current step, then saving what we have "
+                              "(press Ctrl-C again to abort at once)")
+
+    def _agree_to_stop(self) -> bool:
+        if not self.mesh.distributed:
+            return self._stop
+        flag = torch.tensor([1.0 if self._stop else 0.0], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())
+
+    def fit(self) -> dict[str, Any]:
+        cfg, t, log = self.cfg, self.cfg.train, self.logger
+        old_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._fit(cfg, t, log)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            if log:
+                log.close()
+
+    def _fit(self, cfg: Config, t: Any, log: MetricsLogger | None) -> dict[str, Any]:
+        if log:
+            log.event("run_start", world_size=self.mesh.world_size, device=str(self.device),
+                      precision=self.precision, params=num_params(self.args), peak_flops=self.peak)
+            log.print(
+                f"meshforge: training {cfg.model.preset} ({num_params(self.args) / 1e6:.2f}M params) for {t.steps} "
+                f"steps on {self.mesh.world_size} x {self.device.type} ({self.precision}) | batch "
+                f"{t.global_batch_size} x {t.seq_len} tokens, {self.accum} micro-batch(es) of {self.micro} per rank "
+                f"| data {self.data.root} ({len(self.data.train)} sequences) | run dir {cfg.run.dir}"
+            )
+        losses: list[float] = []
+        times: list[float] = []
+        window: list[float] = []
+        interrupted = False
+        val_loss = None
+        t_start = time.perf_counter()
+        while self.step < t.steps:
+            t0 = time.perf_counter()
+            lr = lr_at(cfg, self.step)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            idx = self.sampler.next_batch(self.mesh.dp_rank, self.mesh.dp_size)
+            batch = self.data.train.get(idx).to(self.device, non_blocking=True)
+            loss, grad_norm = self.train_step(batch)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+            losses.append(loss)
+            times.append(dt)
+            window.append(dt)
+            stop = self._agree_to_stop()
+            last = self.step == t.steps or stop
+            if log and (self.step % cfg.metrics.log_interval == 0 or last):
+                step_time = sum(window) / len(window)
+                tps = self.tokens_per_step / step_time
+                per_device = tps / self.mesh.world_size
+                log.log_step({
+                    "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                    "tokens_per_s": tps, "step_time_s": step_time,
+                    "mfu": utilization(self.flops_per_token, per_device, self.peak),
+                    "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
+                    "peak_mem_gib": peak_mem_gib(self.device), "tokens_seen": self.tokens_seen,
+                })
+                window = []
+            if t.eval_interval and self.step % t.eval_interval == 0 and not last:
+                v = self.evaluate()
+                if log and v is not None:
+                    log.log_eval(self.step, v)
+            if stop and self.step < t.steps:
+                interrupted = True
+                if log:
+                    log.event("interrupted", step=self.step)
+                break
+        wall = time.perf_counter() - t_start
+        if t.eval_batches:
+            val_loss = self.evaluate()
+            if log and val_loss is not None:
+                log.log_eval(self.step, val_loss)
+        warm = times[len(times) // 10 :] or times  # leave out the first steps (allocator, caches)
+        tps = self.tokens_per_step * len(warm) / sum(warm)
+        summary = {
+            "steps": self.step, "interrupted": interrupted, "tokens": self.tokens_seen, "wall_time_s": wall,
+            "first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]), "val_loss": val_loss,
+            "tokens_per_s": tps,
+            "mfu": utilization(self.flops_per_token, tps / self.mesh.world_size, self.peak),
+            "hfu": utilization(self.hw_flops_per_token, tps / self.mesh.world_size, self.peak),
+            "peak_mem_gib": peak_mem_gib(self.device),
+        }
+        self._save_final(summary)
+        if log:
+            log.event("run_end", **summary)
+            vl = f" | val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})" if val_loss is not None else ""
+            log.print(
+                f"{'stopped early' if interrupted else 'done'}: {self.step} steps in {wall:.1f}s | "
+                f"{self.tokens_seen / 1e6:.2f}M tokens | loss {summary['first_loss']:.4f} -> "
+                f"{summary['final_loss']:.4f}{vl} | {tps:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
+                f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {cfg.run.dir}"
+            )
+        return summary
+
+    def _save_final(self, summary: dict[str, Any]) -> None:
+        if not self.mesh.is_main:
+            return
+        run_dir = Path(self.cfg.run.dir)
+        import json
+
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.cfg.checkpoint.save_final:
+            path = save_weights(self.model, run_dir / "final")
+            self.logger.event("final_weights", path=str(path), step=self.step)
+        if self.cfg.checkpoint.export_hf:
+            path = save_hf_checkpoint(self.model, run_dir / "final-hf")
+            self.logger.event("export_hf", path=str(path), step=self.step)
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """Create run.dir (clearing an old run only when run.overwrite is set) and write config.toml."""
+    run_dir = check_run_dir(cfg)
+    if cfg.run.overwrite:
+        for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        for name in ("tensorboard", "final", "final-hf"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    return run_dir
+
+
+def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run training on this rank. ``cfg`` is resolved here (again) with the process group's world size."""
+    for k, v in DETERMINISTIC_ENV.items():
+        if cfg.train.deterministic:
+            os.environ.setdefault(k, v)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or int(os.environ.get("RANK", "0")) == 0:
+        cfg = preflight(cfg, world)
+    else:
+        cfg = resolve(cfg, world)
+    mesh = build_mesh(cfg)
+    try:
+        if mesh.distributed:
+            obj = [cfg.run.dir, cfg.train.precision]
+            dist.broadcast_object_list(obj, src=0)
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=obj[0]),
+                                      train=dataclasses.replace(cfg.train, precision=obj[1]))
+        if mesh.is_main:
+            prepare_run_dir(cfg)
+        return Trainer(cfg, mesh, stream).fit()
+    finally:
+        shutdown()
