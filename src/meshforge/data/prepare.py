@@ -7,8 +7,10 @@ Layout of a prepared directory::
     val_00000.bin
 
 Documents are concatenated with the tokenizer's EOS after each. The validation split
-takes every k-th block of ``VAL_BLOCK`` tokens (k = 1 / val_fraction), so it samples
-the whole corpus rather than its last files, and works for a single file too.
+takes every k-th block of tokens (k = 1 / val_fraction), so it samples the whole corpus
+rather than its last files, and works for a single file too. Blocks are VAL_BLOCK
+tokens for large inputs and shrink (down to MIN_VAL_BLOCK) for small ones, so that a
+small corpus still gets several validation blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from meshforge.errors import DataError
 FORMAT = "meshforge-token-shards"
 FORMAT_VERSION = 1
 VAL_BLOCK = 16384
+MIN_VAL_BLOCK = 1024
 SHARD_TOKENS = 1 << 28
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".jsonl", ".text", ".tex", ".c", ".h", ".html"}
 
@@ -117,6 +120,13 @@ class _ShardWriter:
         self.buf, self.n = [], 0
 
 
+def val_block_size(input_bytes: int, every: int) -> int:
+    """Block length giving about 8 validation blocks for small inputs, VAL_BLOCK for large ones."""
+    if not every:
+        return VAL_BLOCK
+    return int(min(VAL_BLOCK, max(MIN_VAL_BLOCK, input_bytes // (every * 8))))
+
+
 def prepare(
     inputs: list[str | Path],
     out_dir: str | Path,
@@ -135,6 +145,8 @@ def prepare(
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
         writers = {"train": _ShardWriter(tmp, "train", dtype), "val": _ShardWriter(tmp, "val", dtype)}
         every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
+        input_bytes = sum(f.stat().st_size for f in files)
+        block_size = val_block_size(input_bytes, every)
         pending: list[np.ndarray] = []
         pending_n = 0
         block = 0
@@ -151,10 +163,10 @@ def prepare(
             docs += 1
             pending.append(np.append(ids, tokenizer.eos_id).astype(dtype))
             pending_n += len(ids) + 1
-            while pending_n >= VAL_BLOCK:
+            while pending_n >= block_size:
                 stream = np.concatenate(pending)
-                emit(stream[:VAL_BLOCK])
-                rest = stream[VAL_BLOCK:]
+                emit(stream[:block_size])
+                rest = stream[block_size:]
                 pending, pending_n = [rest], len(rest)
         if pending_n:
             emit(np.concatenate(pending))
@@ -174,6 +186,7 @@ def prepare(
             "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id,
             "documents": docs,
+            "val_block": block_size,
             "source": source or [str(i) for i in inputs],
             "splits": {k: w.shards for k, w in writers.items()},
         }

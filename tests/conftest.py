@@ -1,0 +1,65 @@
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from meshforge.config import load_config
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_dir(tmp_path_factory):
+    """Keep corpora and the CPU calibration out of the user's ~/.cache."""
+    cache = tmp_path_factory.mktemp("meshforge-cache")
+    old = os.environ.get("MESHFORGE_CACHE")
+    os.environ["MESHFORGE_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("MESHFORGE_CACHE", None)
+    else:
+        os.environ["MESHFORGE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small text corpus: a few real Python sources (about 300 KB)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for name in ("argparse.py", "dataclasses.py", "difflib.py", "textwrap.py", "json/decoder.py"):
+        src = STDLIB / name
+        shutil.copy(src, d / src.name)
+    return d
+
+
+def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> dict:
+    """A run that takes a second or two on CPU."""
+    o = {
+        "model.hidden": 64, "model.layers": 2, "model.heads": 4, "model.kv_heads": 2, "model.ffn_hidden": 128,
+        "train.steps": 8, "train.seq_len": 32, "train.global_batch_size": 8, "train.eval_batches": 2,
+        "data.path": str(corpus), "run.dir": str(run_dir), "metrics.log_interval": 1, "metrics.console": False,
+    }
+    o.update(extra)
+    return o
+
+
+def tiny_config(run_dir: Path, corpus: Path, **extra):
+    return load_config(None, tiny_overrides(run_dir, corpus, **extra))
+
+
+def cli_args(overrides: dict) -> list[str]:
+    out = []
+    for k, v in overrides.items():
+        v = str(v).lower() if isinstance(v, bool) else v
+        out.append(f"--{k}={v}")
+    return out
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "meshforge", *args], capture_output=True, text=True,
+                          timeout=timeout, env=e)

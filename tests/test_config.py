@@ -1,0 +1,97 @@
+import pytest
+
+from meshforge.cli import parse_train_args
+from meshforge.config import load_config, resolve, to_toml
+from meshforge.errors import ConfigError
+
+
+def test_defaults_resolve_and_fill_preset():
+    cfg = resolve(load_config())
+    assert cfg.model.hidden == 128 and cfg.model.layers == 4
+    assert cfg.optim.warmup_steps == cfg.train.steps // 10
+    assert cfg.parallel.dp_shard == 1
+
+
+def test_unknown_key_suggests_nearest():
+    with pytest.raises(ConfigError, match=r"train\.stpes.*did you mean 'steps'"):
+        load_config(None, {"train.stpes": 3})
+
+
+def test_unknown_section_suggests_nearest():
+    with pytest.raises(ConfigError, match=r"\[trian\].*did you mean 'train'"):
+        load_config(None, {"trian.steps": 3})
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"train\.steps must be an integer"):
+        load_config(None, {"train.steps": "many"})
+    with pytest.raises(ConfigError, match=r"train\.compile must be true or false"):
+        load_config(None, {"train.compile": 1})
+
+
+def test_literal_suggests_valid_choice():
+    with pytest.raises(ConfigError, match=r"did you mean 'bf16'"):
+        load_config(None, {"train.precision": "bf61"})
+
+
+@pytest.mark.parametrize(
+    "override, pattern",
+    [
+        ({"optim.lr": -1e-3}, r"optim\.lr = -0\.001 must be > 0"),
+        ({"train.steps": 0}, r"train\.steps = 0 must be > 0"),
+        ({"train.seq_len": 4096}, r"train\.seq_len = 4096 is above .*model\.max_seq_len = 1024"),
+        ({"train.global_batch_size": 10, "train.micro_batch_size": 4}, r"micro_batch_size = 4 must divide"),
+        ({"parallel.zero_stage": 5}, r"zero_stage = 5 must be 0, 1, 2 or 3"),
+        ({"model.heads": 3}, r"model\.hidden = 128 must be divisible by model\.heads = 3"),
+        ({"optim.warmup_steps": 500}, r"warmup_steps = 500 is more than train\.steps"),
+    ],
+)
+def test_impossible_values_refused(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        resolve(load_config(None, override))
+
+
+def test_unknown_preset_suggests():
+    with pytest.raises(ConfigError, match=r"did you mean 'llama3.1-8b'"):
+        resolve(load_config(None, {"model.preset": "llama3-8b"}))
+
+
+def test_degrees_must_match_world_size():
+    with pytest.raises(ConfigError, match=r"do not match the world size 4.*dp_shard = 4"):
+        resolve(load_config(None, {"parallel.dp_shard": 2}), world_size=4)
+    with pytest.raises(ConfigError, match=r"not divisible by the data-parallel degree 3"):
+        resolve(load_config(None, {"train.global_batch_size": 16}), world_size=3)
+
+
+def test_toml_file_and_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nsteps = 7\nprecision = "bf16"\n[optim]\nlr = 1e-4\n[checkpoint]\nasync = false\n')
+    cfg = load_config(f, {"train.steps": 9})
+    assert cfg.train.steps == 9 and cfg.train.precision == "bf16" and cfg.optim.lr == 1e-4
+
+
+def test_resolved_toml_round_trips(tmp_path):
+    cfg = resolve(load_config(None, {"model.preset": "llama3.2-1b", "train.seq_len": 2048, "run.dir": "x"}))
+    f = tmp_path / "resolved.toml"
+    f.write_text(to_toml(cfg))
+    again = load_config(f)
+    assert again == cfg
+
+
+def test_malformed_toml_names_file(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[train\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml is not valid TOML"):
+        load_config(f)
+
+
+def test_override_syntax_both_forms_and_types():
+    cfg_file, nproc, restarts, o = parse_train_args(
+        ["--train.steps=5", "--optim.lr", "3e-4", "--train.compile", "--nproc", "2", "--data.path", "some/dir"])
+    assert (cfg_file, nproc, restarts) == (None, 2, 0)
+    assert o == {"train.steps": 5, "optim.lr": 3e-4, "train.compile": True, "data.path": "some/dir"}
+
+
+def test_unknown_cli_flag_suggests():
+    with pytest.raises(ConfigError, match=r"did you mean --nproc"):
+        parse_train_args(["--nprocs", "2"])
