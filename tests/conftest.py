@@ -38,9 +38,19 @@ def corpus(tmp_path_factory) -> Path:
 def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> dict:
     """A run that takes a second or two on CPU."""
     o = {
-        "model.hidden": 64, "model.layers": 2, "model.heads": 4, "model.kv_heads": 2, "model.ffn_hidden": 128,
-        "train.steps": 8, "train.seq_len": 32, "train.global_batch_size": 8, "train.eval_batches": 2,
-        "data.path": str(corpus), "run.dir": str(run_dir), "metrics.log_interval": 1, "metrics.console": False,
+        "model.hidden": 64,
+        "model.layers": 2,
+        "model.heads": 4,
+        "model.kv_heads": 2,
+        "model.ffn_hidden": 128,
+        "train.steps": 8,
+        "train.seq_len": 32,
+        "train.global_batch_size": 8,
+        "train.eval_batches": 2,
+        "data.path": str(corpus),
+        "run.dir": str(run_dir),
+        "metrics.log_interval": 1,
+        "metrics.console": False,
     }
     o.update(extra)
     return o
@@ -61,5 +71,6 @@ def cli_args(overrides: dict) -> list[str]:
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "meshforge", *args], capture_output=True, text=True,
-                          timeout=timeout, env=e)
+    return subprocess.run(
+        [sys.executable, "-m", "meshforge", *args], capture_output=True, text=True, timeout=timeout, env=e
+    )

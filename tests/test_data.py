@@ -73,7 +73,10 @@ def test_prepare_text_and_jsonl(tmp_path):
 
 @pytest.mark.parametrize(
     "content, pattern",
-    [("{not json}\n", r"docs\.jsonl:1 is not valid JSON"), ('{"txt": "a"}\n', r"docs\.jsonl:1 has no string field")],
+    [
+        ("{not json}\n", r"docs\.jsonl:1 is not valid JSON"),
+        ('{"txt": "a"}\n', r"docs\.jsonl:1 has no string field"),
+    ],
 )
 def test_bad_jsonl_names_file_and_line(tmp_path, content, pattern):
     f = tmp_path / "docs.jsonl"

@@ -30,9 +30,15 @@ def test_mfu_arithmetic():
 
 @pytest.mark.parametrize(
     "name, kind",
-    [("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
-     ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA B200", "b200"), ("AMD Instinct MI300X", "mi300x"),
-     ("Tesla T4", None)],
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA B200", "b200"),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("Tesla T4", None),
+    ],
 )
 def test_gpu_names_map_to_peaks(name, kind):
     assert mfu.gpu_kind(name) == kind

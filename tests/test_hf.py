@@ -9,16 +9,29 @@ from meshforge.models.hf import HFCheckpointError, load_hf_checkpoint, save_hf_c
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def small_hf(tie=False, rope_scaling=None, seed=0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=120, max_position_embeddings=256, rope_theta=10000.0, rope_scaling=rope_scaling,
-        tie_word_embeddings=tie)
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=120,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 

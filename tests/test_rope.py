@@ -39,8 +39,9 @@ def test_position_zero_is_identity():
 
 def test_llama3_scaling_bands():
     plain = rope_inv_freq(ARGS)
-    args = ModelArgs(**{**ARGS.__dict__, "rope_scaling": "llama3", "rope_factor": 8.0,
-                        "rope_original_max_seq_len": 256})
+    args = ModelArgs(
+        **{**ARGS.__dict__, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_max_seq_len": 256}
+    )
     scaled = rope_inv_freq(args)
     wavelen = 2 * math.pi / plain
     high = wavelen < 256 / 4.0  # short wavelengths: untouched
@@ -57,10 +58,29 @@ def test_llama3_scaling_matches_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=2, max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192})
+        hidden_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    args = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=10, max_seq_len=131072,
-                     rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0)
+    args = ModelArgs(
+        hidden=64,
+        layers=1,
+        heads=2,
+        kv_heads=2,
+        ffn_hidden=64,
+        vocab_size=10,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling="llama3",
+        rope_factor=8.0,
+    )
     torch.testing.assert_close(rope_inv_freq(args), theirs.float(), rtol=1e-6, atol=0)

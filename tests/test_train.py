@@ -15,7 +15,18 @@ from meshforge.config import load_config
 from meshforge.metrics.tensorboard import read_scalars
 from meshforge.trainer import train
 
-KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "hfu", "peak_mem_gib", "tokens_seen"}
+KEYS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "hfu",
+    "peak_mem_gib",
+    "tokens_seen",
+}
 
 
 def metrics(run_dir):
@@ -26,8 +37,19 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
     run = tmp_path / "run"
     cfg = tiny_config(run, corpus, **{"train.steps": 30, "optim.lr": 1e-2, "train.eval_interval": 10})
     out = io.StringIO()
-    summary = train(load_config(None, {**tiny_overrides(run, corpus), "train.steps": 30, "optim.lr": 1e-2,
-                                       "train.eval_interval": 10, "metrics.console": True}), stream=out)
+    summary = train(
+        load_config(
+            None,
+            {
+                **tiny_overrides(run, corpus),
+                "train.steps": 30,
+                "optim.lr": 1e-2,
+                "train.eval_interval": 10,
+                "metrics.console": True,
+            },
+        ),
+        stream=out,
+    )
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert KEYS <= set(rows[0])
@@ -65,8 +87,7 @@ def test_activation_checkpointing_computes_the_same_function(tmp_path, corpus, m
 
 
 def test_bf16_autocast_trains(tmp_path, corpus):
-    train(tiny_config(tmp_path / "bf16", corpus, **{"train.precision": "bf16", "train.steps": 12,
-                                                    "optim.lr": 1e-2}))
+    train(tiny_config(tmp_path / "bf16", corpus, **{"train.precision": "bf16", "train.steps": 12, "optim.lr": 1e-2}))
     rows = metrics(tmp_path / "bf16")
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
@@ -100,8 +121,13 @@ def test_init_from_other_shape_refused(tmp_path, corpus):
 
     train(tiny_config(tmp_path / "a", corpus, **{"train.steps": 2}))
     with pytest.raises(ConfigError, match="hidden: 64 vs 96"):
-        train(tiny_config(tmp_path / "b", corpus, **{"model.init_from": str(tmp_path / "a" / "final"),
-                                                     "model.hidden": 96}))
+        train(
+            tiny_config(
+                tmp_path / "b",
+                corpus,
+                **{"model.init_from": str(tmp_path / "a" / "final"), "model.hidden": 96},
+            )
+        )
 
 
 BAD_INPUTS = [
@@ -155,11 +181,17 @@ def test_existing_run_is_not_written_over(tmp_path, corpus):
 def test_ctrl_c_stops_after_the_step_and_saves(tmp_path, corpus):
     run = tmp_path / "run"
     args = cli_args(tiny_overrides(run, corpus, **{"train.steps": 100000, "train.eval_batches": 0}))
-    p = subprocess.Popen([sys.executable, "-m", "meshforge", "train", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "meshforge", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists()
-                                          and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+    while time.time() < deadline and not (
+        (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3
+    ):
         time.sleep(0.2)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)

@@ -57,8 +57,10 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
         else:
             close = difflib.get_close_matches("--" + name, _TRAIN_FLAGS, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"unknown option --{name}; {hint}options are {', '.join(_TRAIN_FLAGS)} "
-                              "and --section.key=value config overrides")
+            raise ConfigError(
+                f"unknown option --{name}; {hint}options are {', '.join(_TRAIN_FLAGS)} "
+                "and --section.key=value config overrides"
+            )
     return config, nproc, restarts, overrides
 
 
@@ -86,8 +88,11 @@ def cmd_train(argv: list[str]) -> int:
     child = ["train"]
     if config_file:
         child += ["--config", config_file]
-    child += [f"--{k}={v}" if not isinstance(v, (list, bool)) else f"--{k}={str(v).lower()}"
-              for k, v in overrides.items() if k != "run.dir"]
+    child += [
+        f"--{k}={v}" if not isinstance(v, (list, bool)) else f"--{k}={str(v).lower()}"
+        for k, v in overrides.items()
+        if k != "run.dir"
+    ]
     child.append(f"--run.dir={cfg.run.dir}")
     return launch_local(nproc, child, restarts)
 
@@ -104,10 +109,14 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     index = json.loads((out / "index.json").read_text())
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
-    print(f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "
-          f"{counts.get('val', 0):,} val tokens ({index['dtype']}, tokenizer {index['tokenizer']})")
-    print(f"train on it with: meshforge train --data.path {out}"
-          + (f" --data.tokenizer {args.tokenizer}" if args.tokenizer != "byte" else ""))
+    print(
+        f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "
+        f"{counts.get('val', 0):,} val tokens ({index['dtype']}, tokenizer {index['tokenizer']})"
+    )
+    print(
+        f"train on it with: meshforge train --data.path {out}"
+        + (f" --data.tokenizer {args.tokenizer}" if args.tokenizer != "byte" else "")
+    )
     return 0
 
 

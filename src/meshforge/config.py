@@ -340,7 +340,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"{args.max_seq_len}); lower train.seq_len or raise model.max_seq_len",
     )
     need(t.global_batch_size > 0, f"train.global_batch_size = {t.global_batch_size} must be > 0")
-    need(t.micro_batch_size >= 0, f"train.micro_batch_size = {t.micro_batch_size} must be >= 0 (0: no accumulation)")
+    need(
+        t.micro_batch_size >= 0,
+        f"train.micro_batch_size = {t.micro_batch_size} must be >= 0 (0: no accumulation)",
+    )
     need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
     need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
     need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")

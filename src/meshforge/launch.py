@@ -39,15 +39,23 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    args = get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "--module", "meshforge", *child_argv,
-    ])
+    args = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--module",
+            "meshforge",
+            *child_argv,
+        ]
+    )
     try:
         run(args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
-        print(f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above",
-              file=sys.stderr)
+        print(
+            f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above",
+            file=sys.stderr,
+        )
         return 2 if codes == [2] else 1
     return 0

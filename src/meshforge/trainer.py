@@ -175,8 +175,9 @@ class Trainer:
             pre = load_pretrained(cfg.model.init_from, device=self.device)
             diff = shape_mismatch(pre.args, self.args)
             if diff:
-                raise ConfigError(f"model.init_from = {cfg.model.init_from} has another shape than [model]: "
-                                  + "; ".join(diff))
+                raise ConfigError(
+                    f"model.init_from = {cfg.model.init_from} has another shape than [model]: " + "; ".join(diff)
+                )
             self.model.load_state_dict(pre.state_dict())
         self.train_model = parallelize(self.model, cfg, mesh)
         self.optimizer = build_optimizer(self.model, cfg, self.device)
@@ -255,8 +256,10 @@ class Trainer:
             raise KeyboardInterrupt
         self._stop = True
         if self.logger:
-            self.logger.print("\nstop requested: finishing the current step, then saving what we have "
-                              "(press Ctrl-C again to abort at once)")
+            self.logger.print(
+                "\nstop requested: finishing the current step, then saving what we have "
+                "(press Ctrl-C again to abort at once)"
+            )
 
     def _agree_to_stop(self) -> bool:
         if not self.mesh.distributed:
@@ -278,8 +281,14 @@ class Trainer:
 
     def _fit(self, cfg: Config, t: Any, log: MetricsLogger | None) -> dict[str, Any]:
         if log:
-            log.event("run_start", world_size=self.mesh.world_size, device=str(self.device),
-                      precision=self.precision, params=num_params(self.args), peak_flops=self.peak)
+            log.event(
+                "run_start",
+                world_size=self.mesh.world_size,
+                device=str(self.device),
+                precision=self.precision,
+                params=num_params(self.args),
+                peak_flops=self.peak,
+            )
             log.print(
                 f"meshforge: training {cfg.model.preset} ({num_params(self.args) / 1e6:.2f}M params) for {t.steps} "
                 f"steps on {self.mesh.world_size} x {self.device.type} ({self.precision}) | batch "
@@ -314,13 +323,20 @@ class Trainer:
                 step_time = sum(window) / len(window)
                 tps = self.tokens_per_step / step_time
                 per_device = tps / self.mesh.world_size
-                log.log_step({
-                    "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                    "tokens_per_s": tps, "step_time_s": step_time,
-                    "mfu": utilization(self.flops_per_token, per_device, self.peak),
-                    "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
-                    "peak_mem_gib": peak_mem_gib(self.device), "tokens_seen": self.tokens_seen,
-                })
+                log.log_step(
+                    {
+                        "step": self.step,
+                        "loss": loss,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "tokens_per_s": tps,
+                        "step_time_s": step_time,
+                        "mfu": utilization(self.flops_per_token, per_device, self.peak),
+                        "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
+                        "peak_mem_gib": peak_mem_gib(self.device),
+                        "tokens_seen": self.tokens_seen,
+                    }
+                )
                 window = []
             if t.eval_interval and self.step % t.eval_interval == 0 and not last:
                 v = self.evaluate()
@@ -339,8 +355,13 @@ class Trainer:
         warm = times[len(times) // 10 :] or times  # leave out the first steps (allocator, caches)
         tps = self.tokens_per_step * len(warm) / sum(warm)
         summary = {
-            "steps": self.step, "interrupted": interrupted, "tokens": self.tokens_seen, "wall_time_s": wall,
-            "first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]), "val_loss": val_loss,
+            "steps": self.step,
+            "interrupted": interrupted,
+            "tokens": self.tokens_seen,
+            "wall_time_s": wall,
+            "first_loss": losses[0],
+            "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+            "val_loss": val_loss,
             "tokens_per_s": tps,
             "mfu": utilization(self.flops_per_token, tps / self.mesh.world_size, self.peak),
             "hfu": utilization(self.hw_flops_per_token, tps / self.mesh.world_size, self.peak),
@@ -401,8 +422,11 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         if mesh.distributed:
             obj = [cfg.run.dir, cfg.train.precision]
             dist.broadcast_object_list(obj, src=0)
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=obj[0]),
-                                      train=dataclasses.replace(cfg.train, precision=obj[1]))
+            cfg = dataclasses.replace(
+                cfg,
+                run=dataclasses.replace(cfg.run, dir=obj[0]),
+                train=dataclasses.replace(cfg.train, precision=obj[1]),
+            )
         if mesh.is_main:
             prepare_run_dir(cfg)
         return Trainer(cfg, mesh, stream).fit()

@@ -28,8 +28,11 @@ def save_weights(model: nn.Module, path: str | Path) -> Path:
     m = unwrap(model)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in m.state_dict().items()
-               if not (k == "output.weight" and m.args.tie_embeddings)}
+    tensors = {
+        k: v.detach().to("cpu").contiguous().clone()
+        for k, v in m.state_dict().items()
+        if not (k == "output.weight" and m.args.tie_embeddings)
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     meta = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(m.args)}
     (out / "meshforge.json").write_text(json.dumps(meta, indent=1))
@@ -56,8 +59,10 @@ def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transf
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not (k == "output.weight" and args.tie_embeddings)]
     if missing or unexpected:
-        raise MeshforgeError(f"{p / 'model.safetensors'} does not match meshforge.json: "
-                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise MeshforgeError(
+            f"{p / 'model.safetensors'} does not match meshforge.json: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     model.tie_weights()
     return model
 
@@ -78,5 +83,8 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> Tra
 def shape_mismatch(a: ModelArgs, b: ModelArgs) -> list[str]:
     """Shape fields where two model descriptions differ (ignoring init-only fields)."""
     skip = {"init_std", "max_seq_len"}
-    return [f"{f.name}: {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in dataclasses.fields(ModelArgs)
-            if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)]
+    return [
+        f"{f.name}: {getattr(a, f.name)} vs {getattr(b, f.name)}"
+        for f in dataclasses.fields(ModelArgs)
+        if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)
+    ]

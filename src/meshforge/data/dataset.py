@@ -26,7 +26,9 @@ class TokenSplit:
         for s in shards:
             f = root / s["file"]
             if not f.is_file():
-                raise DataError(f"shard {f} listed in {root / 'index.json'} is missing; re-run `meshforge data prepare`")
+                raise DataError(
+                    f"shard {f} listed in {root / 'index.json'} is missing; re-run `meshforge data prepare`"
+                )
             expected = s["tokens"] * np.dtype(dtype).itemsize
             if f.stat().st_size != expected:
                 raise DataError(

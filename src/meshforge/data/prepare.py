@@ -45,9 +45,7 @@ def stdlib_sources() -> list[Path]:
     """The default corpus: this Python's standard library .py files, sorted, no site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [
-        f
-        for f in root.rglob("*.py")
-        if "site-packages" not in f.parts and "__pycache__" not in f.parts and f.is_file()
+        f for f in root.rglob("*.py") if "site-packages" not in f.parts and "__pycache__" not in f.parts and f.is_file()
     ]
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
@@ -84,7 +82,7 @@ def iter_documents(files: list[Path]) -> Iterator[str]:
                     except json.JSONDecodeError as e:
                         raise DataError(f"{f}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise DataError(f"{f}:{lineno} has no string field \"text\"; each JSONL line needs one")
+                        raise DataError(f'{f}:{lineno} has no string field "text"; each JSONL line needs one')
                     yield rec["text"]
         else:
             yield f.read_text(encoding="utf-8", errors="replace")

@@ -45,8 +45,15 @@ class JsonlWriter:
 class MetricsLogger:
     """Fans one record per logged step out to every enabled sink (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, console: bool = True, jsonl: bool = True,
-                 tensorboard: bool = True, stream: TextIO | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        console: bool = True,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+        stream: TextIO | None = None,
+    ):
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.console = console
@@ -59,8 +66,9 @@ class MetricsLogger:
         if self.metrics:
             self.metrics.write(rec)
         if self.tb:
-            self.tb.add_scalars(rec["step"], {k: v for k, v in rec.items()
-                                              if k != "step" and isinstance(v, (int, float))})
+            self.tb.add_scalars(
+                rec["step"], {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
+            )
         if self.console:
             step = rec["step"]
             elapsed = time.perf_counter() - self.t0
@@ -83,7 +91,11 @@ class MetricsLogger:
         if self.tb:
             self.tb.add_scalars(step, {"val_loss": loss, "val_ppl": ppl})
         if self.console:
-            print(f"  eval @ step {step}: val loss {loss:.4f} | perplexity {ppl:.2f}", file=self.stream, flush=True)
+            print(
+                f"  eval @ step {step}: val loss {loss:.4f} | perplexity {ppl:.2f}",
+                file=self.stream,
+                flush=True,
+            )
 
     def event(self, kind: str, **fields: Any) -> None:
         self.events.write({"time": time.time(), "event": kind, **fields})

@@ -31,8 +31,11 @@ _LAYER_MAP = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight"}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 
@@ -166,8 +169,9 @@ def read_hf_config(path: str | Path) -> dict:
         raise HFCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
 
 
-def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32) -> Transformer:
+def load_hf_checkpoint(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
     """A meshforge model with the weights of the Hugging Face Llama checkpoint at ``path``."""
     p = Path(path)
     args = args_from_hf_config(read_hf_config(p), str(p / "config.json"))
@@ -185,8 +189,9 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
                         continue
                     t = st.get_tensor(name)
                     if t.shape != expected[ours].shape:
-                        raise HFCheckpointError(f"{f}: {name} has shape {tuple(t.shape)}, "
-                                                f"config.json implies {tuple(expected[ours].shape)}")
+                        raise HFCheckpointError(
+                            f"{f}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[ours].shape)}"
+                        )
                     with torch.no_grad():
                         expected[ours].copy_(t)
                     loaded.add(ours)
@@ -212,8 +217,9 @@ def unwrap(model: nn.Module) -> Transformer:
     return model
 
 
-def save_hf_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = 5 * 2**30) -> Path:
+def save_hf_checkpoint(
+    model: nn.Module, path: str | Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30
+) -> Path:
     """Write ``model`` as a Hugging Face Llama directory (config.json + safetensors)."""
     m = unwrap(model)
     out = Path(path)
@@ -244,7 +250,8 @@ def save_hf_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype | 
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     (out / "config.json").write_text(json.dumps(hf_config_from_args(m.args, out_dtype), indent=2))
     return out
 

@@ -8,24 +8,59 @@ from typing import Any
 from meshforge.errors import ConfigError
 from meshforge.models.llama import ModelArgs
 
-_LLAMA3 = dict(norm_eps=1e-5, rope_theta=500000.0, rope_scaling="llama3", rope_low_freq_factor=1.0,
-               rope_high_freq_factor=4.0, rope_original_max_seq_len=8192, vocab_size=128256, max_seq_len=131072)
+_LLAMA3 = dict(
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling="llama3",
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_seq_len=8192,
+    vocab_size=128256,
+    max_seq_len=131072,
+)
 
 PRESETS: dict[str, ModelArgs] = {
     # Trains on a laptop CPU in seconds; vocab 512 holds the byte tokenizer's 258 ids
     # and divides by every tensor-parallel degree up to 512.
-    "debug": ModelArgs(hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=384, vocab_size=512,
-                       max_seq_len=1024, rope_theta=10000.0),
-    "llama3.2-1b": ModelArgs(hidden=2048, layers=16, heads=32, kv_heads=8, ffn_hidden=8192,
-                             tie_embeddings=True, rope_factor=32.0, **_LLAMA3),
-    "llama3.2-3b": ModelArgs(hidden=3072, layers=28, heads=24, kv_heads=8, ffn_hidden=8192,
-                             tie_embeddings=True, rope_factor=32.0, **_LLAMA3),
-    "llama3.1-8b": ModelArgs(hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336,
-                             rope_factor=8.0, **_LLAMA3),
-    "llama3.1-70b": ModelArgs(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672,
-                              rope_factor=8.0, **_LLAMA3),
-    "llama3.1-405b": ModelArgs(hidden=16384, layers=126, heads=128, kv_heads=8, ffn_hidden=53248,
-                               rope_factor=8.0, **_LLAMA3),
+    "debug": ModelArgs(
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=384,
+        vocab_size=512,
+        max_seq_len=1024,
+        rope_theta=10000.0,
+    ),
+    "llama3.2-1b": ModelArgs(
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=8192,
+        tie_embeddings=True,
+        rope_factor=32.0,
+        **_LLAMA3,
+    ),
+    "llama3.2-3b": ModelArgs(
+        hidden=3072,
+        layers=28,
+        heads=24,
+        kv_heads=8,
+        ffn_hidden=8192,
+        tie_embeddings=True,
+        rope_factor=32.0,
+        **_LLAMA3,
+    ),
+    "llama3.1-8b": ModelArgs(
+        hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336, rope_factor=8.0, **_LLAMA3
+    ),
+    "llama3.1-70b": ModelArgs(
+        hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, rope_factor=8.0, **_LLAMA3
+    ),
+    "llama3.1-405b": ModelArgs(
+        hidden=16384, layers=126, heads=128, kv_heads=8, ffn_hidden=53248, rope_factor=8.0, **_LLAMA3
+    ),
 }
 
 
