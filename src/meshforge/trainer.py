@@ -228,6 +228,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss), float(grad_norm)
 
+    def step_once(self) -> tuple[float, float, float]:
+        """Set the LR, fetch this rank's slice of the next global batch, and take one step."""
+        lr = lr_at(self.cfg, self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        idx = self.sampler.next_batch(self.mesh.dp_rank, self.mesh.dp_size)
+        batch = self.data.train.get(idx).to(self.device, non_blocking=True)
+        loss, grad_norm = self.train_step(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return loss, grad_norm, lr
+
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over the first eval_batches x micro x dp sequences of the validation split."""
@@ -303,17 +317,8 @@ class Trainer:
         t_start = time.perf_counter()
         while self.step < t.steps:
             t0 = time.perf_counter()
-            lr = lr_at(cfg, self.step)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            idx = self.sampler.next_batch(self.mesh.dp_rank, self.mesh.dp_size)
-            batch = self.data.train.get(idx).to(self.device, non_blocking=True)
-            loss, grad_norm = self.train_step(batch)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            loss, grad_norm, lr = self.step_once()
             dt = time.perf_counter() - t0
-            self.step += 1
-            self.tokens_seen += self.tokens_per_step
             losses.append(loss)
             times.append(dt)
             window.append(dt)
