@@ -46,13 +46,26 @@ def alternate(fa, fb, blocks: int, steps: int) -> tuple[float, float]:
 
 
 def make_trainer(args, precision: str, run_dir: str) -> Trainer:
-    cfg = load_config(None, {
-        "model.hidden": args.hidden, "model.layers": args.layers, "model.heads": args.hidden // 64,
-        "model.kv_heads": max(1, args.hidden // 128), "model.ffn_hidden": int(args.hidden * 8 / 3) // 64 * 64,
-        "train.seq_len": args.seq_len, "train.global_batch_size": args.batch, "train.steps": 10**6,
-        "train.precision": precision, "train.device": "cpu", "metrics.console": False, "metrics.jsonl": False,
-        "metrics.tensorboard": False, "run.dir": run_dir, "optim.warmup_steps": 0,
-    })
+    cfg = load_config(
+        None,
+        {
+            "model.hidden": args.hidden,
+            "model.layers": args.layers,
+            "model.heads": args.hidden // 64,
+            "model.kv_heads": max(1, args.hidden // 128),
+            "model.ffn_hidden": int(args.hidden * 8 / 3) // 64 * 64,
+            "train.seq_len": args.seq_len,
+            "train.global_batch_size": args.batch,
+            "train.steps": 10**6,
+            "train.precision": precision,
+            "train.device": "cpu",
+            "metrics.console": False,
+            "metrics.jsonl": False,
+            "metrics.tensorboard": False,
+            "run.dir": run_dir,
+            "optim.warmup_steps": 0,
+        },
+    )
     cfg = preflight(cfg, 1)
     prepare_run_dir(cfg)
     return Trainer(cfg, Mesh(0, 1, 0, torch.device("cpu"), 0, 1))
@@ -122,16 +135,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-    print(f"shape: hidden {args.hidden}, layers {args.layers}, batch {args.batch} x {args.seq_len}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'precision':>9} | {'meshforge step':>14} | {'hand loop':>9} | {'(a) ratio':>9} | "
-          f"{'mf model':>9} | {'HF Llama':>9} | {'(b) ratio':>9}")
+    print(
+        f"shape: hidden {args.hidden}, layers {args.layers}, batch {args.batch} x {args.seq_len}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'precision':>9} | {'meshforge step':>14} | {'hand loop':>9} | {'(a) ratio':>9} | "
+        f"{'mf model':>9} | {'HF Llama':>9} | {'(b) ratio':>9}"
+    )
     for prec in precisions:
         r = bench(args, prec)
-        b = (f"{r['model_step_s'] * 1e3:7.1f}ms | {r['hf_step_s'] * 1e3:7.1f}ms | {r['ratio_b']:8.3f}x"
-             if "ratio_b" in r else "transformers not installed")
-        print(f"{prec:>9} | {r['meshforge_step_s'] * 1e3:12.1f}ms | {r['hand_loop_s'] * 1e3:7.1f}ms | "
-              f"{r['ratio_a']:8.3f}x | {b}")
+        b = (
+            f"{r['model_step_s'] * 1e3:7.1f}ms | {r['hf_step_s'] * 1e3:7.1f}ms | {r['ratio_b']:8.3f}x"
+            if "ratio_b" in r
+            else "transformers not installed"
+        )
+        print(
+            f"{prec:>9} | {r['meshforge_step_s'] * 1e3:12.1f}ms | {r['hand_loop_s'] * 1e3:7.1f}ms | "
+            f"{r['ratio_a']:8.3f}x | {b}"
+        )
     print("(a) target >= 0.97x, (b) target >= 1.0x; ratio = other's time / meshforge's time")
 
 
