@@ -108,6 +108,39 @@ def test_data_parallel_two_ranks_matches_single_process(tmp_path, corpus):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow
+def test_external_torchrun_matches_single_process(tmp_path, corpus):
+    """The same entry point runs unchanged when torchrun starts the ranks."""
+    extra = {"train.steps": 4}
+    train(tiny_config(tmp_path / "single", corpus, **extra))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "meshforge",
+        "train",
+        *cli_args(tiny_overrides(tmp_path / "tr", corpus, **extra)),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, got = metrics(tmp_path / "single"), metrics(tmp_path / "tr")
+    assert [g["loss"] for g in got] == pytest.approx([x["loss"] for x in ref], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_compute_the_same_function(tmp_path, corpus):
+    pytest.importorskip("torch._inductor")
+    extra = {"train.steps": 3, "model.layers": 1}
+    train(tiny_config(tmp_path / "eager", corpus, **extra))
+    train(tiny_config(tmp_path / "compiled", corpus, **extra, **{"train.compile": True}))
+    ref = [r["loss"] for r in metrics(tmp_path / "eager")]
+    got = [r["loss"] for r in metrics(tmp_path / "compiled")]
+    assert got == pytest.approx(ref, rel=1e-4)
+
+
 def test_init_from_previous_weights(tmp_path, corpus):
     train(tiny_config(tmp_path / "a", corpus, **{"train.steps": 20, "optim.lr": 1e-2}))
     train(tiny_config(tmp_path / "b", corpus, **{"model.init_from": str(tmp_path / "a" / "final")}))

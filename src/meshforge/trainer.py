@@ -357,7 +357,7 @@ class Trainer:
             val_loss = self.evaluate()
             if log and val_loss is not None:
                 log.log_eval(self.step, val_loss)
-        warm = times[len(times) // 10 :] or times  # leave out the first steps (allocator, caches)
+        warm = times[max(1, len(times) // 10) :] or times  # leave out the first steps (compile, caches)
         tps = self.tokens_per_step * len(warm) / sum(warm)
         summary = {
             "steps": self.step,
