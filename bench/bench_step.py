@@ -68,7 +68,7 @@ def make_trainer(args, precision: str, run_dir: str) -> Trainer:
     )
     cfg = preflight(cfg, 1)
     prepare_run_dir(cfg)
-    return Trainer(cfg, Mesh(0, 1, 0, torch.device("cpu"), 0, 1))
+    return Trainer(cfg, Mesh(0, 1, 0, torch.device("cpu")))
 
 
 def bench(args, precision: str) -> dict:

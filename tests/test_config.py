@@ -57,7 +57,7 @@ def test_unknown_preset_suggests():
 
 
 def test_degrees_must_match_world_size():
-    with pytest.raises(ConfigError, match=r"do not match the world size 4.*dp_shard = 4"):
+    with pytest.raises(ConfigError, match=r"multiply to 2, not the world size 4.*dp_shard = 4"):
         resolve(load_config(None, {"parallel.dp_shard": 2}), world_size=4)
     with pytest.raises(ConfigError, match=r"not divisible by the data-parallel degree 3"):
         resolve(load_config(None, {"train.global_batch_size": 16}), world_size=3)
@@ -105,3 +105,26 @@ def test_override_syntax_both_forms_and_types():
 def test_unknown_cli_flag_suggests():
     with pytest.raises(ConfigError, match=r"did you mean --nproc"):
         parse_train_args(["--nprocs", "2"])
+
+
+def test_one_degree_may_be_inferred():
+    cfg = resolve(
+        load_config(None, {"parallel.dp_replicate": -1, "parallel.dp_shard": 2, "parallel.zero_stage": 3}), world_size=8
+    )
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard) == (4, 2)
+    with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
+        resolve(load_config(None, {"parallel.tp": -1}), world_size=4)
+    with pytest.raises(ConfigError, match="not divisible by the fixed degrees' product 3"):
+        resolve(load_config(None, {"parallel.dp_replicate": 3, "parallel.zero_stage": 2}), world_size=4)
+
+
+def test_hsdp_needs_a_sharded_stage():
+    with pytest.raises(ConfigError, match=r"dp_replicate = 2 .*needs parallel.zero_stage = 2 or 3.*dp_shard = 4"):
+        resolve(load_config(None, {"parallel.dp_replicate": 2}), world_size=4)
+    cfg = resolve(load_config(None, {"parallel.dp_replicate": 2, "parallel.zero_stage": 3}), world_size=4)
+    assert cfg.parallel.dp_shard == 2
+
+
+def test_axes_not_yet_available_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2: .*set parallel.tp = 1"):
+        resolve(load_config(None, {"parallel.tp": 2}), world_size=2)

@@ -121,7 +121,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from meshforge.checkpoint.weights import load_pretrained, save_weights
+    from meshforge.checkpoint.weights import load_pretrained, save_model_weights
     from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 
     out = Path(args.out)
@@ -129,7 +129,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise MeshforgeError(f"--out {out} exists and is not empty; choose a new directory")
     if args.from_hf:
         model = load_hf_checkpoint(args.from_hf)
-        save_weights(model, out)
+        save_model_weights(model, out)
         print(f"converted Hugging Face checkpoint {args.from_hf} -> meshforge weights {out}")
         print(f"train from it with: meshforge train --model.init_from {out} ...")
     else:

@@ -54,13 +54,20 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    # Degrees of the mesh dimensions; their product is the world size. Any one of
+    # dp_replicate, dp_shard, tp, pp, cp may be -1: whatever the others leave.
     dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
+    dp_shard: int = -1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # 0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2).
     zero_stage: int = 0
+    # Reduce gradients on every micro-batch instead of only the last one (saves the
+    # unsharded gradient memory under ZeRO-2/3 at the cost of more communication).
+    sync_every_microbatch: bool = False
+    ddp_bucket_mb: int = 25
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     num_microbatches: int = 0  # 0: chosen from the batch
@@ -312,9 +319,8 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     for f in dataclasses.fields(args):
         if hasattr(m, f.name):
             setattr(m, f.name, getattr(args, f.name))
-    if cfg.parallel.dp_shard == -1:
-        dp = data_parallel_degree(cfg, world_size)
-        cfg.parallel.dp_shard = dp // cfg.parallel.dp_replicate
+    for k, v in resolve_degrees(cfg.parallel, world_size).items():
+        setattr(cfg.parallel, k, v)
     if cfg.optim.warmup_steps < 0:
         cfg.optim.warmup_steps = min(100, cfg.train.steps // 10)
     validate(cfg, world_size)
@@ -380,23 +386,22 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         "checkpoint.async: asynchronous checkpoints are not available in this version; set it to false",
     )
 
-    for k in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
-        need(getattr(p, k) >= 1, f"parallel.{k} = {getattr(p, k)} must be >= 1")
-    need(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard = {p.dp_shard} must be >= 1, or -1 to infer")
+    need(p.ep >= 1 and p.pp_virtual_stages >= 1, "parallel.ep and parallel.pp_virtual_stages must be >= 1")
     need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
-    for k in ("tp", "pp", "cp", "ep"):
+    need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
+    degrees = resolve_degrees(p, world_size)
+    for k in ("tp", "pp", "cp"):
         need(
-            getattr(p, k) == 1,
-            f"parallel.{k} = {getattr(p, k)}: this version of meshforge runs data parallel only; set parallel.{k} = 1",
+            degrees[k] == 1,
+            f"parallel.{k} = {degrees[k]}: this version of meshforge runs the data-parallel family only "
+            f"(DDP, ZeRO-1/2/3, HSDP); set parallel.{k} = 1",
         )
+    need(p.ep == 1, f"parallel.ep = {p.ep}: expert parallelism is not available in this version; set it to 1")
     need(
-        p.zero_stage == 0,
-        f"parallel.zero_stage = {p.zero_stage}: ZeRO sharding is not available in this version; "
-        "use parallel.zero_stage = 0 (DDP)",
-    )
-    need(
-        p.dp_replicate == 1 or p.zero_stage > 0,
-        "parallel.dp_replicate > 1 needs sharding (HSDP); with zero_stage = 0 use parallel.dp_shard for the dp degree",
+        degrees["dp_replicate"] == 1 or p.zero_stage >= 2,
+        f"parallel.dp_replicate = {degrees['dp_replicate']} (HSDP: replicate across groups, shard within) needs "
+        f"parallel.zero_stage = 2 or 3; for plain data parallel use parallel.dp_shard = "
+        f"{degrees['dp_replicate'] * degrees['dp_shard']} with dp_replicate = 1",
     )
     dp = data_parallel_degree(cfg, world_size)
     micro = t.micro_batch_size or t.global_batch_size // dp
@@ -412,21 +417,39 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     )
 
 
-def data_parallel_degree(cfg: Config, world_size: int) -> int:
-    p = cfg.parallel
-    others = p.tp * p.pp * p.cp
-    if p.dp_shard == -1:
-        if world_size % (others * p.dp_replicate) != 0:
+DEGREE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Mesh degrees with a -1 inferred; refuses products that do not match the world size."""
+    degrees = {k: getattr(p, k) for k in DEGREE_KEYS}
+    for k, v in degrees.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k} = {v} must be >= 1 (or -1 to infer it)")
+    free = [k for k, v in degrees.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
+    known = 1
+    for v in degrees.values():
+        known *= v if v > 0 else 1
+    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if free:
+        if world_size % known:
             raise ConfigError(
-                f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = {others * p.dp_replicate}; "
-                f"change the degrees or use a world size that is a multiple of {others * p.dp_replicate}"
+                f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
+                f"product {known}; use a world size that is a multiple of {known} or change the degrees"
             )
-        return world_size // others
-    total = p.dp_replicate * p.dp_shard * others
-    if total != world_size:
+        degrees[free[0]] = world_size // known
+    elif known != world_size:
+        fix = world_size // (known // p.dp_shard) if world_size % (known // p.dp_shard) == 0 else None
+        hint = f"set parallel.dp_shard = {fix}" if fix else "make their product equal the world size"
         raise ConfigError(
-            f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
-            f"x cp={p.cp} = {total} do not match the world size {world_size}; set parallel.dp_shard = -1 to infer "
-            f"it, or set parallel.dp_shard = {max(1, world_size // (p.dp_replicate * others))}"
+            f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
+            f"set parallel.dp_shard = -1 to infer it, or {hint}"
         )
-    return p.dp_replicate * p.dp_shard
+    return degrees
+
+
+def data_parallel_degree(cfg: Config, world_size: int) -> int:
+    d = resolve_degrees(cfg.parallel, world_size)
+    return d["dp_replicate"] * d["dp_shard"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import resource
@@ -22,6 +23,8 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from meshforge.checkpoint.weights import load_pretrained, save_weights, shape_mismatch
 from meshforge.config import Config, resolve, to_toml
@@ -30,14 +33,17 @@ from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError, DataError
+from meshforge.metrics.memory import GIB, gathered_param_bytes, state_bytes
 from meshforge.metrics.mfu import peak_flops, utilization
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token, num_params
-from meshforge.models.hf import save_hf_checkpoint
+from meshforge.models.hf import save_hf_state
 from meshforge.models.llama import build_model
 from meshforge.models.presets import model_args_from_config
+from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.data_parallel import gradient_sync, make_optimizer
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
-from meshforge.parallel.parallelize import parallelize
+from meshforge.parallel.parallelize import is_sharded, parallelize, uses_autocast
 from meshforge.parallel.precision import autocast, resolve_precision
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -126,7 +132,7 @@ def lr_at(cfg: Config, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms and embeddings (incl. a head tied to the embedding)."""
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
@@ -137,10 +143,11 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -
     o = cfg.optim
     impl = o.implementation
     if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+        impl = "fused" if mesh.device.type == "cuda" else "foreach"
     kw: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kw)
+    kw.update(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, cfg.parallel.zero_stage)
 
 
 def peak_mem_gib(device: torch.device) -> float:
@@ -170,17 +177,22 @@ class Trainer:
             dist.barrier()
 
         self.args = model_args_from_config(cfg.model)
-        self.model = build_model(self.args, device=self.device, seed=t.seed)
+        self.model = build_model(self.args, device="meta")
+        self.train_model = parallelize(self.model, cfg, mesh, seed=t.seed)
         if cfg.model.init_from:
-            pre = load_pretrained(cfg.model.init_from, device=self.device)
+            pre = load_pretrained(cfg.model.init_from, device="cpu")
             diff = shape_mismatch(pre.args, self.args)
             if diff:
                 raise ConfigError(
                     f"model.init_from = {cfg.model.init_from} has another shape than [model]: " + "; ".join(diff)
                 )
-            self.model.load_state_dict(pre.state_dict())
-        self.train_model = parallelize(self.model, cfg, mesh)
-        self.optimizer = build_optimizer(self.model, cfg, self.device)
+            set_model_state_dict(self.model, pre.state_dict(), options=StateDictOptions(full_state_dict=True))
+        self.sharded = is_sharded(cfg, mesh)
+        self.autocast = uses_autocast(cfg, mesh)
+        self.optimizer = build_optimizer(self.model, cfg, mesh)
+        self.comm = CommCounter(mesh.groups_by_axis()).activate() if mesh.distributed else None
+        self.state_mem: dict[str, int] = {}
+        self.comm_bytes: dict[str, dict[str, float]] = {}
 
         self.sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.local_batch = t.global_batch_size // mesh.dp_size
@@ -206,26 +218,35 @@ class Trainer:
         Returns the loss averaged over the whole global batch and the pre-clip global grad norm.
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        ddp = self.train_model is not self.model
+        if self.comm:
+            self.comm.reset()
         total = torch.zeros((), device=self.device)
+        gathered = 0
+        sync_all = self.cfg.parallel.sync_every_microbatch
         for i in range(self.accum):
             sl = slice(i * self.micro, (i + 1) * self.micro)
             last = i == self.accum - 1
-            sync = contextlib.nullcontext() if (last or not ddp) else self.train_model.no_sync()
-            with sync:
-                with autocast(self.device, self.precision):
+            with gradient_sync(self.train_model, last or sync_all):
+                with autocast(self.device, self.precision) if self.autocast else contextlib.nullcontext():
                     logits = self.train_model(inputs[sl])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets[sl].flatten())
+                if last and self.sharded:
+                    gathered = gathered_param_bytes(self.model)  # what ZeRO-2 keeps gathered for backward
                 (loss / self.accum).backward()
             total += loss.detach()
         loss = total / self.accum
         if self.mesh.distributed:
-            dist.all_reduce(loss, group=self.mesh.device_mesh.get_group("dp"))
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
             loss /= self.mesh.dp_size
         clip = self.cfg.train.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
+        self.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
         self.optimizer.zero_grad(set_to_none=True)
+        if self.comm:
+            self.comm_bytes = self.comm.snapshot()
         return float(loss), float(grad_norm)
 
     def step_once(self) -> tuple[float, float, float]:
@@ -256,11 +277,11 @@ class Trainer:
         for s in range(start, start + per, self.micro):
             idx = list(range(s, min(s + self.micro, start + per)))
             batch = val.get(idx).to(self.device)
-            with autocast(self.device, self.precision):
+            with autocast(self.device, self.precision) if self.autocast else contextlib.nullcontext():
                 logits = self.model(batch[:, :-1])
             total += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").double()
         if self.mesh.distributed:
-            dist.all_reduce(total, group=self.mesh.device_mesh.get_group("dp"))
+            dist.all_reduce(total, group=self.mesh.group("dp"))
         return float(total) / (n * self.cfg.train.seq_len)
 
     # -- the loop -------------------------------------------------------------------------
@@ -340,6 +361,10 @@ class Trainer:
                         "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
                         "peak_mem_gib": peak_mem_gib(self.device),
                         "tokens_seen": self.tokens_seen,
+                        "state_mem_gib": sum(self.state_mem.values()) / GIB,
+                        "state_mem_bytes": dict(self.state_mem),
+                        "comm_bytes": {axis: sum(k.values()) for axis, k in self.comm_bytes.items()},
+                        "comm_bytes_by_kind": self.comm_bytes,
                     }
                 )
                 window = []
@@ -385,17 +410,21 @@ class Trainer:
         return summary
 
     def _save_final(self, summary: dict[str, Any]) -> None:
+        """Gather the full weights (a collective under sharding: every rank calls) and let
+        rank 0 write them."""
+        want = self.cfg.checkpoint.save_final or self.cfg.checkpoint.export_hf
+        state = None
+        if want:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.mesh.is_main:
             return
         run_dir = Path(self.cfg.run.dir)
-        import json
-
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if self.cfg.checkpoint.save_final:
-            path = save_weights(self.model, run_dir / "final")
+            path = save_weights(self.args, state, run_dir / "final")
             self.logger.event("final_weights", path=str(path), step=self.step)
         if self.cfg.checkpoint.export_hf:
-            path = save_hf_checkpoint(self.model, run_dir / "final-hf")
+            path = save_hf_state(self.args, state, run_dir / "final-hf")
             self.logger.event("export_hf", path=str(path), step=self.step)
 
 

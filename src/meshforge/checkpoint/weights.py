@@ -24,19 +24,25 @@ FORMAT = "meshforge-weights"
 VERSION = 1
 
 
-def save_weights(model: nn.Module, path: str | Path) -> Path:
-    m = unwrap(model)
+def save_weights(args: ModelArgs, state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """Write full (unsharded) weights and the model shape."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
         k: v.detach().to("cpu").contiguous().clone()
-        for k, v in m.state_dict().items()
-        if not (k == "output.weight" and m.args.tie_embeddings)
+        for k, v in state_dict.items()
+        if not (k == "output.weight" and args.tie_embeddings)
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    meta = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(m.args)}
+    meta = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(args)}
     (out / "meshforge.json").write_text(json.dumps(meta, indent=1))
     return out
+
+
+def save_model_weights(model: nn.Module, path: str | Path) -> Path:
+    """``save_weights`` for an unsharded model (or a DDP/compile wrapper around one)."""
+    m = unwrap(model)
+    return save_weights(m.args, m.state_dict(), path)
 
 
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:

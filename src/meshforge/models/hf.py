@@ -222,11 +222,22 @@ def save_hf_checkpoint(
 ) -> Path:
     """Write ``model`` as a Hugging Face Llama directory (config.json + safetensors)."""
     m = unwrap(model)
+    return save_hf_state(m.args, m.state_dict(), path, dtype, max_shard_bytes)
+
+
+def save_hf_state(
+    args: ModelArgs,
+    state_dict: dict[str, torch.Tensor],
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write full meshforge weights as a Hugging Face Llama directory."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in m.state_dict().items():
-        if name == "output.weight" and m.args.tie_embeddings:
+    for name, t in state_dict.items():
+        if name == "output.weight" and args.tie_embeddings:
             continue  # HF re-ties lm_head to embed_tokens
         t = t.detach().to("cpu")
         tensors[to_hf_name(name)] = (t.to(dtype) if dtype else t).contiguous().clone()
@@ -252,7 +263,7 @@ def save_hf_checkpoint(
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
-    (out / "config.json").write_text(json.dumps(hf_config_from_args(m.args, out_dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config_from_args(args, out_dtype), indent=2))
     return out
 
 

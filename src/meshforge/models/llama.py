@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -172,28 +173,32 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, seed: int) -> None:
+def init_weights(
+    model: Transformer, seed: int, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+) -> None:
     """Initialise every parameter from (seed, parameter name) alone.
 
     Each parameter draws from its own generator seeded by its fully qualified name, so
     the full weights do not depend on construction order, on which parameters a rank
     holds, or on how they are later sharded. Output projections of the residual branches
     (wo, w2) get std / sqrt(2 * layers), as in GPT-2, to keep the residual stream's
-    variance flat with depth.
+    variance flat with depth. ``fill(param, full_tensor)`` stores the values; whoever
+    sharded the parameters passes one that keeps only the local shard.
     """
+    fill = fill or (lambda p, full: p.copy_(full))
     args = model.args
     model.rope_inv_freq = rope_inv_freq(args, device=model.rope_inv_freq.device)
     residual_std = args.init_std / math.sqrt(2 * args.layers)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            fill(p, torch.ones(p.shape, dtype=torch.float32, device=p.device))
             continue
         std = residual_std if name.endswith(("wo.weight", "w2.weight")) else args.init_std
-        gen = torch.Generator(device=p.device.type if p.device.type != "meta" else "cpu")
+        gen = torch.Generator(device=p.device.type)
         gen.manual_seed(_param_seed(seed, name))
         full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         full.normal_(0.0, std, generator=gen)
-        p.copy_(full)
+        fill(p, full)
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:

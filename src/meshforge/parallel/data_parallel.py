@@ -1,19 +1,116 @@
-"""Data parallelism. Stage 0 (replicated parameters, bucketed all-reduce overlapping backward)."""
+"""The data-parallel family, chosen by ``parallel.zero_stage`` and the two dp degrees.
+
+Per rank, for Ψ parameters and N data-parallel ranks (fp32 master weights, Adam):
+
+| stage | how                                             | params        | grads  | Adam m, v |
+|-------|-------------------------------------------------|---------------|--------|-----------|
+| 0     | DDP: bucketed all-reduce overlapping backward    | 4Ψ            | 4Ψ     | 8Ψ        |
+| 1     | DDP + ZeroRedundancyOptimizer                    | 4Ψ            | 4Ψ     | 8Ψ/N      |
+| 2     | FSDP2, parameters kept gathered fwd -> bwd       | 4Ψ/N (+ gathered copy during the step) | 4Ψ/N | 8Ψ/N |
+| 3     | FSDP2, resharded after forward, per-block units  | 4Ψ/N          | 4Ψ/N   | 8Ψ/N      |
+
+HSDP (dp_replicate > 1, stages 2/3) shards over ``dp_shard`` inside a group and
+replicates across groups: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.parallel.mesh import Mesh
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Module:
-    """Wrap in DDP over the data-parallel group; gradients arrive averaged over ranks."""
-    assert mesh.device_mesh is not None
-    return DistributedDataParallel(
+    """Stages 0 and 1: DDP over the flattened ``dp`` group; gradients arrive averaged.
+
+    The default all-reduce comm hook is registered explicitly: it does what DDP does
+    built in, but through torch.distributed's Python API, so the communication counter
+    (comm_stats.py) sees the bytes.
+    """
+    group = mesh.group("dp")
+    ddp = DistributedDataParallel(
         model,
-        process_group=mesh.device_mesh.get_group("dp"),
+        process_group=group,
         device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
     )
+    ddp.register_comm_hook(group, allreduce_hook)
+    return ddp
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> nn.Module:
+    """Stages 2 and 3 (and HSDP): FSDP2 ``fully_shard`` per block, then the rest.
+
+    The embedding and the final norm + head get units of their own (unless tied), so the
+    root holds no parameters and stage 3 keeps nothing gathered between forward and
+    backward. Each block prefetches the next block's all-gather in forward.
+    """
+    dims = ("dp_replicate", "dp_shard") if mesh.degrees["dp_replicate"] > 1 else ("dp_shard",)
+    fsdp_mesh = mesh.device_mesh[dims]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    reshard = zero_stage == 3
+    kw = dict(mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    blocks = list(model.layers.values())
+    units: list[FSDPModule] = []
+    tied = getattr(model.args, "tie_embeddings", False)
+    if not tied:
+        units.append(fully_shard(model.tok_embeddings, **kw))
+    for block in blocks:
+        units.append(fully_shard(block, **kw))
+    if not tied:
+        fully_shard([model.norm, model.output], **kw)  # one unit; returns the list, so keep a member
+        units.append(model.norm)
+    fully_shard(model, **kw)
+    for cur, nxt in zip(units, units[1:], strict=False):
+        cur.set_modules_to_forward_prefetch([nxt])
+    return model
+
+
+def make_optimizer(
+    groups: list[dict], cls: type[torch.optim.Optimizer], kwargs: dict, mesh: Mesh, zero_stage: int
+) -> torch.optim.Optimizer:
+    """Stage 1 shards the optimizer over the ``dp`` group; sharded stages shard it through their params."""
+    if zero_stage == 1 and mesh.dp_size > 1:
+        zero = ZeroRedundancyOptimizer(
+            groups[0]["params"],
+            optimizer_class=cls,
+            process_group=mesh.group("dp"),
+            weight_decay=groups[0]["weight_decay"],
+            **kwargs,
+        )
+        for g in groups[1:]:
+            zero.add_param_group(g)
+        return zero
+    return cls(groups, **kwargs)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient reduction of a non-final micro-batch (DDP no_sync / FSDP2 flag)."""
+    if isinstance(model, DistributedDataParallel):
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield
+
+
+def fill_param(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter that may be a DTensor shard (no communication:
+    every rank computed the same full tensor from the seed)."""
+    if isinstance(p, DTensor):
+        local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)
+    else:
+        p.copy_(full)

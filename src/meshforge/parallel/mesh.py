@@ -1,21 +1,37 @@
-"""Process group and device mesh discovery from the torchrun environment.
+"""The device mesh: every layout is a named N-D mesh of ranks.
 
-One process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks
-find each other through the RANK / WORLD_SIZE / MASTER_ADDR environment; started
-directly, meshforge is a world of one and needs no process group at all.
+Dimensions, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor
+parallel is innermost so its ranks are neighbours (the same node's fast links); pipeline
+is outermost because its point-to-point traffic is the lightest. Flattened sub-meshes
+give later axes the groups they need:
+
+- ``dp``          = dp_replicate x dp_shard: the data-parallel ranks (the sampler's slices)
+- ``dp_shard_cp`` = dp_shard x cp: what FSDP shards parameters over
+- ``dp_cp``       = dp_replicate x dp_shard x cp: the ranks that average the loss
+
+One process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks find
+each other through the RANK / WORLD_SIZE / MASTER_ADDR environment; started directly,
+meshforge is a world of one and needs no process group at all.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshforge.config import Config, data_parallel_degree
+from meshforge.config import Config, resolve_degrees
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
 
 
 @dataclass
@@ -24,8 +40,7 @@ class Mesh:
     world_size: int
     local_rank: int
     device: torch.device
-    dp_rank: int
-    dp_size: int
+    degrees: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMS, 1))
     device_mesh: DeviceMesh | None = None
 
     @property
@@ -35,6 +50,36 @@ class Mesh:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate("dp")
+
+    def submesh(self, name: str) -> DeviceMesh:
+        """A named dimension or flattened sub-mesh (see module docstring)."""
+        assert self.device_mesh is not None, "a world of one has no mesh"
+        return self.device_mesh[name]
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        return self.submesh(name).get_group() if self.device_mesh is not None else None
+
+    def coordinate(self, name: str) -> int:
+        return self.submesh(name).get_local_rank() if self.device_mesh is not None else 0
+
+    def groups_by_axis(self) -> dict[dist.ProcessGroup, str]:
+        """Process group -> axis name, for attributing communication (size-1 axes left out)."""
+        out: dict[dist.ProcessGroup, str] = {}
+        if self.device_mesh is None:
+            return out
+        for name in (*DIMS, *FLATTENED):
+            sub = self.submesh(name)
+            if sub.size() > 1:
+                out.setdefault(sub.get_group(), name)
+        return out
 
 
 def env_world_size() -> int:
@@ -53,20 +98,40 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> None:
+    """Register a flattened sub-mesh; DeviceMesh._flatten is private, so it is wrapped here only."""
+    mesh[dims]._flatten(name)
+
+
 def build_mesh(cfg: Config, timeout_s: float = 600.0) -> Mesh:
-    """Join the process group (gloo on CPU, NCCL on GPU) and build the data-parallel mesh."""
+    """Join the process group (gloo on CPU, NCCL on GPU) and build the named mesh."""
     world = env_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device)
-    dp = data_parallel_degree(cfg, world)
+    degrees = resolve_degrees(cfg.parallel, world)
     if world == 1:
-        return Mesh(0, 1, 0, device, 0, 1)
+        return Mesh(0, 1, 0, device, degrees)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    device_mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
-    return Mesh(rank, world, local_rank, device, device_mesh.get_local_rank("dp"), dp, device_mesh)
+    device_mesh = init_device_mesh(device.type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
+    for name, dims in FLATTENED.items():
+        _flatten(device_mesh, dims, name)
+    return Mesh(rank, world, local_rank, device, degrees, device_mesh)
+
+
+def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
+    """Each global rank's coordinate on every dimension (row-major, tp fastest)."""
+    out = []
+    sizes = [degrees[d] for d in DIMS]
+    for r in range(int(torch.tensor(sizes).prod())):
+        coord, rest = {}, r
+        for d, s in reversed(list(zip(DIMS, sizes, strict=True))):
+            coord[d] = rest % s
+            rest //= s
+        out.append({"rank": r, **{d: coord[d] for d in DIMS}})
+    return out
 
 
 def shutdown() -> None:

@@ -4,28 +4,54 @@ PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/DDP
 
 The order matters: checkpointing must wrap the (possibly sharded) block, compile must
 see the checkpointed block, and data parallelism goes last so its hooks see the final
-parameters. This version applies AC, compile and DDP; the other axes are refused by
-config validation until they land.
+parameters. The model arrives on the meta device and is materialised here, after
+sharding, so a rank only ever allocates its own shards; every shard is filled from the
+seed-determined full values, so any layout starts from the single-process weights.
+This version applies AC, compile and the data-parallel family; the other axes are
+refused by config validation until they land.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshforge.config import Config
-from meshforge.models.llama import Transformer
+from meshforge.models.llama import Transformer, init_weights
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
-from meshforge.parallel.data_parallel import apply_ddp
+from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.mesh import Mesh
 
 
-def parallelize(model: Transformer, cfg: Config, mesh: Mesh) -> nn.Module:
-    """Apply the configured layout to a materialised single-device model; returns the module to train."""
+def is_sharded(cfg: Config, mesh: Mesh) -> bool:
+    """Parameters and gradients sharded with FSDP2 (ZeRO-2/3, HSDP)."""
+    return mesh.dp_size > 1 and cfg.parallel.zero_stage >= 2
+
+
+def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
+    """bf16 comes from autocast, except under FSDP2, whose mixed-precision policy casts the
+    gathered parameters to bf16 (and reduces gradients in fp32) instead."""
+    return cfg.train.precision == "bf16" and not is_sharded(cfg, mesh)
+
+
+def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> nn.Module:
+    """Apply the configured layout to a meta-device model, materialise it on the mesh's
+    device and initialise it from ``seed`` (None: leave it for a state-dict load).
+    Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
     blocks = list(model.layers.values())
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
     if cfg.train.compile:
         for block in blocks:
             block.compile()
-    if mesh.dp_size > 1:
-        return apply_ddp(model, mesh)
+    sharded = is_sharded(cfg, mesh)
+    if sharded:
+        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype)
+    model.to_empty(device=mesh.device)
+    if not sharded:
+        model.tie_weights()
+    if seed is not None:
+        init_weights(model, seed, fill=fill_param)
+    if mesh.dp_size > 1 and not sharded:
+        return apply_ddp(model, mesh, cfg.parallel.ddp_bucket_mb)
     return model
