@@ -219,7 +219,7 @@ class Trainer:
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if self.comm:
-            self.comm.reset()
+            self.comm.activate().reset()
         total = torch.zeros((), device=self.device)
         gathered = 0
         sync_all = self.cfg.parallel.sync_every_microbatch
