@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_resolve(path):
-    world = 2 if "ddp" in path.name else 1
+    world = 2 if ("ddp" in path.name or "zero" in path.name) else 1
     cfg = resolve(load_config(path), world)
     assert cfg.train.steps > 0
 
