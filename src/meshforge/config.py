@@ -87,7 +87,7 @@ class TrainConfig:
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_interval: int = 0  # 0: evaluate only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # global batches of validation data per evaluation; 0: none
 
 
 @dataclass

@@ -265,10 +265,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches x micro x dp sequences of the validation split."""
+        """Mean loss over the first eval_batches global batches of the validation split.
+
+        The set is a whole number of global batches, split contiguously over the
+        data-parallel ranks, so every layout evaluates the same sequences."""
         val = self.data.val
-        n = min(len(val), self.cfg.train.eval_batches * self.micro * self.mesh.dp_size)
-        n -= n % self.mesh.dp_size
+        B = self.cfg.train.global_batch_size
+        n = min(self.cfg.train.eval_batches * B, len(val) // B * B)
         if n == 0:
             return None
         per = n // self.mesh.dp_size

@@ -19,9 +19,11 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # private: used here only
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -45,6 +47,25 @@ def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Modul
     )
     ddp.register_comm_hook(group, allreduce_hook)
     return ddp
+
+
+class AllReduceScatter(ReduceScatter):
+    """Reduce-scatter as an in-place all-reduce of FSDP's flat input, keeping the local chunk.
+
+    Used on gloo only: gloo's reduce-scatter is far slower than its ring all-reduce (30 MB
+    on this 2-core machine: 51 vs 30 ms with 2 ranks, 239 vs 72 ms with 4), so moving
+    twice the bytes this way is faster. NCCL keeps the native reduce-scatter.
+    """
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        dist.all_reduce(input_tensor, op=op, group=group)
+        n = output_tensor.numel()
+        r = dist.get_rank(group)
+        output_tensor.view(-1).copy_(input_tensor.view(-1)[r * n : (r + 1) * n])
+        return None
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> nn.Module:
@@ -72,6 +93,9 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
     fully_shard(model, **kw)
     for cur, nxt in zip(units, units[1:], strict=False):
         cur.set_modules_to_forward_prefetch([nxt])
+    if dist.get_backend(fsdp_mesh.get_group(fsdp_mesh.ndim - 1)) == "gloo":
+        for unit in (*units, model):
+            unit.set_custom_reduce_scatter(AllReduceScatter())
     return model
 
 
