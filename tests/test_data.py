@@ -131,3 +131,16 @@ def test_default_corpus_is_the_stdlib_and_deterministic(tmp_path):
     assert ia["source"] == "python-stdlib" and ia["documents"] > 500
     assert ia["splits"] == ib["splits"]
     assert (a / "train_00000.bin").read_bytes()[:100000] == (b / "train_00000.bin").read_bytes()[:100000]
+
+
+def test_index_from_a_newer_meshforge_is_refused(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("x" * 3000)
+    out = prepare([f], tmp_path / "out", ByteTokenizer(), val_fraction=0)
+    index = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**index, "version": 99}))
+    with pytest.raises(DataError, match=r"newer meshforge \(format version 99 > 1\)"):
+        TokenDataset(out, 16)
+    (out / "index.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"cannot read .*index.json.*meshforge data prepare"):
+        TokenDataset(out, 16)

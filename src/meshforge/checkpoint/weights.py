@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from meshforge.errors import MeshforgeError
+from meshforge.manifest import read_manifest
 from meshforge.models.hf import load_hf_checkpoint, read_hf_config, unwrap
 from meshforge.models.llama import ModelArgs, Transformer, build_model
 
@@ -47,15 +48,7 @@ def save_model_weights(model: nn.Module, path: str | Path) -> Path:
 
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
     p = Path(path)
-    meta_file = p / "meshforge.json"
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MeshforgeError(f"cannot read {meta_file}: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise MeshforgeError(f"{meta_file} is not a meshforge weights file (format {meta.get('format')!r})")
-    if meta.get("version", 0) > VERSION:
-        raise MeshforgeError(f"{meta_file} was written by a newer meshforge (version {meta['version']}); upgrade")
+    meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
     args = ModelArgs(**meta["model"])
     model = build_model(args, device=device, seed=None)
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 
 from meshforge.data.prepare import FORMAT, FORMAT_VERSION
 from meshforge.errors import DataError
+from meshforge.manifest import read_manifest
 
 
 class TokenSplit:
@@ -59,18 +59,9 @@ class TokenDataset:
 
     def __init__(self, root: str | Path, seq_len: int):
         self.root = Path(root)
-        idx_file = self.root / "index.json"
-        try:
-            index = json.loads(idx_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DataError(f"cannot read {idx_file}: {e}; re-run `meshforge data prepare`") from None
-        if index.get("format") != FORMAT:
-            raise DataError(f"{idx_file} is not a meshforge token-shard index (format {index.get('format')!r})")
-        if index.get("version", 0) > FORMAT_VERSION:
-            raise DataError(
-                f"{idx_file} was written by a newer meshforge (format version {index['version']} > "
-                f"{FORMAT_VERSION}); upgrade meshforge or re-prepare the data"
-            )
+        index = read_manifest(
+            self.root / "index.json", FORMAT, FORMAT_VERSION, DataError, "re-run `meshforge data prepare`"
+        )
         self.index = index
         self.vocab_size = int(index["vocab_size"])
         self.tokenizer = index["tokenizer"]
