@@ -39,7 +39,6 @@ def formulas(stage: int, n: int) -> tuple[float, float]:
 
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -52,11 +51,20 @@ def worker(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     tmp = tempfile.mkdtemp()
     base = {
-        "model.hidden": args.hidden, "model.layers": args.layers, "model.heads": args.hidden // 64,
-        "model.kv_heads": max(1, args.hidden // 128), "model.ffn_hidden": args.hidden * 3,
-        "train.seq_len": args.seq_len, "train.global_batch_size": args.micro * world, "train.steps": 10**6,
-        "train.precision": "fp32", "train.device": "cpu", "optim.warmup_steps": 0, "metrics.console": False,
-        "metrics.jsonl": False, "metrics.tensorboard": False,
+        "model.hidden": args.hidden,
+        "model.layers": args.layers,
+        "model.heads": args.hidden // 64,
+        "model.kv_heads": max(1, args.hidden // 128),
+        "model.ffn_hidden": args.hidden * 3,
+        "train.seq_len": args.seq_len,
+        "train.global_batch_size": args.micro * world,
+        "train.steps": 10**6,
+        "train.precision": "fp32",
+        "train.device": "cpu",
+        "optim.warmup_steps": 0,
+        "metrics.console": False,
+        "metrics.jsonl": False,
+        "metrics.tensorboard": False,
     }
     trainers = {}
     for stage in range(4):
@@ -76,10 +84,15 @@ def worker(args: argparse.Namespace) -> None:
 
         model = build_model(trainers[0].args, device="cpu", seed=0)
         config = {
-            "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                      "weight_decay": 0.1, "torch_adam": True}},
+            "train_micro_batch_size_per_gpu": args.micro,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10**9,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+            },
         }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         sampler_trainer = trainers[stage]
@@ -118,11 +131,19 @@ def worker(args: argparse.Namespace) -> None:
             t_mf.append(timed(tr.step_once, args.steps))
             if ds_step:
                 t_ds.append(timed(ds_step, args.steps))
-        results.append({
-            "n": world, "stage": stage, "psi": psi, "mem": mem, "ours": ours * psi, "paper": paper * psi,
-            "step": statistics.median(t_mf), "ds": statistics.median(t_ds) if t_ds else None,
-            "comm": sum(sum(k.values()) for k in tr.comm_bytes.values()),
-        })
+        results.append(
+            {
+                "n": world,
+                "stage": stage,
+                "psi": psi,
+                "mem": mem,
+                "ours": ours * psi,
+                "paper": paper * psi,
+                "step": statistics.median(t_mf),
+                "ds": statistics.median(t_ds) if t_ds else None,
+                "comm": sum(sum(k.values()) for k in tr.comm_bytes.values()),
+            }
+        )
     if rank == 0:
         import json
 
@@ -149,26 +170,46 @@ def main() -> None:
 
     rows = []
     for n in args.nproc:
-        fwd = [f"--hidden={args.hidden}", f"--layers={args.layers}", f"--seq-len={args.seq_len}",
-               f"--micro={args.micro}", f"--blocks={args.blocks}", f"--steps={args.steps}"]
+        fwd = [
+            f"--hidden={args.hidden}",
+            f"--layers={args.layers}",
+            f"--seq-len={args.seq_len}",
+            f"--micro={args.micro}",
+            f"--blocks={args.blocks}",
+            f"--steps={args.steps}",
+        ]
         fwd += ["--no-deepspeed"] if args.no_deepspeed else []
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
-               "--worker", *fwd]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={n}",
+            __file__,
+            "--worker",
+            *fwd,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode:
             sys.exit(f"N={n} failed:\n{out.stderr[-4000:]}")
-        rows += [json.loads(line[len(RESULT_TAG):]) for line in out.stdout.splitlines() if line.startswith(RESULT_TAG)]
+        rows += [json.loads(line[len(RESULT_TAG) :]) for line in out.stdout.splitlines() if line.startswith(RESULT_TAG)]
     psi = rows[0]["psi"]
-    print(f"model: {psi / 1e6:.2f}M parameters (Ψ), hidden {args.hidden}, {args.layers} layers, "
-          f"{args.micro} x {args.seq_len} tokens per rank per step, fp32, gloo")
-    print(f"{'N':>2} {'stage':>5} | {'state MiB':>9} | {'formula':>11} {'ratio':>6} | {'ZeRO paper':>10} | "
-          f"{'step s':>7} | {'DeepSpeed s':>11} | {'DS/ours':>7} | {'comm MiB':>8}")
+    print(
+        f"model: {psi / 1e6:.2f}M parameters (Ψ), hidden {args.hidden}, {args.layers} layers, "
+        f"{args.micro} x {args.seq_len} tokens per rank per step, fp32, gloo"
+    )
+    print(
+        f"{'N':>2} {'stage':>5} | {'state MiB':>9} | {'formula':>11} {'ratio':>6} | {'ZeRO paper':>10} | "
+        f"{'step s':>7} | {'DeepSpeed s':>11} | {'DS/ours':>7} | {'comm MiB':>8}"
+    )
     for r in rows:
         ds = f"{r['ds']:11.3f} | {r['ds'] / r['step']:6.3f}x" if r["ds"] else f"{'-':>11} | {'-':>7}"
-        print(f"{r['n']:>2} {r['stage']:>5} | {r['mem'] / 2**20:9.2f} | {r['ours'] / 2**20:8.2f}MiB "
-              f"{r['mem'] / r['ours']:6.3f} | {r['paper'] / 2**20:7.2f}MiB | {r['step']:7.3f} | {ds} | "
-              f"{r['comm'] / 2**20:8.2f}")
+        print(
+            f"{r['n']:>2} {r['stage']:>5} | {r['mem'] / 2**20:9.2f} | {r['ours'] / 2**20:8.2f}MiB "
+            f"{r['mem'] / r['ours']:6.3f} | {r['paper'] / 2**20:7.2f}MiB | {r['step']:7.3f} | {ds} | "
+            f"{r['comm'] / 2**20:8.2f}"
+        )
     print("ratio: measured / formula (target within 5%); DS/ours > 1: meshforge faster (target >= 1)")
 
 
