@@ -68,9 +68,23 @@ def cli_args(overrides: dict) -> list[str]:
     return out
 
 
+# Failures of the local rendezvous itself (a port taken between being picked and bound),
+# not of meshforge: a multi-rank launch that dies of one of these is started once more.
+_LAUNCH_ERRORS = (
+    "EADDRINUSE",
+    "Address already in use",
+    "DistNetworkError",
+    "RendezvousConnectionError",
+    "RendezvousTimeoutError",
+)
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "meshforge", *args], capture_output=True, text=True, timeout=timeout, env=e
-    )
+    cmd = [sys.executable, "-m", "meshforge", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    if r.returncode and "--nproc" in args and any(m in r.stderr for m in _LAUNCH_ERRORS):
+        print(f"rendezvous failure, launching once more:\n{r.stderr[-2000:]}", file=sys.stderr)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    return r
