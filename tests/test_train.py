@@ -181,6 +181,12 @@ def test_bad_input_is_one_clear_paragraph_and_exit_2(tmp_path, corpus, override,
     assert not (tmp_path / "run").exists()
 
 
+def test_restarts_without_checkpoints_refused(tmp_path, corpus):
+    r = run_cli("train", "--nproc", "2", "--max-restarts", "2", *cli_args(tiny_overrides(tmp_path / "run", corpus)))
+    assert r.returncode == 2 and "--max-restarts 2" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_too_many_local_ranks_refused_before_start(tmp_path, corpus):
     r = run_cli("train", "--nproc", "512", *cli_args(tiny_overrides(tmp_path / "run", corpus)))
     assert r.returncode == 2 and "--nproc 512" in r.stderr and "Traceback" not in r.stderr

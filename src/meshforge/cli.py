@@ -74,6 +74,11 @@ def cmd_train(argv: list[str]) -> int:
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
+    if restarts:
+        raise ConfigError(
+            f"--max-restarts {restarts}: restarting needs periodic checkpoints to resume from, which this version "
+            "of meshforge does not write yet; leave --max-restarts out"
+        )
     if under_torchrun():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
