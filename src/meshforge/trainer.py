@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -265,21 +266,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches global batches of the validation split.
+        """Mean loss over eval_batches global batches' worth of validation sequences.
 
-        The set is a whole number of global batches, split contiguously over the
-        data-parallel ranks, so every layout evaluates the same sequences."""
+        The sequences are spread evenly over the whole validation split (not its first
+        block), and the set is a whole number of global batches split contiguously over
+        the data-parallel ranks, so every layout evaluates the same sequences."""
         val = self.data.val
         B = self.cfg.train.global_batch_size
         n = min(self.cfg.train.eval_batches * B, len(val) // B * B)
         if n == 0:
             return None
+        chosen = np.arange(n, dtype=np.int64) * len(val) // n
         per = n // self.mesh.dp_size
-        start = self.mesh.dp_rank * per
+        mine = chosen[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per]
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for s in range(start, start + per, self.micro):
-            idx = list(range(s, min(s + self.micro, start + per)))
-            batch = val.get(idx).to(self.device)
+        for s in range(0, per, self.micro):
+            batch = val.get(mine[s : s + self.micro]).to(self.device)
             with autocast(self.device, self.precision) if self.autocast else contextlib.nullcontext():
                 logits = self.model(batch[:, :-1])
             total += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").double()
