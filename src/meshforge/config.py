@@ -24,6 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from meshforge.errors import ConfigError
+from meshforge.parallel.mesh import resolve_degrees
 
 
 @dataclass
@@ -415,39 +416,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"train.micro_batch_size = {t.micro_batch_size} must divide the per-rank batch "
         f"global_batch_size / dp = {t.global_batch_size // dp}",
     )
-
-
-DEGREE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
-    """Mesh degrees with a -1 inferred; refuses products that do not match the world size."""
-    degrees = {k: getattr(p, k) for k in DEGREE_KEYS}
-    for k, v in degrees.items():
-        if v == 0 or v < -1:
-            raise ConfigError(f"parallel.{k} = {v} must be >= 1 (or -1 to infer it)")
-    free = [k for k, v in degrees.items() if v == -1]
-    if len(free) > 1:
-        raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
-    known = 1
-    for v in degrees.values():
-        known *= v if v > 0 else 1
-    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
-    if free:
-        if world_size % known:
-            raise ConfigError(
-                f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
-                f"product {known}; use a world size that is a multiple of {known} or change the degrees"
-            )
-        degrees[free[0]] = world_size // known
-    elif known != world_size:
-        fix = world_size // (known // p.dp_shard) if world_size % (known // p.dp_shard) == 0 else None
-        hint = f"set parallel.dp_shard = {fix}" if fix else "make their product equal the world size"
-        raise ConfigError(
-            f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
-            f"set parallel.dp_shard = -1 to infer it, or {hint}"
-        )
-    return degrees
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

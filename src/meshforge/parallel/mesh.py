@@ -19,12 +19,16 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshforge.config import Config, resolve_degrees
+from meshforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshforge.config import Config, ParallelConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {
@@ -82,6 +86,36 @@ class Mesh:
         return out
 
 
+def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Mesh degrees with a -1 inferred; refuses products that do not match the world size."""
+    degrees = {k: getattr(p, k) for k in DIMS}
+    for k, v in degrees.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k} = {v} must be >= 1 (or -1 to infer it)")
+    free = [k for k, v in degrees.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
+    known = 1
+    for v in degrees.values():
+        known *= v if v > 0 else 1
+    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if free:
+        if world_size % known:
+            raise ConfigError(
+                f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
+                f"product {known}; use a world size that is a multiple of {known} or change the degrees"
+            )
+        degrees[free[0]] = world_size // known
+    elif known != world_size:
+        fix = world_size // (known // p.dp_shard) if world_size % (known // p.dp_shard) == 0 else None
+        hint = f"set parallel.dp_shard = {fix}" if fix else "make their product equal the world size"
+        raise ConfigError(
+            f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
+            f"set parallel.dp_shard = -1 to infer it, or {hint}"
+        )
+    return degrees
+
+
 def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -90,8 +124,6 @@ def pick_device(requested: str) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from meshforge.errors import ConfigError
-
             raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use train.device = 'cpu'")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

@@ -13,14 +13,18 @@ refused by config validation until they land.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from meshforge.config import Config
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.mesh import Mesh
+
+if TYPE_CHECKING:
+    from meshforge.config import Config
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
