@@ -164,10 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Parser(argparse.ArgumentParser):
-    pass
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

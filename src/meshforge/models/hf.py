@@ -6,7 +6,6 @@ one by name; only the names differ. Tensors go through safetensors only (never p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -265,7 +264,3 @@ def save_hf_state(
         )
     (out / "config.json").write_text(json.dumps(hf_config_from_args(args, out_dtype), indent=2))
     return out
-
-
-def args_dict(a: ModelArgs) -> dict:
-    return dataclasses.asdict(a)
