@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -69,6 +70,9 @@ class ParallelConfig:
     # unsharded gradient memory under ZeRO-2/3 at the cost of more communication).
     sync_every_microbatch: bool = False
     ddp_bucket_mb: int = 25
+    # Under tp > 1: run norms and residuals on sequence shards (reduce-scatter/all-gather
+    # instead of all-reduce: same bytes, 1/tp of those activations). Off: replicated.
+    sequence_parallel: bool = True
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     num_microbatches: int = 0  # 0: chosen from the batch
@@ -391,12 +395,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
     need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
     degrees = resolve_degrees(p, world_size)
-    for k in ("tp", "pp", "cp"):
+    for k in ("pp", "cp"):
         need(
             degrees[k] == 1,
-            f"parallel.{k} = {degrees[k]}: this version of meshforge runs the data-parallel family only "
-            f"(DDP, ZeRO-1/2/3, HSDP); set parallel.{k} = 1",
+            f"parallel.{k} = {degrees[k]}: this version of meshforge runs data and tensor parallelism only "
+            f"(DDP, ZeRO-1/2/3, HSDP, TP+SP); set parallel.{k} = 1",
         )
+    validate_tp(cfg, args, degrees, node_size())
     need(p.ep == 1, f"parallel.ep = {p.ep}: expert parallelism is not available in this version; set it to 1")
     need(
         degrees["dp_replicate"] == 1 or p.zero_stage >= 2,
@@ -416,6 +421,59 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"train.micro_batch_size = {t.micro_batch_size} must divide the per-rank batch "
         f"global_batch_size / dp = {t.global_batch_size // dp}",
     )
+
+
+def node_size() -> int | None:
+    """Ranks per node when a launcher says so (torchrun's LOCAL_WORLD_SIZE), else unknown."""
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(v) if v and v.isdigit() else None
+
+
+def validate_tp(cfg: Config, args: Any, degrees: dict[str, int], ranks_per_node: int | None) -> None:
+    """Tensor parallelism shards whole heads, FFN columns and vocabulary rows: each must divide."""
+    tp = degrees["tp"]
+    if tp == 1:
+        return
+    p, t = cfg.parallel, cfg.train
+
+    def divisible(value: int, key: str, what: str, fix: str = "") -> None:
+        if value % tp:
+            smaller = max(d for d in range(1, tp) if tp % d == 0 and value % d == 0)
+            raise ConfigError(
+                f"{key} = {value} is not divisible by parallel.tp = {tp} (tensor parallelism splits the {what} "
+                f"evenly over the tp ranks); {fix or f'use a parallel.tp that divides it (e.g. {smaller})'}"
+            )
+
+    divisible(args.heads, "model.heads", "query heads")
+    divisible(args.kv_heads, "model.kv_heads", "key/value heads (grouped-query attention keeps whole kv heads)")
+    divisible(args.ffn_hidden, "model.ffn_hidden", "feed-forward columns")
+    padded = -(-args.vocab_size // tp) * tp
+    divisible(
+        args.vocab_size,
+        "model.vocab_size",
+        "vocabulary (embedding rows and head columns)",
+        f"pad the vocabulary: set --model.vocab_size={padded} (the extra rows are never produced by the "
+        "tokenizer and cost nothing but memory)",
+    )
+    if p.sequence_parallel:
+        divisible(
+            t.seq_len,
+            "train.seq_len",
+            "sequence under sequence parallelism",
+            f"use a multiple of {tp} (e.g. {-(-t.seq_len // tp) * tp}) or set parallel.sequence_parallel = false",
+        )
+    if ranks_per_node is not None and tp > ranks_per_node:
+        raise ConfigError(
+            f"parallel.tp = {tp} is larger than the {ranks_per_node} ranks per node: tensor parallelism "
+            "communicates on every layer and must stay on one node's fast links; use parallel.tp <= "
+            f"{ranks_per_node} and scale out with data or pipeline parallelism"
+        )
+    if p.zero_stage == 1:
+        raise ConfigError(
+            f"parallel.zero_stage = 1 with parallel.tp = {tp}: ZeRO-1 (ZeroRedundancyOptimizer) does not take "
+            "tensor-parallel shards; use parallel.zero_stage = 2 (the same communication as ZeRO-1, and "
+            "gradients sharded too) or 0"
+        )
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

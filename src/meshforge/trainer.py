@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import resource
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from meshforge.checkpoint.weights import load_pretrained, save_weights, shape_mismatch
 from meshforge.config import Config, resolve, to_toml
@@ -43,9 +43,11 @@ from meshforge.models.llama import build_model
 from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.data_parallel import gradient_sync, make_optimizer
+from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import is_sharded, parallelize, uses_autocast
 from meshforge.parallel.precision import autocast, resolve_precision
+from meshforge.parallel.tensor_parallel import local_value, loss_context, match_grad_layouts
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
@@ -189,6 +191,7 @@ class Trainer:
                 )
             set_model_state_dict(self.model, pre.state_dict(), options=StateDictOptions(full_state_dict=True))
         self.sharded = is_sharded(cfg, mesh)
+        self.tp = mesh.degrees["tp"] > 1
         self.autocast = uses_autocast(cfg, mesh)
         self.optimizer = build_optimizer(self.model, cfg, mesh)
         self.comm = CommCounter(mesh.groups_by_axis()).activate() if mesh.distributed else None
@@ -227,22 +230,21 @@ class Trainer:
         for i in range(self.accum):
             sl = slice(i * self.micro, (i + 1) * self.micro)
             last = i == self.accum - 1
-            with gradient_sync(self.train_model, last or sync_all):
+            with gradient_sync(self.train_model, last or sync_all), loss_context(self.tp):
                 with autocast(self.device, self.precision) if self.autocast else contextlib.nullcontext():
                     logits = self.train_model(inputs[sl])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets[sl].flatten())
                 if last and self.sharded:
                     gathered = gathered_param_bytes(self.model)  # what ZeRO-2 keeps gathered for backward
                 (loss / self.accum).backward()
-            total += loss.detach()
+            total += local_value(loss.detach())
         loss = total / self.accum
         if self.mesh.distributed:
             dist.all_reduce(loss, group=self.mesh.group("dp"))
             loss /= self.mesh.dp_size
-        clip = self.cfg.train.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        if self.tp and not self.sharded:
+            match_grad_layouts(self.model)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
         self.optimizer.step()
         self.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
         self.optimizer.zero_grad(set_to_none=True)
@@ -284,7 +286,9 @@ class Trainer:
             batch = val.get(mine[s : s + self.micro]).to(self.device)
             with autocast(self.device, self.precision) if self.autocast else contextlib.nullcontext():
                 logits = self.model(batch[:, :-1])
-            total += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").double()
+            with loss_context(self.tp):
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+            total += local_value(loss).double()
         if self.mesh.distributed:
             dist.all_reduce(total, group=self.mesh.group("dp"))
         return float(total) / (n * self.cfg.train.seq_len)
@@ -420,7 +424,16 @@ class Trainer:
         want = self.cfg.checkpoint.save_final or self.cfg.checkpoint.export_hf
         state = None
         if want:
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            # gathering TP x FSDP shards takes two all-gathers per tensor, which DTensor warns
+            # about per tensor; for a one-off save that is fine
+            quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+                state = get_model_state_dict(self.model, options=opts)
+            finally:
+                quiet.setLevel(level)
         if not self.mesh.is_main:
             return
         run_dir = Path(self.cfg.run.dir)

@@ -20,6 +20,11 @@ _SAVE_OPS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.linear.default,
+    # under tensor parallelism, keep the (sequence-sharded, small) reduced outputs rather than
+    # repeat a collective; the all-gather in front of a column layer is redone in backward,
+    # as Megatron-LM does, since its output is the full sequence
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
 }
 
 

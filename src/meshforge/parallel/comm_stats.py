@@ -2,8 +2,10 @@
 checked against theory.
 
 FSDP2, DDP's comm hook, ZeroRedundancyOptimizer and meshforge itself call collectives
-through ``torch.distributed``'s Python functions; wrapping those functions (here, and
-only here) sees all of them without touching the libraries. Bytes are *wire bytes per
+through ``torch.distributed``'s Python functions; DTensor (tensor parallelism, loss
+parallel) calls the functional collectives in ``torch.distributed._functional_collectives``
+by module attribute. Wrapping both sets of functions (here, and only here) sees all of
+them without touching the libraries. Bytes are *wire bytes per
 rank* under ring algorithms, the unit the textbook formulas use: for a payload of S
 bytes on n ranks an all-reduce moves 2(n-1)/n·S, an all-gather or reduce-scatter
 (n-1)/n·S (S = the full, unsharded size), a broadcast or point-to-point S.
@@ -33,6 +35,25 @@ _RING = {
     "isend": ("p2p", "tensor", lambda n: 1.0),
 }
 
+# the functional collectives DTensor uses; all_gather_single's argument is the local shard
+_FUNCOL = {
+    "all_reduce": ("all_reduce", "self", lambda n: 2 * (n - 1) / n),
+    "all_gather_single": ("all_gather", "self", lambda n: n - 1.0),
+    "reduce_scatter_single": ("reduce_scatter", "self", lambda n: (n - 1) / n),
+    "all_to_all_single": ("all_to_all", "self", lambda n: (n - 1) / n),
+}
+
+
+def _process_group(group: Any) -> Any:
+    """A functional collective's group argument ((mesh, dim), a 1-D mesh, or a group) as a ProcessGroup."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        return group[0].get_group(group[1])
+    if isinstance(group, DeviceMesh):
+        return group.get_group()
+    return group
+
 
 def _nbytes(t: Any) -> int:
     if isinstance(t, torch.Tensor):
@@ -48,27 +69,33 @@ class CommCounter:
     _installed = False
     _active: CommCounter | None = None
 
-    def __init__(self, axis_of_group: dict[Any, str] | None = None):
-        self.axis_of_group = dict(axis_of_group or {})
+    def __init__(self, axis_of_group: dict[Any, str] | None = None, trace: bool = False):
+        self.axis_of_group = {_group_key(g): axis for g, axis in (axis_of_group or {}).items()}
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, int] = defaultdict(int)
+        self.trace: list[tuple[str, str, int]] | None = [] if trace else None  # (axis, kind, payload bytes)
         self._lock = threading.Lock()
 
-    def record(self, fn_name: str, bound: inspect.BoundArguments) -> None:
-        kind, arg, factor = _RING[fn_name]
-        group = bound.arguments.get("group")
+    def record(self, table: dict, fn_name: str, bound: inspect.BoundArguments) -> None:
+        kind, arg, factor = table[fn_name]
+        group = _process_group(bound.arguments.get("group"))
         n = dist.get_world_size(group)
         if n <= 1:
             return
-        axis = self.axis_of_group.get(group, "world" if group is None else "other")
+        axis = self.axis_of_group.get(_group_key(group), "world" if group is None else "other")
+        payload = _nbytes(bound.arguments.get(arg))
         with self._lock:
-            self.bytes[axis][kind] += _nbytes(bound.arguments.get(arg)) * factor(n)
+            self.bytes[axis][kind] += payload * factor(n)
             self.calls[kind] += 1
+            if self.trace is not None:
+                self.trace.append((axis, kind, payload))
 
     def reset(self) -> None:
         with self._lock:
             self.bytes.clear()
             self.calls.clear()
+            if self.trace is not None:
+                self.trace.clear()
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
@@ -86,21 +113,31 @@ class CommCounter:
     def _install(cls) -> None:
         if cls._installed:
             return
-        for name in _RING:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            sig = inspect.signature(fn)
+        import torch.distributed._functional_collectives as funcol  # private module: wrapped here only
 
-            @functools.wraps(fn)
-            def wrapper(*args, _fn=fn, _name=name, _sig=sig, **kwargs):
-                counter = CommCounter._active
-                if counter is not None:
-                    try:
-                        counter.record(_name, _sig.bind(*args, **kwargs))
-                    except TypeError:
-                        pass  # let the real call raise its own error
-                return _fn(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
+        for module, table in ((dist, _RING), (funcol, _FUNCOL)):
+            for name in table:
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    setattr(module, name, _wrap(fn, table, name))
         cls._installed = True
+
+
+def _group_key(group: Any) -> Any:
+    return getattr(group, "group_name", group)
+
+
+def _wrap(fn: Any, table: dict, name: str) -> Any:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        counter = CommCounter._active
+        if counter is not None:
+            try:
+                counter.record(table, name, sig.bind(*args, **kwargs))
+            except TypeError:
+                pass  # let the real call raise its own error
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -16,6 +16,7 @@ replicates across groups: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -74,11 +75,23 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
     The embedding and the final norm + head get units of their own (unless tied), so the
     root holds no parameters and stage 3 keeps nothing gathered between forward and
     backward. Each block prefetches the next block's all-gather in forward.
+
+    Stage 0 (only reached under tensor parallelism, where DDP cannot take DTensors) is
+    FSDP2 on the 2-D mesh (dp, cp) with cp = 1: replicate over all of dp, "shard" over one
+    rank, which is DDP's all-reduce of gradients.
     """
-    dims = ("dp_replicate", "dp_shard") if mesh.degrees["dp_replicate"] > 1 else ("dp_shard",)
-    fsdp_mesh = mesh.device_mesh[dims]
+    if zero_stage < 2:
+        dims: tuple[str, ...] = ("dp", "cp")
+    elif mesh.degrees["dp_replicate"] > 1:
+        dims = ("dp_replicate", "dp_shard")
+    else:
+        dims = ("dp_shard",)
+    fsdp_mesh = mesh.slice(dims)
+    # Under TP the embedding unit returns a view; the model never changes it in place, which
+    # is what FSDP2's warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard = zero_stage == 3
+    reshard = zero_stage == 3  # (stage 0 on a one-rank shard has nothing to reshard)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     blocks = list(model.layers.values())
     units: list[FSDPModule] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ class Mesh:
     device: torch.device
     degrees: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMS, 1))
     device_mesh: DeviceMesh | None = None
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:
@@ -66,7 +68,18 @@ class Mesh:
     def submesh(self, name: str) -> DeviceMesh:
         """A named dimension or flattened sub-mesh (see module docstring)."""
         assert self.device_mesh is not None, "a world of one has no mesh"
-        return self.device_mesh[name]
+        return self.flattened[name] if name in self.flattened else self.device_mesh[name]
+
+    def slice(self, dims: tuple[str, ...]) -> DeviceMesh:
+        """A sub-mesh over several dimensions, flattened ones allowed (e.g. ("dp", "cp"))."""
+        if len(dims) == 1:
+            return self.submesh(dims[0])
+        assert self.device_mesh is not None, "a world of one has no mesh"
+        with warnings.catch_warnings():
+            # PyTorch warns that slicing a flattened dimension from the root may go away; it is
+            # the only public way to combine one with another dimension, so keep it in one place.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.device_mesh[dims]
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         return self.submesh(name).get_group() if self.device_mesh is not None else None
@@ -130,9 +143,9 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> None:
+def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     """Register a flattened sub-mesh; DeviceMesh._flatten is private, so it is wrapped here only."""
-    mesh[dims]._flatten(name)
+    return mesh[dims]._flatten(name)
 
 
 def build_mesh(cfg: Config, timeout_s: float = 600.0) -> Mesh:
@@ -148,9 +161,8 @@ def build_mesh(cfg: Config, timeout_s: float = 600.0) -> Mesh:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     device_mesh = init_device_mesh(device.type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
-    for name, dims in FLATTENED.items():
-        _flatten(device_mesh, dims, name)
-    return Mesh(rank, world, local_rank, device, degrees, device_mesh)
+    flattened = {name: _flatten(device_mesh, dims, name) for name, dims in FLATTENED.items()}
+    return Mesh(rank, world, local_rank, device, degrees, device_mesh, flattened)
 
 
 def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:

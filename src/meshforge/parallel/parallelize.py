@@ -7,8 +7,14 @@ see the checkpointed block, and data parallelism goes last so its hooks see the 
 parameters. The model arrives on the meta device and is materialised here, after
 sharding, so a rank only ever allocates its own shards; every shard is filled from the
 seed-determined full values, so any layout starts from the single-process weights.
-This version applies AC, compile and the data-parallel family; the other axes are
-refused by config validation until they land.
+This version applies TP/SP, AC, compile and the data-parallel family; the other axes
+are refused by config validation until they land.
+
+With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
+data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
+0 is FSDP2 on a (dp, 1) mesh, i.e. replicated parameters with gradients all-reduced per
+block during backward (DDP's semantics, with one extra parameter copy for FSDP2's
+gathered buffer).
 """
 
 from __future__ import annotations
@@ -22,14 +28,15 @@ from meshforge.models.llama import Transformer, init_weights
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
     from meshforge.config import Config
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Parameters and gradients sharded with FSDP2 (ZeRO-2/3, HSDP)."""
-    return mesh.dp_size > 1 and cfg.parallel.zero_stage >= 2
+    """Data parallelism runs on FSDP2 (ZeRO-2/3, HSDP, and any dp under tensor parallelism)."""
+    return mesh.dp_size > 1 and (cfg.parallel.zero_stage >= 2 or mesh.degrees["tp"] > 1)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
@@ -43,6 +50,8 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
     device and initialise it from ``seed`` (None: leave it for a state-dict load).
     Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
     blocks = list(model.layers.values())
+    if mesh.degrees["tp"] > 1:
+        apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
     if cfg.train.compile:
         for block in blocks:

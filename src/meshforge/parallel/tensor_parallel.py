@@ -1,0 +1,144 @@
+"""Tensor parallelism (Megatron-LM column/row) with sequence parallelism, on the ``tp`` mesh dimension.
+
+Per block, as in Megatron-LM:
+
+- attention: ``wq``, ``wk``, ``wv`` column-parallel, so each rank owns heads/tp query heads
+  and kv_heads/tp key/value heads (whole heads: attention itself needs no communication);
+  ``wo`` row-parallel;
+- feed-forward: ``w1`` and ``w3`` column-parallel, ``w2`` row-parallel.
+
+A column layer's output is exactly the row layer's input shard, so the only collective
+in a sub-layer is the one that sums the row layer's partial outputs: one per sub-layer
+in forward, and its mirror image (in the column layer's input gradient) in backward.
+
+Without sequence parallelism (SP) that collective is an all-reduce and the norms and
+residual adds run replicated on the full sequence. With SP (``parallel.sequence_parallel``,
+on by default) the all-reduce is split into its two halves: a reduce-scatter leaves each
+rank 1/tp of the sequence, where the norm and residual run (1/tp of their activation
+memory), and an all-gather rebuilds the full sequence in front of the next column layer.
+Same bytes on the wire, less memory.
+
+The embedding is vocab-parallel (each rank holds vocab/tp rows; tokens outside its range
+give zeros and the partial sums are reduced); the head is column-parallel over the
+vocabulary and the loss is computed on those shards (``loss_parallel``), so the full
+b x s x vocab logits are never gathered.
+
+DTensor's ``parallelize_module`` styles cover all of this; this file only says which
+style goes where.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from meshforge.models.llama import Transformer
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module run whole on every tp rank, its parameters replicated DTensors.
+
+    Without SP the norms see the full (replicated) activations; their weights still become
+    DTensors so that every parameter of a TP model is one, which the foreach optimizer
+    and the state-dict helpers need. Inputs and outputs stay plain tensors.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def to_local(mod, outputs, mesh):
+            return outputs.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The Megatron layout of one transformer block, keyed by submodule name.
+
+    The attention and feed-forward inputs become one replicated DTensor shared by their
+    column layers, so backward sums the column layers' input gradients first and then
+    reduces once (Megatron's "f" operator); letting each column layer convert its own
+    input would reduce three times in attention and twice in the feed-forward.
+    """
+    seq, full = Shard(1), Replicate()
+    act = seq if sequence_parallel else full
+    norm = SequenceParallel if sequence_parallel else ReplicateParallel
+    return {
+        "attention_norm": norm(),
+        # SP: all-gather the normed sequence shards once, in front of the three column layers
+        "attention": PrepareModuleInput(input_layouts=(act, None, None), desired_input_layouts=(full, None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=act),  # SP: reduce-scatter; else all-reduce
+        "ffn_norm": norm(),
+        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(full,)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=act),
+    }
+
+
+def outer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Embedding, final norm and head. The head keeps its vocab-sharded logits as a
+    DTensor (``use_local_output=False``) for the loss-parallel cross-entropy."""
+    act = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+    }
+    plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    return plan
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (usually still on the meta device) over ``tp_mesh`` in place.
+
+    A tied head shares the embedding's table: both are sharded on the vocab dimension
+    (rows of the embedding, output features of the head), so after sharding the head is
+    re-pointed at the embedding's DTensor and the two stay one parameter.
+    """
+    parallelize_module(model, tp_mesh, outer_plan(sequence_parallel))
+    plan = block_plan(sequence_parallel)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plan)
+    model.tie_weights()
+
+
+def loss_context(tp: bool) -> contextlib.AbstractContextManager:
+    """Around the loss and its backward: cross-entropy on vocab-sharded logits under TP."""
+    return loss_parallel() if tp else contextlib.nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (a plain tensor passes through)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def match_grad_layouts(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's layout, once per step before clipping.
+
+    Under sequence parallelism a norm weight's gradient comes out of backward as a partial
+    sum over the sequence shards (one small all-reduce fixes it), and the vocab-parallel
+    embedding's comes out replicated (taking this rank's rows is free). FSDP2 does the
+    same itself when it reduces gradients; this covers tp without data parallelism.
+    """
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
