@@ -126,5 +126,39 @@ def test_hsdp_needs_a_sharded_stage():
 
 
 def test_axes_not_yet_available_are_refused_by_name():
-    with pytest.raises(ConfigError, match=r"parallel.tp = 2: .*set parallel.tp = 1"):
-        resolve(load_config(None, {"parallel.tp": 2}), world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.pp = 2: .*set parallel.pp = 1"):
+        resolve(load_config(None, {"parallel.pp": 2}), world_size=2)
+
+
+TP_SHAPE = {"model.hidden": 64, "model.heads": 8, "model.kv_heads": 4, "model.ffn_hidden": 128}
+
+
+@pytest.mark.parametrize(
+    "override, tp, pattern",
+    [
+        ({"model.heads": 4, "model.kv_heads": 4}, 8, r"model.heads = 4 is not divisible by parallel.tp = 8.*e.g. 4"),
+        ({"model.kv_heads": 2}, 4, r"model.kv_heads = 2 is not divisible by parallel.tp = 4 .*key/value heads"),
+        ({"model.ffn_hidden": 130}, 4, r"model.ffn_hidden = 130 is not divisible by parallel.tp = 4.*e.g. 2"),
+        ({"model.vocab_size": 258}, 4, r"model.vocab_size = 258 .*pad the vocabulary: set --model.vocab_size=260"),
+        ({"train.seq_len": 30}, 4, r"train.seq_len = 30 .*sequence parallelism.*e.g. 32.*sequence_parallel = false"),
+        ({"parallel.zero_stage": 1}, 2, r"zero_stage = 1 with parallel.tp = 2.*zero_stage = 2"),
+    ],
+)
+def test_tp_shapes_that_do_not_split_are_refused(override, tp, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        resolve(load_config(None, {**TP_SHAPE, "parallel.tp": tp, **override}), world_size=tp)
+
+
+def test_tp_accepts_what_splits_and_seq_len_needs_sp_only():
+    cfg = resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8)
+    assert (cfg.parallel.tp, cfg.parallel.dp_shard, cfg.parallel.sequence_parallel) == (4, 2, True)
+    o = {**TP_SHAPE, "parallel.tp": 4, "train.seq_len": 30, "parallel.sequence_parallel": False}
+    assert resolve(load_config(None, o), world_size=4).train.seq_len == 30
+
+
+def test_tp_must_stay_inside_a_node(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"parallel.tp = 4 is larger than the 2 ranks per node.*tp <= 2"):
+        resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8).parallel.tp == 4
