@@ -49,6 +49,8 @@ LAYOUTS = {  # name: (ranks, overrides)
         4,
         {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.zero_stage": 2},
     ),
+    # recomputation wraps the sharded block (TP -> AC); selective keeps the reduce-scatters
+    "tp2-selective-ac": (2, {"parallel.tp": 2, "train.activation_checkpoint": "selective"}),
     # a head tied to the embedding (Llama 3.2): one vocab-sharded table for both
     "tp2-tied": (2, {"parallel.tp": 2, "model.tie_embeddings": True}),
     "dp_shard2-tp2-tied": (
