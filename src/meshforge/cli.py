@@ -74,10 +74,10 @@ def cmd_train(argv: list[str]) -> int:
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
-    if restarts:
+    if restarts and (cfg.checkpoint.interval == 0 or cfg.checkpoint.load == "none"):
         raise ConfigError(
-            f"--max-restarts {restarts}: restarting needs periodic checkpoints to resume from, which this version "
-            "of meshforge does not write yet; leave --max-restarts out"
+            f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
+            'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
     if under_torchrun():
         if nproc > 1:
@@ -85,7 +85,7 @@ def cmd_train(argv: list[str]) -> int:
         summary = train(cfg)
         return 0 if summary else 1
     check_nproc(nproc, cfg.train.device)
-    if nproc == 1:
+    if nproc == 1 and not restarts:
         train(cfg)
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
@@ -132,6 +132,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise MeshforgeError(f"--out {out} exists and is not empty; choose a new directory")
+    if args.from_checkpoint:
+        from meshforge.checkpoint.export import checkpoint_to_hf
+
+        path = checkpoint_to_hf(Path(args.from_checkpoint), out)
+        print(f"converted checkpoint {path} -> Hugging Face checkpoint {out} (loads with from_pretrained)")
+        return 0
     if args.from_hf:
         model = load_hf_checkpoint(args.from_hf)
         save_model_weights(model, out)
@@ -156,10 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, help="directory to create")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
     prep.add_argument("--val-fraction", type=float, default=0.01)
-    conv = sub.add_parser("convert", help="convert between Hugging Face and meshforge weights")
+    conv = sub.add_parser("convert", help="convert between Hugging Face, meshforge weights and checkpoints")
     g = conv.add_mutually_exclusive_group(required=True)
     g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama directory to read")
     g.add_argument("--to-hf", metavar="DIR", help="meshforge weights (e.g. a run's final/) to write as Hugging Face")
+    g.add_argument(
+        "--from-checkpoint",
+        metavar="DIR",
+        help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
+    )
     conv.add_argument("--out", required=True, metavar="DIR")
     return p
 

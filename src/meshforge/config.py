@@ -123,10 +123,15 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between periodic checkpoints; 0: none
-    keep: int = 3
-    async_: bool = field(default=False, metadata={"key": "async"})
-    load: str = "none"
+    # steps between sharded training checkpoints (in run.dir/checkpoints); 0: none;
+    # "auto": the Young/Daly optimum sqrt(2 x save cost x MTBF) from the measured save cost
+    interval: int | str = 0
+    keep: int = 3  # complete checkpoints kept (older ones are deleted)
+    async_: bool = field(default=False, metadata={"key": "async"})  # write in the background
+    # "latest": resume from the newest complete checkpoint in run.dir/checkpoints if there
+    # is one; "none": never resume; or a checkpoint directory (or a checkpoints/ folder)
+    load: str = "latest"
+    mtbf_hours: float = 24.0  # mean time between failures of the job, for interval = "auto"
     save_final: bool = True  # write the final weights (also after Ctrl-C) to run.dir/final
     export_hf: bool = False  # also write run.dir/final as a Hugging Face directory
 
@@ -376,20 +381,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(0 <= cfg.data.val_fraction < 1, f"data.val_fraction = {cfg.data.val_fraction} must be in [0, 1)")
     need(cfg.metrics.log_interval > 0, f"metrics.log_interval = {cfg.metrics.log_interval} must be > 0")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep = {cfg.checkpoint.keep} must be >= 1")
+    c = cfg.checkpoint
     need(
-        cfg.checkpoint.interval == 0,
-        "checkpoint.interval: periodic sharded checkpoints are not available in this version of meshforge; "
-        "set checkpoint.interval = 0 (the final weights are still saved to run.dir/final)",
+        c.interval == "auto" or (isinstance(c.interval, int) and c.interval >= 0),
+        f'checkpoint.interval = {c.interval!r} must be a number of steps >= 0 (0: no checkpoints) or "auto"',
     )
-    need(
-        cfg.checkpoint.load in ("none", ""),
-        "checkpoint.load: resuming from a checkpoint is not available in this version of meshforge; "
-        "use model.init_from = PATH to start from saved weights",
-    )
-    need(
-        not cfg.checkpoint.async_,
-        "checkpoint.async: asynchronous checkpoints are not available in this version; set it to false",
-    )
+    need(c.mtbf_hours > 0, f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
 
     need(p.ep >= 1 and p.pp_virtual_stages >= 1, "parallel.ep and parallel.pp_virtual_stages must be >= 1")
     need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")

@@ -27,6 +27,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from meshforge import faults
+from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.manager import (
+    Checkpointer,
+    model_shape_hash,
+    resolve_load,
+    restart_count,
+    set_rng_state,
+    young_daly_steps,
+)
+from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import load_pretrained, save_weights, shape_mismatch
 from meshforge.config import Config, resolve, to_toml
 from meshforge.data.dataset import TokenDataset
@@ -59,15 +70,26 @@ def default_run_dir(cfg: Config) -> str:
     return str(Path("runs") / f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def resuming(cfg: Config) -> bool:
+    """Whether this start continues the run in run.dir (rather than starting a new one):
+    an elastic restart always does; otherwise checkpoint.load = latest with a complete
+    checkpoint there, unless run.overwrite asks for a fresh run."""
+    if restart_count() > 0:
+        return True
+    if cfg.run.overwrite or cfg.checkpoint.load != "latest":
+        return False
+    return bool(store.list_complete(Path(cfg.run.dir) / "checkpoints"))
+
+
 def check_run_dir(cfg: Config) -> Path:
-    """Refuse to write a new run over an old one unless run.overwrite is set."""
+    """Refuse to write a new run over an old one unless resuming it or run.overwrite is set."""
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite and not resuming(cfg):
         raise ConfigError(
-            f"run.dir = {run_dir} already holds a run (metrics.jsonl); choose another run.dir "
-            "or pass --run.overwrite=true to replace it"
+            f"run.dir = {run_dir} already holds a run (metrics.jsonl) and no complete checkpoint to resume "
+            "from (checkpoint.load = latest); choose another run.dir or pass --run.overwrite=true to replace it"
         )
     return run_dir
 
@@ -165,7 +187,7 @@ def peak_mem_gib(device: torch.device) -> float:
 class Trainer:
     """One rank's training state and loop."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, stream: TextIO | None = None):
+    def __init__(self, cfg: Config, mesh: Mesh, stream: TextIO | None = None, resume: Path | None = None):
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         t = cfg.train
         self.precision = resolve_precision(t.precision, self.device)
@@ -210,9 +232,115 @@ class Trainer:
         self.tokens_seen = 0
         self._stop = False
         self.logger = None
+        run_dir = Path(cfg.run.dir)
+        meta = store.read_meta(resume) if resume else None
+        dropped = 0
+        if mesh.is_main and (meta or restart_count()):  # steps after the resume point are redone
+            dropped = trim_metrics(run_dir, meta["step"] if meta else 0)
         if mesh.is_main:
             m = cfg.metrics
-            self.logger = MetricsLogger(Path(cfg.run.dir), t.steps, m.console, m.jsonl, m.tensorboard, stream)
+            self.logger = MetricsLogger(run_dir, t.steps, m.console, m.jsonl, m.tensorboard, stream)
+        self.checkpointer = Checkpointer(
+            run_dir / "checkpoints", mesh.rank, mesh.distributed, cfg.checkpoint.keep, self.event, self.device
+        )
+        self.interval = cfg.checkpoint.interval
+        self.next_save = self._first_save_step()
+        if restart_count():
+            self.event("restart", attempt=restart_count(), resume_from=str(resume) if resume else None)
+        if resume:
+            self._resume(resume, meta, dropped)
+
+    def event(self, name: str, **fields: Any) -> None:
+        if self.logger:
+            self.logger.event(name, **fields)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _first_save_step(self) -> int | None:
+        if self.interval == 0:
+            return None
+        if self.interval == "auto":  # measure one save early, then follow Young/Daly
+            return self.step + max(1, min(10, self.cfg.train.steps // 10))
+        return (self.step // self.interval + 1) * self.interval
+
+    def _resume(self, path: Path, meta: dict[str, Any], dropped: int) -> None:
+        from meshforge.models.llama import ModelArgs
+
+        saved = ModelArgs(**meta["model"])
+        diff = shape_mismatch(saved, self.args)
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {path / 'meta.json'} was written for another model shape ({'; '.join(diff)}); set [model] "
+                "to the checkpoint's shape, or start a new run (checkpoint.load = none or another run.dir)"
+            )
+        t0 = time.perf_counter()
+        sharded.load(self.model, self.optimizer, path)
+        self.step = int(meta["step"])
+        self.tokens_seen = int(meta["tokens_seen"])
+        self.sampler.load_state_dict(meta["sampler"])
+        same_layout = meta["world_size"] == self.mesh.world_size and meta["degrees"] == self.mesh.degrees
+        rank_file = path / f"rank-{self.mesh.rank:05d}.json"
+        if same_layout and rank_file.exists():
+            set_rng_state(json.loads(rank_file.read_text())["rng"])
+        self.next_save = self._first_save_step()
+        self.event(
+            "resumed",
+            path=str(path),
+            step=self.step,
+            saved_layout=meta["degrees"],
+            layout=self.mesh.degrees,
+            resharded=not same_layout,
+            load_s=round(time.perf_counter() - t0, 4),
+            metrics_dropped=dropped,
+        )
+        if self.logger:
+            self.logger.print(
+                f"resumed from {path} at step {self.step}"
+                + (f" (saved on {meta['world_size']} ranks {meta['degrees']}, resharded)" if not same_layout else "")
+            )
+
+    def save_checkpoint(self) -> None:
+        meta = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "sampler": self.sampler.state_dict(),
+            "model": dataclasses.asdict(self.args),
+            "model_hash": model_shape_hash(dataclasses.asdict(self.args)),
+            "world_size": self.mesh.world_size,
+            "degrees": self.mesh.degrees,
+            "zero_stage": self.cfg.parallel.zero_stage,
+            "config": to_toml(self.cfg),
+            "time": time.time(),
+            "torch": torch.__version__,
+        }
+        state = sharded.training_state(self.model, self.optimizer)
+        self.checkpointer.save(self.step, state, meta, background=self.cfg.checkpoint.async_)
+
+    def _maybe_save(self, last: bool, step_time_s: float) -> None:
+        if self.next_save is None:
+            return
+        if self.step < self.next_save and not last:
+            return
+        self.save_checkpoint()
+        if self.interval == "auto":
+            steps, seconds = young_daly_steps(
+                self.checkpointer.last_blocking_s or 0.0, self.cfg.checkpoint.mtbf_hours, step_time_s
+            )
+            if self.mesh.distributed:  # every rank must save at the same steps: rank 0 decides
+                agreed = torch.tensor([steps], device=self.device)
+                dist.broadcast(agreed, src=0)
+                steps = int(agreed.item())
+            self.event(
+                "checkpoint_interval",
+                steps=steps,
+                seconds=round(seconds, 2),
+                blocking_s=round(self.checkpointer.last_blocking_s or 0.0, 4),
+                mtbf_hours=self.cfg.checkpoint.mtbf_hours,
+                step_time_s=round(step_time_s, 4),
+            )
+            self.next_save = self.step + steps
+        else:
+            self.next_save = self._first_save_step()
 
     # -- one optimizer step ---------------------------------------------------------------
 
@@ -318,6 +446,7 @@ class Trainer:
         try:
             return self._fit(cfg, t, log)
         finally:
+            self.checkpointer.close()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if log:
@@ -348,6 +477,7 @@ class Trainer:
         while self.step < t.steps:
             t0 = time.perf_counter()
             loss, grad_norm, lr = self.step_once()
+            faults.maybe_kill("step", self.mesh.rank, self.step)  # tests: die right after this step
             dt = time.perf_counter() - t0
             losses.append(loss)
             times.append(dt)
@@ -377,6 +507,8 @@ class Trainer:
                     }
                 )
                 window = []
+            self.checkpointer.poll()
+            self._maybe_save(last, sum(times[-10:]) / len(times[-10:]))
             if t.eval_interval and self.step % t.eval_interval == 0 and not last:
                 v = self.evaluate()
                 if log and v is not None:
@@ -386,6 +518,7 @@ class Trainer:
                 if log:
                     log.event("interrupted", step=self.step)
                 break
+        self.checkpointer.wait()
         wall = time.perf_counter() - t_start
         if t.eval_batches:
             val_loss = self.evaluate()
@@ -447,16 +580,39 @@ class Trainer:
 
 
 def prepare_run_dir(cfg: Config) -> Path:
-    """Create run.dir (clearing an old run only when run.overwrite is set) and write config.toml."""
+    """Create run.dir (clearing an old run only when run.overwrite is set and this is not a
+    restart) and write config.toml."""
     run_dir = check_run_dir(cfg)
-    if cfg.run.overwrite:
+    if cfg.run.overwrite and restart_count() == 0:
         for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
-        for name in ("tensorboard", "final", "final-hf"):
+        for name in ("tensorboard", "final", "final-hf", "checkpoints"):
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    store.clean_incomplete(run_dir / "checkpoints")
     return run_dir
+
+
+def trim_metrics(run_dir: Path, step: int) -> int:
+    """Drop metrics.jsonl records after ``step`` (they are recomputed after a resume), so the
+    file keeps one record per step. Returns how many were dropped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            dropped += 1
+            continue
+        if rec.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(x + "\n" for x in kept))
+    return dropped
 
 
 def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
@@ -471,16 +627,38 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = resolve(cfg, world)
     mesh = build_mesh(cfg)
     try:
+        resume = None
+        if mesh.is_main:
+            prepare_run_dir(cfg)
+            if resuming(cfg) or cfg.checkpoint.load not in ("latest", "none", ""):
+                path, _ = resolve_load(cfg.checkpoint.load, Path(cfg.run.dir) / "checkpoints", _event_writer(cfg))
+                resume = str(path) if path else None
         if mesh.distributed:
-            obj = [cfg.run.dir, cfg.train.precision]
+            obj = [cfg.run.dir, cfg.train.precision, resume]
             dist.broadcast_object_list(obj, src=0)
             cfg = dataclasses.replace(
                 cfg,
                 run=dataclasses.replace(cfg.run, dir=obj[0]),
                 train=dataclasses.replace(cfg.train, precision=obj[1]),
             )
-        if mesh.is_main:
-            prepare_run_dir(cfg)
-        return Trainer(cfg, mesh, stream).fit()
+            resume = obj[2]
+        try:
+            return Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
+        except Exception as e:
+            _event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
+            raise
     finally:
         shutdown()
+
+
+def _event_writer(cfg: Config):
+    """Append one event to run.dir/events.jsonl from any rank (before or without a logger)."""
+
+    def write(event: str, **fields: Any) -> None:
+        rec = {"time": time.time(), "event": event, **fields}
+        path = Path(cfg.run.dir) / "events.jsonl"
+        if path.parent.is_dir():
+            with path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    return write

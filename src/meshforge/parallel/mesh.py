@@ -143,6 +143,18 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys scoped to this attempt of an elastic run.
+
+    After a failure the elastic agent restarts the ranks against the same store, which still
+    holds the dead attempt's addresses; without a fresh prefix the new ranks try to connect
+    to them and time out ("connectFullMesh failed ... Connection refused").
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"meshforge/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
+
+
 def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     """Register a flattened sub-mesh; DeviceMesh._flatten is private, so it is wrapped here only."""
     return mesh[dims]._flatten(name)
@@ -159,7 +171,10 @@ def build_mesh(cfg: Config, timeout_s: float = 600.0) -> Mesh:
         return Mesh(0, 1, 0, device, degrees)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            backend, timeout=timeout, store=_store(rank, world, timeout), rank=rank, world_size=world
+        )
     device_mesh = init_device_mesh(device.type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
     flattened = {name: _flatten(device_mesh, dims, name) for name, dims in FLATTENED.items()}
     return Mesh(rank, world, local_rank, device, degrees, device_mesh, flattened)

@@ -1,0 +1,182 @@
+"""When and how a run saves and resumes: synchronous or background saves on a dedicated
+process group, completion, retention, choosing what to resume from, and the save cadence.
+
+A background save (``checkpoint.async = true``) blocks training only while the state is
+copied to host memory (pinned on CUDA); a worker thread then writes the copy with DCP,
+hashes this rank's files, meets the other ranks on a gloo group of its own and — on rank
+0 — marks the checkpoint complete. The dedicated group keeps the save's collectives off
+the training group's (sharing one with a background writer was seen to corrupt gloo
+traffic or hang). At most one save is in flight; the next one, and the end of training,
+wait for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshforge import faults
+from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.store import CheckpointError
+
+Event = Callable[..., None]
+
+
+def rng_state() -> dict[str, Any]:
+    out = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+class SaveStats:
+    def __init__(self, step: int, path: Path, blocking_s: float):
+        self.step, self.path, self.blocking_s = step, path, blocking_s
+        self.total_s = 0.0
+        self.removed: list[Path] = []
+
+
+class Checkpointer:
+    """One per rank. ``event`` logs to events.jsonl (rank 0) and may be a no-op elsewhere."""
+
+    def __init__(self, root: Path, rank: int, distributed: bool, keep: int, event: Event, device: torch.device):
+        self.root, self.rank, self.keep, self.event = root, rank, keep, event
+        self.distributed = distributed
+        self.pin = device.type == "cuda"
+        self.group = dist.new_group(backend="gloo") if distributed else None  # for saves only
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshforge-ckpt")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self.last_blocking_s: float | None = None
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], background: bool) -> None:
+        """Save ``state`` (from sharded.training_state) and ``meta`` (rank 0's) as step ``step``."""
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = self.root / store.tmp_dir_name(step)
+        tmp.mkdir(parents=True, exist_ok=True)
+        rank_meta = {"rank": self.rank, "rng": rng_state()}
+        if background:
+            state = sharded.stage(state, self.pin)
+            if self.pin:
+                torch.cuda.synchronize()
+        stats = SaveStats(step, self.root / store.step_dir_name(step), 0.0)
+
+        def write() -> SaveStats:
+            sharded.save(state, tmp, self.group)
+            faults.maybe_kill("save", self.rank, step)  # tests: die with the shards written, unmarked
+            mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
+            store.write_json_atomic(
+                tmp / f"rank-{self.rank:05d}.json", {**rank_meta, "files": store.describe_files(tmp, mine)}
+            )
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            if self.rank == 0:
+                store.finalize(tmp, stats.path, meta)
+                stats.removed = store.retain(self.root, self.keep)
+            if self.group is not None:
+                dist.barrier(group=self.group)  # the new checkpoint is in place for everyone
+            stats.total_s = time.perf_counter() - t0
+            return stats
+
+        if background:
+            stats.blocking_s = time.perf_counter() - t0
+            self.last_blocking_s = stats.blocking_s
+            self._pending = self._pool.submit(write)
+        else:
+            write()
+            stats.blocking_s = stats.total_s
+            self.last_blocking_s = stats.blocking_s
+            self._report(stats)
+
+    def _report(self, stats: SaveStats) -> None:
+        self.event(
+            "checkpoint_saved",
+            step=stats.step,
+            path=str(stats.path),
+            blocking_s=round(stats.blocking_s, 4),
+            total_s=round(stats.total_s, 4),
+            removed=[str(p) for p in stats.removed],
+        )
+
+    def poll(self) -> None:
+        """Report a background save that has finished (raising its error, if it failed)."""
+        with self._lock:
+            if self._pending is not None and self._pending.done():
+                fut, self._pending = self._pending, None
+                self._report(fut.result())
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._pending is not None:
+                fut, self._pending = self._pending, None
+                self._report(fut.result())
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+
+# ----------------------------------------------------------------------------- resuming
+
+
+def resolve_load(load: str, root: Path, event: Event) -> tuple[Path | None, dict[str, Any] | None]:
+    """Rank 0: the checkpoint to resume from and its verified meta.json, or (None, None).
+
+    ``latest`` takes the newest complete checkpoint that verifies, falling back to older
+    ones (each skip is a warning event); ``none`` never resumes; a path must verify.
+    """
+    if load in ("none", ""):
+        return None, None
+    if load != "latest":
+        path = Path(load)
+        if (path / store.COMPLETE).exists() or (path / "meta.json").exists() or not path.is_dir():
+            return path, store.verify(path)
+        complete = store.list_complete(path)  # a run directory's checkpoints/ folder
+        if not complete:
+            raise CheckpointError(f"checkpoint.load = {load}: no complete checkpoint in {path}")
+        return complete[-1].path, store.verify(complete[-1].path)
+    for c in reversed(store.list_complete(root)):
+        try:
+            return c.path, store.verify(c.path)
+        except CheckpointError as e:
+            event("checkpoint_skipped", level="warning", path=str(c.path), reason=str(e))
+    return None, None
+
+
+def model_shape_hash(model_args: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(model_args, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def young_daly_steps(blocking_s: float, mtbf_hours: float, step_time_s: float) -> tuple[int, float]:
+    """The checkpoint interval that minimises expected lost + saving time: sqrt(2·C·MTBF)
+    seconds (Young 1974, Daly 2006), as a whole number of steps (at least 1)."""
+    seconds = math.sqrt(2 * max(blocking_s, 1e-6) * mtbf_hours * 3600)
+    return max(1, round(seconds / max(step_time_s, 1e-9))), seconds
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this group (0 on the first attempt)."""
+    v = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(v) if v.isdigit() else 0
