@@ -15,7 +15,9 @@ them in the loading layout.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-# A world of one saves and loads without a process group, which DCP announces every time.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+@contextlib.contextmanager
+def _quiet(no_dist: bool) -> Iterator[None]:
+    """A world of one saves and loads without a process group, which DCP announces every time."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
@@ -91,7 +101,9 @@ def stage(state: Any, pin: bool) -> Any:
 def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
     """Every rank writes its shards of ``state`` into ``path`` (a collective over ``group``)."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None and not dist.is_initialized())
+    no_dist = group is None and not dist.is_initialized()
+    with _quiet(no_dist):
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
 
 
 def load(
@@ -103,11 +115,13 @@ def load(
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
-        dcp.load({"model": msd, "optim": osd_state}, storage_reader=reader, process_group=group, no_dist=no_dist)
+        with _quiet(no_dist):
+            dcp.load({"model": msd, "optim": osd_state}, storage_reader=reader, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, msd)
         return  # the state tensors were loaded in place into the local optimizer
     osd = get_optimizer_state_dict(model, optimizer)  # initialises empty Adam state to load into
-    dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader, process_group=group, no_dist=no_dist)
+    with _quiet(no_dist):
+        dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader, process_group=group, no_dist=no_dist)
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
 
@@ -115,5 +129,6 @@ def load(
 def load_model_only(model: nn.Module, path: Path) -> None:
     """Full weights from a checkpoint into an unsharded model in this one process (for export)."""
     msd = get_model_state_dict(model, options=StateDictOptions())
-    dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    with _quiet(True):
+        dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     set_model_state_dict(model, msd)
