@@ -258,3 +258,11 @@ def test_convert_checkpoint_to_hf(saved, tmp_path):
     final = load_weights(saved / "final").state_dict()
     for k, v in final.items():
         torch.testing.assert_close(hf[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_no_loadable_checkpoint_is_an_error_not_a_silent_restart(saved, tmp_path):
+    run = copy_run(saved, tmp_path / "run")
+    for c in store.list_complete(run / "checkpoints"):
+        (c.path / "__0_0.distcp").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be loaded: .*step-00000012/__0_0.distcp"):
+        resolve_load("latest", run / "checkpoints", lambda *a, **k: None)

@@ -444,9 +444,13 @@ class Trainer:
         cfg, t, log = self.cfg, self.cfg.train, self.logger
         old_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return self._fit(cfg, t, log)
-        finally:
+            result = self._fit(cfg, t, log)
             self.checkpointer.close()
+            return result
+        except BaseException:
+            self.checkpointer.abandon()
+            raise
+        finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if log:

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,6 @@ class Checkpointer:
         self.distributed = distributed
         self.pin = device.type == "cuda"
         self.group = dist.new_group(backend="gloo") if distributed else None  # for saves only
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshforge-ckpt")
         self._pending: Future | None = None
         self._lock = threading.Lock()
         self.last_blocking_s: float | None = None
@@ -101,7 +100,7 @@ class Checkpointer:
         if background:
             stats.blocking_s = time.perf_counter() - t0
             self.last_blocking_s = stats.blocking_s
-            self._pending = self._pool.submit(write)
+            self._pending = _in_background(write)
         else:
             write()
             stats.blocking_s = stats.total_s
@@ -132,8 +131,27 @@ class Checkpointer:
                 self._report(fut.result())
 
     def close(self) -> None:
+        """Wait for a save in flight (the end of training)."""
         self.wait()
-        self._pool.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        """On an error: do not wait for a save in flight (its peers may be gone); the writer
+        thread is a daemon, and its unfinished checkpoint is never marked complete."""
+        self._pending = None
+
+
+def _in_background(fn: Callable[[], SaveStats]) -> Future:
+    """Run ``fn`` on a daemon thread (unlike a thread pool's, it never holds up process exit)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="meshforge-checkpoint", daemon=True).start()
+    return fut
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -155,11 +173,18 @@ def resolve_load(load: str, root: Path, event: Event) -> tuple[Path | None, dict
         if not complete:
             raise CheckpointError(f"checkpoint.load = {load}: no complete checkpoint in {path}")
         return complete[-1].path, store.verify(complete[-1].path)
+    reasons = []
     for c in reversed(store.list_complete(root)):
         try:
             return c.path, store.verify(c.path)
         except CheckpointError as e:
             event("checkpoint_skipped", level="warning", path=str(c.path), reason=str(e))
+            reasons.append(str(e))
+    if reasons:  # starting over silently inside a run that has checkpoints would mix two runs
+        raise CheckpointError(
+            f"no checkpoint in {root} can be loaded: " + " | ".join(reasons) + "; repair or remove them, or start "
+            "a new run (another run.dir, or run.overwrite = true)"
+        )
     return None, None
 
 
