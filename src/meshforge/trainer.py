@@ -457,6 +457,13 @@ class Trainer:
                 log.close()
 
     def _fit(self, cfg: Config, t: Any, log: MetricsLogger | None) -> dict[str, Any]:
+        if self.step >= t.steps:  # resumed from a checkpoint at (or past) the end
+            if log:
+                log.event("nothing_to_do", step=self.step, steps=t.steps)
+                log.print(
+                    f"already trained to step {self.step} (train.steps = {t.steps}); raise train.steps to continue"
+                )
+            return {"steps": self.step, "interrupted": False, "tokens": self.tokens_seen, "already_done": True}
         if log:
             log.event(
                 "run_start",
