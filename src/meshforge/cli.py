@@ -172,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
     )
     conv.add_argument("--out", required=True, metavar="DIR")
+    from meshforge.planner.plan import add_arguments
+
+    plan = sub.add_parser("plan", help="find the layout that fits and runs fastest; predict memory, time and MFU")
+    add_arguments(plan)
+    cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for meshforge plan")
+    cal.add_argument("--out", required=True, metavar="FILE")
+    cal.add_argument("--nproc", type=int, default=2, help="local ranks for the collective measurements")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     return p
 
 
@@ -186,6 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_data(args)
         if args.command == "convert":
             return cmd_convert(args)
+        if args.command == "plan":
+            from meshforge.planner.plan import run
+
+            return run(args)
+        if args.command == "calibrate":
+            from meshforge.planner.calibrate import run as run_calibrate
+
+            return run_calibrate(args)
         parser.print_help()
         return 0
     except MeshforgeError as e:

@@ -1,0 +1,108 @@
+"""Planner predictions against measured step times on this machine.
+
+Calibrates the machine (``meshforge calibrate``) as 1 rank and as 2 ranks, then for one
+model trains each local layout for a few steps with ``meshforge train`` and compares the
+median measured step time with the planner's prediction for exactly that layout (the
+planner reads the run's resolved config.toml, as ``meshforge plan --config`` does). No
+constant is fitted to these runs: the profile comes from micro-benchmarks alone.
+Target (issue 7): within 25%.
+
+    python bench/bench_planner.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYOUTS = {  # name: (ranks, overrides)
+    "single process": (1, {}),
+    "dp 2 (DDP)": (2, {"parallel.zero_stage": 0}),
+    "dp 2 (ZeRO-3)": (2, {"parallel.zero_stage": 3}),
+    "tp 2 (+SP)": (2, {"parallel.tp": 2}),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
+    args = p.parse_args()
+
+    from meshforge.planner.estimate import Layout, estimate
+    from meshforge.planner.hardware import get_hardware
+    from meshforge.planner.shape import Shape
+
+    tmp = Path(tempfile.mkdtemp())
+    profiles = {}
+    for n in (1, 2):
+        out = tmp / f"hw{n}.json"
+        cmd = [sys.executable, "-m", "meshforge", "calibrate", "--nproc", str(n), "--out", str(out)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        profiles[n] = get_hardware(None, str(out))
+    shape_over = {
+        "model.hidden": args.hidden,
+        "model.layers": args.layers,
+        "model.heads": args.hidden // 64,
+        "model.kv_heads": 2,
+        "model.ffn_hidden": 3 * args.hidden,
+        "train.seq_len": args.seq_len,
+        "train.global_batch_size": args.batch,
+        "train.steps": args.steps,
+        "train.precision": "fp32",
+        "train.eval_batches": 0,
+        "optim.warmup_steps": 1,
+        "metrics.log_interval": 1,
+        "metrics.console": False,
+        "checkpoint.save_final": False,
+    }
+    shape = Shape(args.layers, args.hidden, args.hidden // 64, 2, 3 * args.hidden, 512, "swiglu", False, 0, "bench")
+    rows = []
+    for name, (n, extra) in LAYOUTS.items():
+        run = tmp / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "")
+        over = {**shape_over, **extra, "run.dir": str(run)}
+        cmd = [sys.executable, "-m", "meshforge", "train", "--nproc", str(n)] + [
+            f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in over.items()
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode:
+            sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        measured = statistics.median(x["step_time_s"] for x in recs[2:])
+        tp = extra.get("parallel.tp", 1)
+        dp = n // tp
+        zero = extra.get("parallel.zero_stage", 0) if dp > 1 else 0
+        lay = Layout(tp, 1, dp, 1, 1, zero if tp == 1 else max(zero, 0), args.batch // dp, 1, "none", 1, "none")
+        e = estimate(shape, lay, args.seq_len, args.batch, "fp32", profiles[n], n)
+        rows.append((name, measured, e.step_time_s, e))
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers ({shape.num_params() / 1e6:.2f}M parameters), "
+        f"batch {args.batch} x {args.seq_len}, fp32; profiles: "
+        + "; ".join(
+            f"{n} rank(s): {p.peak_flops['fp32'] / 1e9:.0f} GFLOP/s/rank, all-reduce {p.intra_bw / 1e9:.2f} GB/s"
+            for n, p in profiles.items()
+        )
+    )
+    print(
+        f"\n{'layout':<16} {'measured s':>11} {'predicted s':>12} {'predicted/measured':>19}  largest predicted parts"
+    )
+    for name, meas, pred, e in rows:
+        parts = sorted(
+            ((k, v) for k, v in e.time.items() if k not in ("ideal_compute", "dp_comm_total")), key=lambda kv: -kv[1]
+        )
+        top = ", ".join(f"{k} {v:.3f}" for k, v in parts[:3])
+        print(f"{name:<16} {meas:>11.3f} {pred:>12.3f} {pred / meas:>18.2f}x  {top}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Memory and step time of one layout, each as an explained breakdown.
+
+Memory per GPU (the most loaded pipeline stage):
+
+- model states by ZeRO stage over the N data-parallel ranks (ZeRO paper, Rajbhandari et al.
+  2020), for Ψ parameters on this GPU (after tp and pp): mixed precision (bf16) keeps 2Ψ
+  parameters, 2Ψ gradients and 12Ψ of optimizer state (fp32 master, Adam m and v); fp32
+  keeps 4Ψ, 4Ψ, 8Ψ. Stage 1 divides the optimizer state by N, stage 2 also the gradients,
+  stage 3 everything;
+- activations per layer and micro-batch, after Korthikanti et al. 2022: for a GPT block
+  (4h GeLU MLP, materialised attention) s·b·h·(34 + 5·a·s/h) bytes, divided by t under TP
+  with SP (without SP the 10·s·b·h of norms and dropout stay whole); selective
+  recomputation drops the 5·a·s²·b attention part, full recomputation keeps only the
+  2·s·b·h block input. A Llama block (SwiGLU, flash attention, no dropout) stores, per token,
+  bf16 copies of 6h + 2·kv_dim + 4·ffn elements (norm inputs and outputs, q/k/v, the
+  attention output, the three MLP inputs and the product); selective keeps the matmul
+  outputs only (4h + 2·kv_dim + 2·ffn), full only the input (h);
+- in-flight micro-batches by schedule on the first stage: GPipe all m, 1F1B min(m, p),
+  interleaved 1F1B p·(1 + (p−1)/(p·v)) stage-chunks (Narayanan et al. 2021);
+- embedding/head on the first/last stage, the loss's fp32 logits (vocab-parallel under tp),
+  gathered parameters under ZeRO-2/3, communication buckets and a fixed reserve.
+
+Time per step: GEMM FLOPs at a size-dependent efficiency, the attention core at its own
+efficiency, and memory-bound elementwise passes (norms, residuals, activations); TP
+collectives on the critical path (8 per layer and micro-batch under SP, 2 more forward
+ones with full recompute); data-parallel traffic hidden under backward (DDP/ZeRO-1/2) or
+under forward and backward (ZeRO-3 prefetch) except what exceeds it, FSDP paying one collective's latency per layer;
+pipeline bubble
+(p−1)/(m+p−1), divided by v for interleaving and by 3 for zero-bubble; the optimizer step
+as a memory-bound pass over its state. α–β model per collective: a ring over n ranks moves
+(n−1)/n of the payload per rank per all-gather or reduce-scatter (twice for all-reduce) at
+the bandwidth of the slowest link it crosses, plus (n−1)·α.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from meshforge.planner.hardware import GIB, Hardware
+from meshforge.planner.shape import Shape
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    recompute: str = "none"
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = True
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    num_params: int
+    memory: dict[str, float]  # GiB
+    fits: bool
+    overflow: str
+    time: dict[str, float]  # seconds
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hfu: float
+    budget: dict[str, float] = field(default_factory=dict)  # fractions of the step
+
+    def as_json(self) -> dict[str, Any]:
+        lay = asdict(self.layout)
+        return {
+            **{k: lay[k] for k in ("tp", "pp", "dp", "cp", "ep")},
+            "num_params": self.num_params,
+            "zero_stage": lay["zero_stage"],
+            "micro_batch_size": lay["micro_batch_size"],
+            "num_microbatches": lay["num_microbatches"],
+            "recompute": lay["recompute"],
+            "virtual_stages": lay["virtual_stages"],
+            "schedule": lay["schedule"],
+            "sequence_parallel": lay["sequence_parallel"],
+            "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
+            "fits": self.fits,
+            "overflow": self.overflow,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "time_s": {k: round(v, 6) for k, v in self.time.items()},
+            "loss_budget": {k: round(v, 4) for k, v in self.budget.items()},
+        }
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[str, float]:
+    """ZeRO paper: bytes of parameters, gradients and optimizer state per GPU."""
+    p, g, k = (2.0, 2.0, 12.0) if precision in ("bf16", "fp8") else (4.0, 4.0, 8.0)
+    return {
+        "params": psi * p / (n if stage >= 3 else 1),
+        "grads": psi * g / (n if stage >= 2 else 1),
+        "optimizer": psi * k / (n if stage >= 1 else 1),
+    }
+
+
+def activation_bytes_per_layer(
+    shape: Shape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
+) -> float:
+    """Activation bytes one layer keeps for backward for one micro-batch (see module doc)."""
+    s, b, h, a = seq, micro, shape.hidden, shape.heads
+    if shape.mlp == "gelu":  # Korthikanti et al. 2022, Table 2 (bf16, with dropout)
+        if recompute == "full":
+            return 2 * s * b * h / (tp if sp else 1)
+        attn_sq = 0.0 if recompute == "selective" else 5 * a * s * s * b / tp
+        if sp:
+            return s * b * h * 34 / tp + attn_sq
+        return s * b * h * (10 + 24 / tp) + attn_sq
+    kv, f = shape.kv_dim, shape.ffn_hidden
+    if recompute == "full":
+        return s * b * h * bytes_per / (tp if sp else 1)
+    if recompute == "selective":
+        sharded, whole = (2 * kv + 2 * f + 2 * h), 2 * h  # matmul outputs; residual-stream inputs
+    else:
+        sharded, whole = (h + 2 * kv + 4 * f), 4 * h  # + norm outputs, activation and product
+    # sharded parts split over tp (heads/columns); the residual-stream parts only under SP
+    return s * b * bytes_per * (sharded / tp + whole / (tp if sp else 1))
+
+
+def in_flight(schedule: str, p: int, m: int, v: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (in stage units)."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved_1f1b":
+        return p * (1 + (p - 1) / (p * v))
+    return float(min(m, p))
+
+
+def stage_layers(shape: Shape, pp: int) -> int:
+    """Blocks on the most loaded stage (stages may be uneven: the first ceil(L/p))."""
+    return -(-shape.layers // pp)
+
+
+def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
+    """Parameters on the most loaded stage's GPU, and the per-layer parameters on it."""
+    per_layer = shape.block_params() / tp
+    layers = stage_layers(shape, pp)
+    first = layers * per_layer + shape.embedding_params() / tp
+    last = layers * per_layer + (shape.head_params() + shape.hidden) / tp
+    if pp == 1:
+        return layers * per_layer + (shape.embedding_params() + shape.head_params() + shape.hidden) / tp, per_layer
+    return max(first, last), per_layer
+
+
+def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
+    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+    states = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
+    bpe = 4 if precision == "fp32" else 2
+    act_layer = activation_bytes_per_layer(
+        shape, seq // lay.cp, lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
+    )
+    layers_per_stage = stage_layers(shape, lay.pp)
+    acts = act_layer * layers_per_stage * in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
+    tokens = lay.micro_batch_size * seq // lay.cp
+    logits = tokens * shape.vocab / lay.tp * (bpe + 4 + 4)  # logits, fp32 copy, its gradient
+    acts += logits
+    w = 2 if precision != "fp32" else 4
+    if lay.zero_stage == 2 and lay.dp > 1:
+        gathered = psi * w  # parameters kept gathered from forward to backward
+    elif lay.zero_stage == 3 and lay.dp > 1:
+        gathered = 2 * per_layer * w  # the running block and the prefetched one
+    else:
+        gathered = 0.0
+    buffers = 2 * 25 * 2**20 + gathered
+    out = {
+        "params": states["params"] / GIB,
+        "grads": states["grads"] / GIB,
+        "optimizer": states["optimizer"] / GIB,
+        "activations": acts / GIB,
+        "buffers": buffers / GIB,
+        "reserve": hw.reserve_gib,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def ring_time(kind: str, payload: float, n: int, bw: float, alpha: float) -> float:
+    """α–β time of a ring collective; ``payload`` is the full (unsharded) size in bytes."""
+    if n <= 1 or payload <= 0:
+        return 0.0
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind]
+    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind]
+    return factor * (n - 1) / n * payload / bw + steps * (n - 1) * alpha
+
+
+def gemm_efficiency(hw: Hardware, flop: float) -> float:
+    return hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
+
+
+def axis_link(hw: Hardware, inner: int, size: int, gpus_per_node: int) -> tuple[float, float]:
+    """Bandwidth and latency for a group of ``size`` ranks at stride ``inner``: intra-node if
+    the whole group sits in one node."""
+    if inner * size <= gpus_per_node:
+        return hw.intra_bw, hw.intra_latency
+    return hw.inter_bw, hw.inter_latency
+
+
+def estimate(
+    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
+) -> Estimate:
+    n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    mem = memory(shape, lay, seq, precision, hw)
+    fits = mem["total"] <= hw.hbm_gib
+    overflow = "" if fits else f"needs {mem['total']:.1f} GiB of {hw.hbm_gib:.0f} GiB"
+    bpe = 4 if precision == "fp32" else 2
+    peak = hw.peak(precision)
+    m = lay.num_microbatches
+    tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
+    layers_stage = stage_layers(shape, lay.pp)
+    imbalance = layers_stage * lay.pp / shape.layers  # the slowest stage sets the pace
+
+    # compute: this GPU's share of the hardware FLOPs. GEMMs run at the efficiency of their
+    # typical size; the attention core (scores, weighted sum) at hw.attention_efficiency;
+    # norms, residuals, activations and RoPE are memory-bound passes over the activations
+    tokens_gpu = global_batch * seq / n_gpus
+    attn_per_token = 12.0 * shape.layers * seq * shape.hidden  # fwd + bwd of the attention core
+    if lay.recompute in ("full", "selective"):
+        attn_per_token *= 4 / 3
+    flops_step = shape.hardware_flops_per_token(seq, lay.recompute) * tokens_gpu
+    attn_flops = attn_per_token * tokens_gpu
+    typical_gemm = 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp
+    eff = gemm_efficiency(hw, typical_gemm)
+    gemm_s = imbalance * ((flops_step - attn_flops) / (peak * eff) + attn_flops / (peak * hw.attention_efficiency))
+    passes = 3 if lay.recompute == "none" else 4  # forward, backward (2x), recomputed forward
+    other_s = (
+        imbalance
+        * hw.elementwise_bytes_per_hidden
+        * shape.hidden
+        * bpe
+        * passes
+        * shape.layers
+        * tokens_gpu
+        / hw.hbm_bw
+    )
+    ideal_s = shape.model_flops_per_token(seq) * tokens_gpu / peak
+
+    # tensor parallel: on the critical path
+    tp_bw, tp_alpha = axis_link(hw, 1, lay.tp, gpus_per_node)
+    act = tokens_mb * shape.hidden * bpe
+    per_layer_mb = 8 if lay.sequence_parallel else 4  # AG+RS pairs (SP) or all-reduces, fwd + bwd
+    kind = "all_gather" if lay.sequence_parallel else "all_reduce"
+    if lay.recompute == "full":
+        per_layer_mb += 2 if lay.sequence_parallel else 1
+    tp_s = per_layer_mb * layers_stage * m * ring_time(kind, act, lay.tp, tp_bw, tp_alpha)
+
+    # context parallel (ring attention): K/V blocks passed around, mostly under attention compute
+    cp_bw, cp_alpha = axis_link(hw, lay.tp, lay.cp, gpus_per_node)
+    kv_bytes = tokens_mb * 2 * shape.kv_dim / lay.tp * bpe
+    cp_s = 0.5 * 3 * layers_stage * m * (lay.cp - 1) * (kv_bytes / cp_bw + cp_alpha) if lay.cp > 1 else 0.0
+
+    # pipeline: activations (and their gradients) between stages, per micro-batch
+    pp_bw, pp_alpha = axis_link(hw, lay.tp * lay.cp * lay.dp, lay.pp, gpus_per_node)
+    pp_s = 2 * m * lay.virtual_stages * (act / lay.tp / pp_bw + pp_alpha) if lay.pp > 1 else 0.0
+
+    # data parallel: hidden under compute except what exceeds it
+    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+    dp_n = lay.dp * lay.cp
+    dp_bw, dp_alpha = axis_link(hw, lay.tp, dp_n, gpus_per_node)
+    grad_bytes = 4 * psi  # gradients are reduced in fp32
+    w = bpe
+    if dp_n == 1:
+        dp_s = 0.0
+    elif lay.zero_stage <= 1:
+        dp_s = ring_time("all_reduce", grad_bytes, dp_n, dp_bw, dp_alpha)
+        if lay.zero_stage == 1:
+            dp_s += ring_time("all_gather", psi * w, dp_n, dp_bw, dp_alpha)
+    else:  # FSDP: one collective per layer unit, so latency is paid per layer
+        gathers = (1 if lay.zero_stage == 2 else 2) * m
+        units = max(1, round(layers_stage))
+        dp_s = gathers * units * ring_time("all_gather", psi * w / units, dp_n, dp_bw, dp_alpha) + units * ring_time(
+            "reduce_scatter", grad_bytes / units, dp_n, dp_bw, dp_alpha
+        )
+    compute_s = gemm_s + other_s
+    hide = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)  # ZeRO-3 prefetch spans fwd+bwd; else backward
+    last_bucket = dp_s / max(1.0, layers_stage) if dp_n > 1 else 0.0
+    dp_exposed = max(0.0, dp_s - hide) + last_bucket
+
+    # pipeline bubble over the per-micro-batch work
+    if lay.pp > 1:
+        bubble = (lay.pp - 1) / (m + lay.pp - 1)
+        if lay.schedule == "interleaved_1f1b":
+            bubble /= lay.virtual_stages
+        elif lay.schedule == "zero_bubble":
+            bubble /= 3
+    else:
+        bubble = 0.0
+    pipelined = compute_s + tp_s + cp_s + pp_s
+    bubble_s = pipelined * bubble / (1 - bubble)
+
+    # optimizer: a memory-bound pass over this GPU's share of the state
+    opt_state = model_state_bytes(psi, dp_n, lay.zero_stage, precision)
+    opt_s = 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw
+
+    step = pipelined + bubble_s + dp_exposed + opt_s
+    tps = global_batch * seq / step / n_gpus
+    mfu = shape.model_flops_per_token(seq) * tps / peak
+    hfu = shape.hardware_flops_per_token(seq, lay.recompute) * tps / peak
+    recompute_s = (
+        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq))
+        * tokens_gpu
+        / (peak * eff)
+    )
+    time = {
+        "ideal_compute": ideal_s,
+        "gemm": gemm_s,
+        "non_gemm": other_s,
+        "tp_comm": tp_s,
+        "cp_comm": cp_s,
+        "pp_p2p": pp_s,
+        "dp_comm_total": dp_s,
+        "dp_comm_exposed": dp_exposed,
+        "bubble": bubble_s,
+        "optimizer": opt_s,
+    }
+    budget = {
+        "useful_at_peak": ideal_s / step,
+        "matmul_inefficiency": (gemm_s - recompute_s - ideal_s) / step,
+        "recompute": recompute_s / step,
+        "non_gemm": other_s / step,
+        "tp_exposed": tp_s / step,
+        "cp_exposed": cp_s / step,
+        "pp_p2p": pp_s / step,
+        "dp_exposed": dp_exposed / step,
+        "bubble": bubble_s / step,
+        "optimizer": opt_s / step,
+    }
+    return Estimate(lay, shape.num_params(), mem, fits, overflow, time, step, tps, mfu, hfu, budget)

@@ -1,0 +1,97 @@
+"""Accelerator and cluster descriptions the planner reasons with.
+
+Peaks are the vendors' dense tensor-core figures (the same table MFU uses). Bandwidths are
+*achievable* ring bus bandwidths per GPU (what NCCL's busbw reports), not link maxima:
+NVLink-class inside a node, the network across nodes. Efficiency is the fraction of peak a
+large GEMM reaches; ``gemm_half_flop`` is the GEMM size (2mnk) at which half of that is
+reached. ``meshforge calibrate`` measures all of these for the local machine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from meshforge.errors import ConfigError
+from meshforge.metrics.mfu import PEAK_TFLOPS
+
+GIB = 2**30
+
+
+@dataclass
+class Hardware:
+    name: str
+    peak_flops: dict[str, float]  # precision -> FLOP/s
+    hbm_gib: float
+    hbm_bw: float  # bytes/s
+    intra_bw: float  # bytes/s per GPU, inside a node
+    inter_bw: float  # bytes/s per GPU, across nodes
+    intra_latency: float = 8e-6  # s per ring step
+    inter_latency: float = 20e-6
+    gemm_efficiency: float = 0.72  # fraction of peak a large GEMM reaches (cuBLAS bf16 on H100: ~700 of 989)
+    gemm_half_flop: float = 2e9  # GEMM size (2mnk) reaching half of that
+    attention_efficiency: float = 0.40  # fraction of peak the attention core reaches (FlashAttention-2 fwd+bwd)
+    # bytes/(hidden x element size) that norms, residual adds, RoPE and activations read and write
+    # per token and layer in one pass
+    elementwise_bytes_per_hidden: float = 30.0
+    reserve_gib: float = 2.0  # CUDA context, allocator fragmentation, workspaces
+    source: str = "preset"
+    extra: dict = field(default_factory=dict)
+
+    def peak(self, precision: str) -> float:
+        if precision not in self.peak_flops:
+            raise ConfigError(f"{self.name} has no {precision} peak; known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[precision]
+
+
+def _tf(kind: str) -> dict[str, float]:
+    return {k: v * 1e12 for k, v in PEAK_TFLOPS[kind].items()}
+
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40g": Hardware("a100-40g", _tf("a100"), 40, 1.555e12, 230e9, 23e9),
+    "a100-80g": Hardware("a100-80g", _tf("a100"), 80, 2.039e12, 230e9, 23e9),
+    "h100-sxm": Hardware("h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9),
+    "h100-pcie": Hardware("h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9),
+    "h200": Hardware("h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9),
+    "b200": Hardware("b200", _tf("b200"), 180, 8.0e12, 720e9, 45e9),
+    "mi300x": Hardware("mi300x", _tf("mi300x"), 192, 5.3e12, 300e9, 45e9, gemm_efficiency=0.6),
+    # a generic server CPU; `meshforge calibrate` replaces every number with measured ones
+    "cpu": Hardware(
+        "cpu",
+        {"fp32": 1e11, "bf16": 2e9},
+        64,
+        20e9,
+        2e9,
+        1e9,
+        intra_latency=50e-6,
+        inter_latency=100e-6,
+        gemm_efficiency=0.9,
+        gemm_half_flop=2e7,
+        attention_efficiency=0.3,
+        reserve_gib=0.5,
+    ),
+}
+
+
+def get_hardware(name: str | None, path: str | None = None) -> Hardware:
+    if path:
+        try:
+            data = json.loads(Path(path).read_text())
+            return Hardware(**{**data, "source": str(path)})
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ConfigError(
+                f"--hardware {path}: not a hardware profile written by meshforge calibrate ({e})"
+            ) from None
+    if name not in PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(name or "", PRESETS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"unknown --gpu {name!r}; {hint}presets: {', '.join(PRESETS)} (or --hardware FILE)")
+    return replace(PRESETS[name])
+
+
+def to_json(hw: Hardware) -> str:
+    return json.dumps(asdict(hw), indent=1)

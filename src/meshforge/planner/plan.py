@@ -1,0 +1,148 @@
+"""``meshforge plan``: read the model, training and cluster from the command line (or a
+train config), search, and print or write the answer."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from meshforge.errors import ConfigError
+from meshforge.planner import report
+from meshforge.planner.hardware import get_hardware
+from meshforge.planner.search import Fixed, search
+from meshforge.planner.shape import Shape, from_args, from_preset
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (a preset, explicit shape, or --config)")
+    m.add_argument("--model", help="preset name, e.g. llama3.1-405b")
+    m.add_argument("--config", help="a meshforge train config (e.g. a run's config.toml): model, batch, degrees")
+    for k in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "vocab", "max-positions"):
+        m.add_argument(f"--{k}", type=int)
+    m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu")
+    m.add_argument("--tie-embeddings", action="store_true")
+    t = p.add_argument_group("training")
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--global-batch", type=int, help="sequences per step")
+    t.add_argument("--precision", choices=["bf16", "fp32", "fp8"])
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpu", default="h100-sxm", help="hardware preset (see --help of meshforge plan)")
+    c.add_argument("--hardware", help="a profile written by meshforge calibrate (overrides --gpu)")
+    c.add_argument("--gpus", type=int)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--inter-node-bw", type=float, help="network bandwidth per GPU in GB/s")
+    f = p.add_argument_group("fixed choices (the rest is searched)")
+    for k in ("tp", "pp", "dp", "cp", "ep", "zero", "micro-batch", "virtual-stages"):
+        f.add_argument(f"--{k}", type=int)
+    f.add_argument("--recompute", choices=["none", "selective", "full"])
+    f.add_argument("--schedule")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10)
+    o.add_argument("--json", action="store_true")
+    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
+
+
+def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | None]:
+    """The model, training defaults taken from --config, and the preset name (if any)."""
+    from_cfg: dict = {}
+    preset = None
+    if args.config:
+        from meshforge.config import load_config
+        from meshforge.models.presets import model_args_from_config
+
+        cfg = load_config(args.config, {})
+        shape = from_args(model_args_from_config(cfg.model), Path(args.config).stem)
+        preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
+        p = cfg.parallel
+        from_cfg = {
+            "seq_len": cfg.train.seq_len,
+            "global_batch": cfg.train.global_batch_size,
+            "precision": "fp32" if cfg.train.precision == "auto" else cfg.train.precision,
+            "tp": p.tp if p.tp > 0 else None,
+            "pp": p.pp if p.pp > 0 else None,
+            "cp": p.cp if p.cp > 0 else None,
+            "zero": p.zero_stage,
+            "micro_batch": cfg.train.micro_batch_size or None,
+            "recompute": cfg.train.activation_checkpoint,
+        }
+        if p.dp_shard > 0 and p.dp_replicate > 0:
+            from_cfg["dp"] = p.dp_shard * p.dp_replicate
+        return shape, from_cfg, preset
+    if args.model:
+        return from_preset(args.model), from_cfg, args.model
+    need = ("layers", "hidden", "heads", "ffn_hidden", "vocab")
+    missing = [k for k in need if getattr(args, k) is None]
+    if missing:
+        raise ConfigError(
+            "give the model as --model PRESET, --config FILE, or an explicit shape (missing: "
+            + ", ".join("--" + k.replace("_", "-") for k in missing)
+            + ")"
+        )
+    shape = Shape(
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.kv_heads or args.heads,
+        args.ffn_hidden,
+        args.vocab,
+        args.mlp,
+        args.tie_embeddings,
+        args.max_positions or 0,
+    )
+    return shape, from_cfg, None
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    shape, dflt, preset = _shape_and_defaults(args)
+    hw = get_hardware(args.gpu, args.hardware)
+    if args.inter_node_bw:
+        hw.inter_bw = args.inter_node_bw * 1e9
+    if args.gpus is None or args.gpus < 1:
+        raise ConfigError("--gpus N (the cluster size, >= 1) is required")
+    seq = args.seq_len or dflt.get("seq_len") or 4096
+    gb = args.global_batch or dflt.get("global_batch") or max(args.gpus, 1)
+    precision = args.precision or dflt.get("precision") or ("fp32" if hw.name == "cpu" else "bf16")
+
+    def pick(name: str, cli_name: str | None = None):
+        v = getattr(args, cli_name or name)
+        return v if v is not None else dflt.get(name)
+
+    fixed = Fixed(
+        tp=pick("tp"),
+        pp=pick("pp"),
+        dp=pick("dp"),
+        cp=pick("cp"),
+        ep=args.ep,
+        zero=pick("zero"),
+        micro_batch=pick("micro_batch"),
+        recompute=pick("recompute"),
+        virtual_stages=args.virtual_stages,
+        schedule=args.schedule,
+    )
+    results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(report.as_json(results, args.top, shape, considered))
+    else:
+        print(
+            f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters | {args.gpus} x {hw.name} "
+            f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
+            f"{considered} layouts considered, {len(results)} fit, searched in {elapsed:.2f} s\n"
+        )
+        print(report.table(results, args.top))
+        print("\nbest layout, explained:")
+        print(report.explain(results[0], hw.hbm_gib))
+    if args.emit_config:
+        chosen = next((e for e in results if report.runnable(e)), None)
+        if chosen is None:
+            raise ConfigError(
+                "no fitting layout is runnable by this version of meshforge train (it has no pipeline or context "
+                "parallelism yet); fix --pp 1 --cp 1 or use more GPUs"
+            )
+        Path(args.emit_config).write_text(report.train_config(chosen, shape, seq, gb, precision, preset))
+        if not args.json:
+            rank = results.index(chosen) + 1
+            print(f"\nwrote {args.emit_config}: layout #{rank}" + (" (the best runnable one)" if rank > 1 else ""))
+    return 0

@@ -1,0 +1,87 @@
+"""What ``meshforge plan`` prints: a ranked table, the best layout explained, JSON, and a
+runnable train config."""
+
+from __future__ import annotations
+
+import json
+
+from meshforge.planner.estimate import Estimate
+from meshforge.planner.shape import Shape
+
+
+def table(results: list[Estimate], top: int) -> str:
+    head = (
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'cp':>3} {'zero':>4} {'mb':>3} {'m':>4} {'recompute':>9} "
+        f"{'schedule':>17} {'mem GiB':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6} {'HFU':>6}"
+    )
+    rows = [head, "-" * len(head)]
+    for i, e in enumerate(results[:top], 1):
+        L = e.layout
+        sched = "-" if L.pp == 1 else (f"{L.schedule} v={L.virtual_stages}" if L.virtual_stages > 1 else L.schedule)
+        rows.append(
+            f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
+            f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f} "
+            f"{e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
+        )
+    return "\n".join(rows)
+
+
+def explain(e: Estimate, hbm_gib: float) -> str:
+    m, t, b = e.memory, e.time, e.budget
+    lines = [
+        "memory per GPU (GiB): "
+        + ", ".join(f"{k} {m[k]:.2f}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
+        + f" = {m['total']:.2f} of {hbm_gib:.0f}",
+        "time per step (s): "
+        + ", ".join(
+            f"{k} {t[k]:.4f}"
+            for k in ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "dp_comm_exposed", "bubble", "optimizer")
+        )
+        + f" -> {e.step_time_s:.4f} (dp traffic {t['dp_comm_total']:.4f} s, mostly hidden under compute)",
+        "where the time goes (fractions of the step): " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in b.items()),
+    ]
+    return "\n".join(lines)
+
+
+def as_json(results: list[Estimate], top: int, shape: Shape, considered: int) -> str:
+    return json.dumps(
+        {
+            "model": shape.name,
+            "num_params": shape.num_params(),
+            "considered": considered,
+            "layouts": [e.as_json() for e in results[:top]],
+        },
+        indent=1,
+    )
+
+
+def runnable(e: Estimate) -> bool:
+    """What `meshforge train` supports now: no pipeline or context parallelism, and no
+    ZeRO-1 under tensor parallelism."""
+    L = e.layout
+    return L.pp == 1 and L.cp == 1 and L.ep == 1 and not (L.tp > 1 and L.zero_stage == 1)
+
+
+def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precision: str, preset: str | None) -> str:
+    """A `meshforge train` TOML for this layout (dp ranks shard under ZeRO-2/3, else replicate)."""
+    L = e.layout
+    model = (
+        f'preset = "{preset}"\n'
+        if preset
+        else (
+            f"hidden = {shape.hidden}\nlayers = {shape.layers}\nheads = {shape.heads}\nkv_heads = {shape.kv_heads}\n"
+            f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab}\n"
+            f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n"
+        )
+    )
+    ac = L.recompute
+    return (
+        f"# written by meshforge plan: predicted {e.step_time_s:.3f} s/step, "
+        f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"
+        f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp} (or torchrun)\n\n"
+        f"[model]\n{model}\n"
+        f"[parallel]\ntp = {L.tp}\ndp_shard = {L.dp}\ndp_replicate = 1\nzero_stage = {L.zero_stage}\n"
+        f"sequence_parallel = {str(L.sequence_parallel).lower()}\n\n"
+        f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {L.micro_batch_size}\n"
+        f'precision = "{precision}"\nactivation_checkpoint = "{ac}"\n'
+    )

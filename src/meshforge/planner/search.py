@@ -1,0 +1,145 @@
+"""Enumerate the layouts a cluster allows, estimate each, keep what fits, rank by speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshforge.errors import ConfigError
+from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, Estimate, Layout, estimate
+from meshforge.planner.hardware import Hardware
+from meshforge.planner.shape import Shape
+
+
+@dataclass
+class Fixed:
+    """Choices the user fixed (None: search them)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+    virtual_stages: int | None = None
+    schedule: str | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
+    """Refuse impossible fixed choices with the reason and a fix."""
+    if f.ep not in (None, 1):
+        raise ConfigError(f"--ep {f.ep}: this model has no experts (MoE); expert parallelism needs --experts")
+    if f.tp is not None:
+        if shape.heads % f.tp or shape.kv_heads % f.tp:
+            ok = [d for d in _divisors(shape.kv_heads) if d <= gpus_per_node]
+            raise ConfigError(
+                f"--tp {f.tp} does not divide heads {shape.heads} / kv_heads {shape.kv_heads}; use one of {ok}"
+            )
+        if f.tp > gpus_per_node:
+            raise ConfigError(f"--tp {f.tp} is more than --gpus-per-node {gpus_per_node}: tp stays inside a node")
+    if f.pp is not None and f.pp > shape.layers:
+        raise ConfigError(f"--pp {f.pp} is more than the {shape.layers} layers; every stage needs at least one")
+    fixed = [x for x in (f.tp, f.pp, f.dp, f.cp) if x is not None]
+    prod = 1
+    for x in fixed:
+        prod *= x
+    if gpus % prod:
+        raise ConfigError(f"fixed degrees multiply to {prod}, which does not divide --gpus {gpus}")
+    if all(x is not None for x in (f.tp, f.pp, f.dp, f.cp)) and prod != gpus:
+        raise ConfigError(f"--tp x --pp x --dp x --cp = {prod}, not --gpus {gpus}; leave one of them out to infer it")
+    if f.schedule is not None and f.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {f.schedule!r}: one of {', '.join(SCHEDULES)}")
+    if f.recompute is not None and f.recompute not in RECOMPUTE:
+        raise ConfigError(f"--recompute {f.recompute!r}: one of {', '.join(RECOMPUTE)}")
+    if f.zero is not None and f.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {f.zero}: one of 0, 1, 2, 3")
+
+
+def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
+    """Every valid layout (a generator)."""
+    tps = [f.tp] if f.tp else [t for t in _divisors(gpus_per_node) if shape.heads % t == 0 and shape.kv_heads % t == 0]
+    pps = [f.pp] if f.pp else [p for p in _divisors(gpus) if p <= min(64, shape.layers)]
+    cps = [f.cp] if f.cp else [1]
+    for tp in tps:
+        for pp in pps:
+            for cp in cps:
+                if gpus % (tp * pp * cp) or (seq % cp) or (seq % tp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if f.dp and dp != f.dp:
+                    continue
+                if global_batch % dp:
+                    continue
+                local = global_batch // dp
+                micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
+                for mb in micros:
+                    if local % mb:
+                        continue
+                    m = local // mb
+                    stages = [0, 1, 2, 3] if dp * cp > 1 else [0]
+                    for zero in [f.zero] if f.zero is not None else stages:
+                        for rc in [f.recompute] if f.recompute else RECOMPUTE:
+                            for sched, v in _schedules(pp, m, shape.layers, f):
+                                yield Layout(tp, pp, dp, cp, 1, zero, mb, m, rc, v, sched)
+
+
+def _schedules(pp: int, m: int, layers: int, f: Fixed):
+    if pp == 1:
+        yield "none", 1
+        return
+    for s in [f.schedule] if f.schedule else SCHEDULES:
+        if s == "interleaved_1f1b":
+            for v in [f.virtual_stages] if f.virtual_stages else (2, 4):
+                if m % pp == 0 and layers >= pp * v:
+                    yield s, v
+        elif m >= pp or s == "gpipe":
+            yield s, 1
+
+
+def search(
+    shape: Shape,
+    hw: Hardware,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq: int,
+    precision: str,
+    fixed: Fixed,
+) -> tuple[list[Estimate], int]:
+    """Fitting layouts, fastest first, and how many were considered."""
+    check_fixed(shape, gpus, fixed, gpus_per_node)
+    out, considered, smallest = [], 0, None
+    for lay in layouts(shape, gpus, global_batch, seq, fixed, gpus_per_node):
+        considered += 1
+        e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
+        if e.fits:
+            out.append(e)
+        elif smallest is None or e.memory["total"] < smallest.memory["total"]:
+            smallest = e
+    out.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
+    if not out:
+        raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision))
+    return out, considered
+
+
+def no_fit_message(shape: Shape, hw: Hardware, gpus: int, considered: int, smallest, precision: str) -> str:
+    if considered == 0:
+        return (
+            f"no layout of {shape.name} on {gpus} GPUs is valid: the degrees must divide the GPUs, heads, layers "
+            "and the global batch; try another --gpus or --global-batch"
+        )
+    per = 16 if precision != "fp32" else 16
+    need = shape.num_params() * per / 2**30
+    lowest = smallest.memory["total"] if smallest else float("nan")
+    more = int(-(-need // (hw.hbm_gib - hw.reserve_gib)))
+    return (
+        f"{shape.name} ({shape.num_params() / 1e9:.1f}B parameters) fits no layout on {gpus} x {hw.name} "
+        f"({hw.hbm_gib:.0f} GiB each): the smallest needs {lowest:.1f} GiB per GPU. Its model states alone are "
+        f"{need:.0f} GiB ({per} bytes per parameter), so it needs at least ~{max(more, gpus + 1)} GPUs of this kind "
+        f"with full sharding (ZeRO-3), more with activations; or GPUs with more memory"
+    )
