@@ -87,8 +87,9 @@ def get_hardware(name: str | None, path: str | None = None) -> Hardware:
     if name not in PRESETS:
         import difflib
 
-        close = difflib.get_close_matches(name or "", PRESETS, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        close = [k for k in PRESETS if name and k.startswith(name)]
+        close = close or difflib.get_close_matches(name or "", PRESETS, n=1)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         raise ConfigError(f"unknown --gpu {name!r}; {hint}presets: {', '.join(PRESETS)} (or --hardware FILE)")
     return replace(PRESETS[name])
 

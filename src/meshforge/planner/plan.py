@@ -54,20 +54,28 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
         cfg = load_config(args.config, {})
         shape = from_args(model_args_from_config(cfg.model), Path(args.config).stem)
         preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
-        p = cfg.parallel
-        from_cfg = {
-            "seq_len": cfg.train.seq_len,
-            "global_batch": cfg.train.global_batch_size,
-            "precision": "fp32" if cfg.train.precision == "auto" else cfg.train.precision,
-            "tp": p.tp if p.tp > 0 else None,
-            "pp": p.pp if p.pp > 0 else None,
-            "cp": p.cp if p.cp > 0 else None,
-            "zero": p.zero_stage,
-            "micro_batch": cfg.train.micro_batch_size or None,
-            "recompute": cfg.train.activation_checkpoint,
-        }
-        if p.dp_shard > 0 and p.dp_replicate > 0:
+        # fix only what the file itself sets (a run's resolved config.toml sets everything)
+        raw = _raw_toml(args.config)
+        par, tr = raw.get("parallel", {}), raw.get("train", {})
+        p, t = cfg.parallel, cfg.train
+        from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
+        if "precision" in tr and t.precision != "auto":
+            from_cfg["precision"] = t.precision
+        for key, name in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
+            if key in par and getattr(p, key) > 0:
+                from_cfg[name] = getattr(p, key)
+        if "zero_stage" in par:
+            from_cfg["zero"] = p.zero_stage
+        if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
             from_cfg["dp"] = p.dp_shard * p.dp_replicate
+        if "pp_schedule" in par and p.pp > 1:
+            from_cfg["schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
+        if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
+            from_cfg["virtual_stages"] = p.pp_virtual_stages
+        if tr.get("micro_batch_size"):
+            from_cfg["micro_batch"] = t.micro_batch_size
+        if "activation_checkpoint" in tr:
+            from_cfg["recompute"] = t.activation_checkpoint
         return shape, from_cfg, preset
     if args.model:
         return from_preset(args.model), from_cfg, args.model
@@ -91,6 +99,13 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
         args.max_positions or 0,
     )
     return shape, from_cfg, None
+
+
+def _raw_toml(path: str) -> dict:
+    import tomllib
+
+    with open(path, "rb") as f:
+        return tomllib.load(f)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
         zero=pick("zero"),
         micro_batch=pick("micro_batch"),
         recompute=pick("recompute"),
-        virtual_stages=args.virtual_stages,
-        schedule=args.schedule,
+        virtual_stages=pick("virtual_stages"),
+        schedule=pick("schedule"),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     elapsed = time.perf_counter() - t0

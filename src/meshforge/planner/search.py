@@ -35,13 +35,16 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
     if f.ep not in (None, 1):
         raise ConfigError(f"--ep {f.ep}: this model has no experts (MoE); expert parallelism needs --experts")
     if f.tp is not None:
+        if f.tp > gpus_per_node:
+            raise ConfigError(
+                f"--tp {f.tp} is more than --gpus-per-node {gpus_per_node}: tp stays inside a node (its collectives "
+                "are on the critical path and need NVLink-class bandwidth); use pp or dp across nodes"
+            )
         if shape.heads % f.tp or shape.kv_heads % f.tp:
             ok = [d for d in _divisors(shape.kv_heads) if d <= gpus_per_node]
             raise ConfigError(
                 f"--tp {f.tp} does not divide heads {shape.heads} / kv_heads {shape.kv_heads}; use one of {ok}"
             )
-        if f.tp > gpus_per_node:
-            raise ConfigError(f"--tp {f.tp} is more than --gpus-per-node {gpus_per_node}: tp stays inside a node")
     if f.pp is not None and f.pp > shape.layers:
         raise ConfigError(f"--pp {f.pp} is more than the {shape.layers} layers; every stage needs at least one")
     fixed = [x for x in (f.tp, f.pp, f.dp, f.cp) if x is not None]
@@ -51,7 +54,7 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
     if gpus % prod:
         raise ConfigError(f"fixed degrees multiply to {prod}, which does not divide --gpus {gpus}")
     if all(x is not None for x in (f.tp, f.pp, f.dp, f.cp)) and prod != gpus:
-        raise ConfigError(f"--tp x --pp x --dp x --cp = {prod}, not --gpus {gpus}; leave one of them out to infer it")
+        raise ConfigError(f"--tp x --pp x --dp x --cp multiply to {prod}, not --gpus {gpus}; leave one out to infer it")
     if f.schedule is not None and f.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {f.schedule!r}: one of {', '.join(SCHEDULES)}")
     if f.recompute is not None and f.recompute not in RECOMPUTE:
@@ -123,23 +126,57 @@ def search(
             smallest = e
     out.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
     if not out:
-        raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision))
+        bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed)
+        raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger))
     return out, considered
 
 
-def no_fit_message(shape: Shape, hw: Hardware, gpus: int, considered: int, smallest, precision: str) -> str:
+def smallest_cluster(
+    shape: Shape, hw: Hardware, gpus: int, gpus_per_node: int, global_batch: int, seq: int, precision: str, f: Fixed
+) -> tuple[int, Estimate] | None:
+    """The first power-of-two multiple of ``gpus`` (up to 1,048,576) on which some layout
+    fits, with its fastest layout; the data-parallel degree is left free."""
+    free = Fixed(**{**f.__dict__, "dp": None})
+    n = gpus * 2
+    while n <= 2**20:
+        best = None
+        for lay in layouts(shape, n, global_batch, seq, free, gpus_per_node):
+            e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
+            if e.fits and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
+                best = e
+        if best is not None:
+            return n, best
+        n *= 2
+    return None
+
+
+def no_fit_message(
+    shape: Shape,
+    hw: Hardware,
+    gpus: int,
+    considered: int,
+    smallest: Estimate | None,
+    precision: str,
+    bigger: tuple[int, Estimate] | None = None,
+) -> str:
     if considered == 0:
         return (
             f"no layout of {shape.name} on {gpus} GPUs is valid: the degrees must divide the GPUs, heads, layers "
             "and the global batch; try another --gpus or --global-batch"
         )
-    per = 16 if precision != "fp32" else 16
-    need = shape.num_params() * per / 2**30
+    need = shape.num_params() * 16 / 2**30  # Adam in mixed precision or fp32: 16 bytes per parameter
     lowest = smallest.memory["total"] if smallest else float("nan")
-    more = int(-(-need // (hw.hbm_gib - hw.reserve_gib)))
-    return (
+    msg = (
         f"{shape.name} ({shape.num_params() / 1e9:.1f}B parameters) fits no layout on {gpus} x {hw.name} "
-        f"({hw.hbm_gib:.0f} GiB each): the smallest needs {lowest:.1f} GiB per GPU. Its model states alone are "
-        f"{need:.0f} GiB ({per} bytes per parameter), so it needs at least ~{max(more, gpus + 1)} GPUs of this kind "
-        f"with full sharding (ZeRO-3), more with activations; or GPUs with more memory"
+        f"({hw.hbm_gib:.0f} GiB each): the smallest needs {lowest:.1f} GiB per GPU; its model states alone are "
+        f"{need:.0f} GiB (16 bytes per parameter). "
+    )
+    if bigger is None:
+        return msg + f"No cluster of up to {2**20} such GPUs fits it: use GPUs with more memory or a smaller model"
+    n, e = bigger
+    L = e.layout
+    return msg + (
+        f"The smallest cluster of this kind that fits it (doubling --gpus) is {n} GPUs, e.g. tp {L.tp} pp {L.pp} "
+        f"dp {L.dp} zero {L.zero_stage} recompute {L.recompute} at {e.memory['total']:.1f} GiB per GPU; "
+        "or use GPUs with more memory"
     )

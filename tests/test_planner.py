@@ -1,0 +1,286 @@
+"""The planner: memory model against the ZeRO and Korthikanti et al. formulas, the bubble
+against the GPipe/1F1B/interleaved formulas, search speed and answers at scale, the JSON
+interface, bad input, and an emitted config that trains."""
+
+import json
+import time
+
+import pytest
+
+from conftest import run_cli
+from meshforge.errors import ConfigError
+from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
+from meshforge.planner.hardware import get_hardware
+from meshforge.planner.search import Fixed, search
+from meshforge.planner.shape import Shape, from_preset
+
+H100 = get_hardware("h100-sxm")
+# GPT-3 175B: the model Korthikanti et al. 2022 work through (a = 96, h = 12288, s = 2048)
+GPT3 = Shape(96, 12288, 96, 96, 4 * 12288, 51200, "gelu", True, 2048, "gpt3-175b")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("precision, p, g, k", [("bf16", 2, 2, 12), ("fp32", 4, 4, 8)])
+def test_model_states_follow_the_zero_paper(precision, p, g, k):
+    """ZeRO paper, Figure 1: (2+2+K)Ψ for DDP; 2Ψ + 2Ψ + KΨ/N (Pos); 2Ψ + (2+K)Ψ/N (Pos+g);
+    (2+2+K)Ψ/N (Pos+g+p) — with the 7.5B-parameter, N = 64 example."""
+    psi, n = 7.5e9, 64
+    total = {s: sum(model_state_bytes(psi, n, s, precision).values()) for s in range(4)}
+    assert total[0] == pytest.approx((p + g + k) * psi)
+    assert total[1] == pytest.approx((p + g) * psi + k * psi / n)
+    assert total[2] == pytest.approx(p * psi + (g + k) * psi / n)
+    assert total[3] == pytest.approx((p + g + k) * psi / n)
+    if precision == "bf16":  # the paper's figures: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB
+        assert [round(total[s] / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_activations_follow_korthikanti():
+    """Korthikanti et al. 2022, Table 2: per-layer activation bytes for a GPT block."""
+    s, b, h, a = 2048, 1, GPT3.hidden, GPT3.heads
+    sbh = s * b * h
+    act = lambda t, sp, rc: activation_bytes_per_layer(GPT3, s, b, t, sp, rc)  # noqa: E731
+    assert act(1, False, "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert act(8, False, "none") == pytest.approx(sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+    assert act(8, True, "none") == pytest.approx(sbh / 8 * (34 + 5 * a * s / h))
+    assert act(8, True, "selective") == pytest.approx(sbh * 34 / 8)
+    assert act(8, False, "selective") == pytest.approx(sbh * (10 + 24 / 8))
+    assert act(8, True, "full") == pytest.approx(2 * sbh / 8)
+    # the paper's headline: selective recompute with SP needs 5x less than tp alone
+    assert act(8, False, "none") / act(8, True, "selective") == pytest.approx(5.0, rel=0.25)
+
+
+def test_llama_activations_shrink_with_tp_sp_and_recompute():
+    llama = from_preset("llama3.1-8b")
+    a = {
+        (t, sp, rc): activation_bytes_per_layer(llama, 4096, 1, t, sp, rc)
+        for t in (1, 4)
+        for sp in (False, True)
+        for rc in ("none", "selective", "full")
+    }
+    # with SP everything divides by t; without SP the residual-stream parts stay whole
+    for rc in ("none", "selective", "full"):
+        assert a[(4, True, rc)] == pytest.approx(a[(1, True, rc)] / 4)
+        assert a[(1, True, rc)] >= a[(4, False, rc)] > a[(4, True, rc)]
+    assert a[(4, False, "full")] == a[(1, True, "full")]  # without SP the block input stays whole
+    assert a[(1, True, "none")] > a[(1, True, "selective")] > a[(1, True, "full")]
+    assert a[(1, True, "full")] == 4096 * llama.hidden * 2  # the block input only, bf16
+
+
+def test_in_flight_microbatches_by_schedule():
+    """GPipe keeps all m, 1F1B at most p, interleaved 1F1B p(1 + (p-1)/(p v)) stage-chunks
+    (Narayanan et al. 2021)."""
+    assert in_flight("gpipe", 8, 32, 1) == 32
+    assert in_flight("1f1b", 8, 32, 1) == 8
+    assert in_flight("1f1b", 8, 4, 1) == 4
+    assert in_flight("interleaved_1f1b", 8, 32, 4) == pytest.approx(8 * (1 + 7 / 32))
+    assert in_flight("1f1b", 1, 32, 1) == 1
+
+
+def test_pipeline_stage_memory_by_schedule():
+    shape = from_preset("llama3.1-70b")
+    lay = dict(tp=8, pp=8, dp=1, micro_batch_size=1, num_microbatches=32, recompute="selective")
+    mem = {
+        s: estimate(shape, Layout(**lay, schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
+        for s in ("gpipe", "1f1b")
+    }
+    logits = 8192 * shape.vocab / 8 * (2 + 4 + 4) / 2**30
+    assert (mem["gpipe"] - logits) / (mem["1f1b"] - logits) == pytest.approx(32 / 8)
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def _bubble_fraction(e) -> float:
+    t = e.time
+    busy = t["gemm"] + t["non_gemm"] + t["tp_comm"] + t["cp_comm"] + t["pp_p2p"]
+    return t["bubble"] / (busy + t["bubble"])
+
+
+@pytest.mark.parametrize(
+    "schedule, v, expected",
+    [
+        ("gpipe", 1, 7 / (16 + 7)),
+        ("1f1b", 1, 7 / (16 + 7)),
+        ("interleaved_1f1b", 2, 7 / (16 + 7) / 2),
+        ("interleaved_1f1b", 4, 7 / (16 + 7) / 4),
+        ("zero_bubble", 1, 7 / (16 + 7) / 3),
+    ],
+)
+def test_bubble_follows_the_schedule_formulas(schedule, v, expected):
+    """(p-1)/(m+p-1) of the pipelined time for GPipe and 1F1B, divided by v interleaved."""
+    shape = from_preset("llama3.1-70b")
+    lay = Layout(tp=8, pp=8, dp=2, num_microbatches=16, recompute="selective", schedule=schedule, virtual_stages=v)
+    e = estimate(shape, lay, 4096, 32, "bf16", H100, 8)
+    assert _bubble_fraction(e) == pytest.approx(expected)
+
+
+def test_time_breakdown_adds_up_and_mfu_is_consistent():
+    shape = from_preset("llama3.1-8b")
+    e = estimate(shape, Layout(tp=2, pp=1, dp=4, zero_stage=1, num_microbatches=4), 4096, 16, "bf16", H100, 8)
+    t = e.time
+    parts = ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "bubble", "dp_comm_exposed", "optimizer")
+    assert sum(t[k] for k in parts) == pytest.approx(e.step_time_s)
+    assert e.tokens_per_s_per_gpu == pytest.approx(16 * 4096 / e.step_time_s / 8)
+    assert e.mfu == pytest.approx(shape.model_flops_per_token(4096) * e.tokens_per_s_per_gpu / H100.peak("bf16"))
+    assert 0 < e.mfu <= e.hfu < 1
+    assert sum(e.budget.values()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_tp_across_nodes_is_slower_than_inside():
+    shape = from_preset("llama3.1-70b")
+    lay = Layout(tp=8, pp=1, dp=2, zero_stage=3, num_microbatches=8, recompute="full")
+    inside = estimate(shape, lay, 4096, 16, "bf16", H100, 8).time["tp_comm"]
+    across = estimate(shape, lay, 4096, 16, "bf16", H100, 4).time["tp_comm"]
+    assert across > 4 * inside
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def test_405b_on_16384_gpus_is_searched_in_seconds():
+    t0 = time.perf_counter()
+    results, considered = search(from_preset("llama3.1-405b"), H100, 16384, 8, 2048, 8192, "bf16", Fixed())
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10, elapsed
+    assert considered > 100 and results
+    best = results[0]
+    assert best.fits and best.memory["total"] <= 80
+    assert best.layout.tp * best.layout.pp * best.layout.dp * best.layout.cp == 16384
+    assert best.layout.tp <= 8  # tp stays inside a node
+    assert all(a.tokens_per_s_per_gpu >= b.tokens_per_s_per_gpu for a, b in zip(results, results[1:], strict=False))
+    assert 0.25 < best.mfu < 0.6  # the published range for dense runs at this scale
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b"])
+def test_llama3_shapes_from_8_to_16384_gpus(preset):
+    shape = from_preset(preset)
+    for gpus in (8, 64, 1024, 16384):
+        try:
+            results, _ = search(shape, H100, gpus, 8, max(gpus, 512), 8192, "bf16", Fixed())
+        except ConfigError as e:
+            states_gib = shape.num_params() * 16 / 2**30 / gpus  # even fully sharded
+            assert states_gib > 40, e  # only a model whose states crowd the GPUs may fit nowhere
+            assert "smallest cluster" in str(e)
+            continue
+        assert results[0].fits
+
+
+def test_fixed_choices_are_kept():
+    fixed = Fixed(tp=2, zero=3, recompute="full")
+    results, _ = search(from_preset("llama3.1-8b"), H100, 64, 8, 64, 4096, "bf16", fixed)
+    assert {(e.layout.tp, e.layout.zero_stage, e.layout.recompute) for e in results} == {(2, 3, "full")}
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "fixed, gpus, message",
+    [
+        (Fixed(tp=3), 48, r"--tp 3 does not divide heads 32 / kv_heads 8; use one of \[1, 2, 4, 8\]"),
+        (Fixed(tp=16), 64, r"--tp 16 is more than --gpus-per-node 8"),
+        (Fixed(tp=2, pp=2, dp=2, cp=1), 16, r"multiply to 8, not --gpus 16"),
+        (Fixed(tp=8, pp=4), 48, r"fixed degrees multiply to 32, which does not divide --gpus 48"),
+        (Fixed(ep=2), 16, r"--ep 2: this model has no experts"),
+        (Fixed(schedule="zigzag"), 16, r"--schedule 'zigzag': one of gpipe, 1f1b"),
+    ],
+)
+def test_impossible_fixed_choices_are_refused(fixed, gpus, message):
+    with pytest.raises(ConfigError, match=message):
+        search(from_preset("llama3.1-8b"), H100, gpus, 8, 64, 4096, "bf16", fixed)
+
+
+def test_unknown_gpu_preset_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown --gpu 'h100'; did you mean 'h100-sxm' or 'h100-pcie'"):
+        get_hardware("h100")
+
+
+def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
+    with pytest.raises(ConfigError) as e:
+        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", Fixed())
+    msg = str(e.value)
+    assert "fits no layout on 2 x a100-40g" in msg and "model states alone are 1051 GiB" in msg
+    n = int(msg.split("that fits it (doubling --gpus) is ")[1].split()[0])
+    assert n >= 32  # 1051 GiB of states over 40 GiB GPUs
+    assert search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), n, 8, 16, 4096, "bf16", Fixed())[0]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_plan_json_interface():
+    r = run_cli("plan", "--model", "llama3.1-70b", "--gpus", "512", "--global-batch", "512", "--json", "--top", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["layouts"]) == 3
+    keys = {"tp", "pp", "dp", "cp", "ep", "num_params", "zero_stage", "micro_batch_size", "num_microbatches"}
+    keys |= {"recompute", "virtual_stages", "schedule", "memory_gib", "fits", "step_time_s"}
+    keys |= {"tokens_per_s_per_gpu", "mfu", "hfu"}
+    for lay in out["layouts"]:
+        assert keys <= set(lay)
+        assert {"params", "grads", "optimizer", "activations", "total"} <= set(lay["memory_gib"])
+        assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp"] * lay["cp"] == 512
+        assert lay["num_params"] == from_preset("llama3.1-70b").num_params()
+    steps = [lay["tokens_per_s_per_gpu"] for lay in out["layouts"]]
+    assert steps == sorted(steps, reverse=True)
+
+
+def test_plan_table_and_bad_command_lines():
+    r = run_cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "4")
+    assert r.returncode == 0, r.stderr
+    assert "best layout, explained" in r.stdout and "where the time goes" in r.stdout
+    r = run_cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--gpu", "v100")
+    assert r.returncode == 2 and "unknown --gpu 'v100'" in r.stderr
+    r = run_cli("plan", "--gpus", "16", "--layers", "4")
+    assert r.returncode == 2 and "missing: --hidden, --heads, --ffn-hidden, --vocab" in r.stderr
+    r = run_cli("plan", "--model", "llama3.1-8b")
+    assert r.returncode == 2 and "--gpus N" in r.stderr
+
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn-hidden", "128", "--vocab", "512"]
+
+
+@pytest.mark.slow
+def test_emitted_config_trains_and_plans_back(tmp_path, corpus):
+    """plan -> --emit-config -> meshforge train on 2 ranks -> plan --config of the run's
+    resolved config.toml gives the same layout back."""
+    cfg = tmp_path / "plan.toml"
+    r = run_cli(
+        "plan", *TINY, "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2", "--seq-len", "32",
+        "--global-batch", "8", "--emit-config", str(cfg), "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    best = json.loads(r.stdout)["layouts"][0]
+    run = tmp_path / "run"
+    r = run_cli(
+        "train", "--config", str(cfg), "--nproc", "2", "--train.steps=3", f"--data.path={corpus}",
+        f"--run.dir={run}", "--metrics.console=false", "--metrics.log_interval=1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    cluster = ["--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2"]
+    r = run_cli("plan", "--config", str(run / "config.toml"), *cluster)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("plan", "--config", str(run / "config.toml"), *cluster, "--json")
+    again = json.loads(r.stdout)["layouts"]
+    assert len(again) == 1  # every choice was fixed by the resolved config
+    for k in ("tp", "dp", "zero_stage", "micro_batch_size", "recompute"):
+        assert again[0][k] == best[k]
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
+    out = tmp_path / "cpu.json"
+    r = run_cli("calibrate", "--quick", "--nproc", "2", "--out", str(out), timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hw = get_hardware(None, str(out))
+    assert hw.peak("fp32") > 1e9 and hw.intra_bw > 1e6 and 0 < hw.intra_latency < 0.1
+    r = run_cli("plan", *TINY, "--hardware", str(out), "--gpus", "2", "--gpus-per-node", "2", "--seq-len=32", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["layouts"][0]["step_time_s"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x"}')
+    r = run_cli("plan", *TINY, "--hardware", str(bad), "--gpus", "2")
+    assert r.returncode == 2 and "not a hardware profile written by meshforge calibrate" in r.stderr
