@@ -2,8 +2,9 @@
 
 Calibrates the machine (``meshforge calibrate``) as 1 rank and as 2 ranks, then for one
 model trains each local layout for a few steps with ``meshforge train`` and compares the
-median measured step time with the planner's prediction for exactly that layout (the
-planner reads the run's resolved config.toml, as ``meshforge plan --config`` does). No
+median measured step time with the prediction of ``meshforge plan --config
+RUN/config.toml --hardware PROFILE`` for exactly that run (the resolved config fixes every
+choice, so the planner estimates that one layout). No
 constant is fitted to these runs: the profile comes from micro-benchmarks alone.
 Target (issue 7): within 25%.
 
@@ -38,9 +39,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
 
-    from meshforge.planner.estimate import Layout, estimate
     from meshforge.planner.hardware import get_hardware
-    from meshforge.planner.shape import Shape
 
     tmp = Path(tempfile.mkdtemp())
     profiles = {}
@@ -65,7 +64,6 @@ def main() -> None:
         "metrics.console": False,
         "checkpoint.save_final": False,
     }
-    shape = Shape(args.layers, args.hidden, args.hidden // 64, 2, 3 * args.hidden, 512, "swiglu", False, 0, "bench")
     rows = []
     for name, (n, extra) in LAYOUTS.items():
         run = tmp / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "")
@@ -79,14 +77,17 @@ def main() -> None:
             sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
         recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         measured = statistics.median(x["step_time_s"] for x in recs[2:])
-        tp = extra.get("parallel.tp", 1)
-        dp = n // tp
-        zero = extra.get("parallel.zero_stage", 0) if dp > 1 else 0
-        lay = Layout(tp, 1, dp, 1, 1, zero if tp == 1 else max(zero, 0), args.batch // dp, 1, "none", 1, "none")
-        e = estimate(shape, lay, args.seq_len, args.batch, "fp32", profiles[n], n)
-        rows.append((name, measured, e.step_time_s, e))
+        plan = [sys.executable, "-m", "meshforge", "plan", "--config", str(run / "config.toml")]
+        plan += ["--hardware", str(tmp / f"hw{n}.json"), "--gpus", str(n), "--gpus-per-node", str(n), "--json"]
+        r = subprocess.run(plan, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"plan for {name} failed:\n{r.stderr[-3000:]}")
+        layouts = json.loads(r.stdout)["layouts"]
+        assert len(layouts) == 1, "the resolved config fixes every choice"
+        e = layouts[0]
+        rows.append((name, measured, e["step_time_s"], e))
     print(
-        f"model: hidden {args.hidden}, {args.layers} layers ({shape.num_params() / 1e6:.2f}M parameters), "
+        f"model: hidden {args.hidden}, {args.layers} layers ({rows[0][3]['num_params'] / 1e6:.2f}M parameters), "
         f"batch {args.batch} x {args.seq_len}, fp32; profiles: "
         + "; ".join(
             f"{n} rank(s): {p.peak_flops['fp32'] / 1e9:.0f} GFLOP/s/rank, all-reduce {p.intra_bw / 1e9:.2f} GB/s"
@@ -98,7 +99,8 @@ def main() -> None:
     )
     for name, meas, pred, e in rows:
         parts = sorted(
-            ((k, v) for k, v in e.time.items() if k not in ("ideal_compute", "dp_comm_total")), key=lambda kv: -kv[1]
+            ((k, v) for k, v in e["time_s"].items() if k not in ("ideal_compute", "dp_comm_total")),
+            key=lambda kv: -kv[1],
         )
         top = ", ".join(f"{k} {v:.3f}" for k, v in parts[:3])
         print(f"{name:<16} {meas:>11.3f} {pred:>12.3f} {pred / meas:>18.2f}x  {top}")

@@ -74,6 +74,8 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
             from_cfg["virtual_stages"] = p.pp_virtual_stages
         if tr.get("micro_batch_size"):
             from_cfg["micro_batch"] = t.micro_batch_size
+        elif "micro_batch_size" in tr and "dp" in from_cfg:  # 0: the whole local batch in one pass
+            from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"])
         if "activation_checkpoint" in tr:
             from_cfg["recompute"] = t.activation_checkpoint
         return shape, from_cfg, preset
