@@ -9,9 +9,8 @@ communication each rank reports against the ZeRO accounting.
 import json
 
 import pytest
-import torch
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.models.flops import num_params
 from meshforge.parallel.mesh import rank_layout
@@ -81,10 +80,7 @@ def test_layout_matches_single_process(name, references, layout_runs):
     assert all(r["grad_norm"] > 0.5 for r in ref)  # clipping was active
     val = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (references[gb], layout_runs(name))]
     assert val[0] is not None and val[1] == pytest.approx(val[0], rel=1e-5)  # evaluation is layout-independent
-    a = load_weights(references[gb] / "final").state_dict()
-    b = load_weights(layout_runs(name) / "final").state_dict()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert_same_weights(references[gb], layout_runs(name))
 
 
 def _psi(run_dir):

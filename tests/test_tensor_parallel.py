@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.trainer import train
 
@@ -107,11 +107,7 @@ def test_layout_matches_single_process(name, references, layout_runs):
     assert all(r["grad_norm"] > 0.5 for r in ref)  # clipping was active
     val = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (reference, layout_runs(name))]
     assert val[0] is not None and val[1] == pytest.approx(val[0], rel=1e-5)
-    a = load_weights(reference / "final").state_dict()
-    b = load_weights(layout_runs(name) / "final").state_dict()
-    assert a.keys() == b.keys()
-    for k in a:  # relative to the tensor's norm (see module docstring)
-        assert float((b[k] - a[k]).norm() / a[k].norm()) < 1e-5, k
+    assert_same_weights(reference, layout_runs(name))  # per tensor, norm-relative (see the docstring)
 
 
 def _activation_bytes():

@@ -191,6 +191,7 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         t = cfg.train
         self.precision = resolve_precision(t.precision, self.device)
+        self._was_deterministic = torch.are_deterministic_algorithms_enabled()  # restored by fit()
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(t.seed)
@@ -453,6 +454,7 @@ class Trainer:
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
+            torch.use_deterministic_algorithms(self._was_deterministic)  # a process-wide flag
             if log:
                 log.close()
 
