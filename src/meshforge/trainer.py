@@ -191,7 +191,6 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         t = cfg.train
         self.precision = resolve_precision(t.precision, self.device)
-        self._was_deterministic = torch.are_deterministic_algorithms_enabled()  # restored by fit()
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(t.seed)
@@ -454,7 +453,6 @@ class Trainer:
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            torch.use_deterministic_algorithms(self._was_deterministic)  # a process-wide flag
             if log:
                 log.close()
 
@@ -638,6 +636,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = preflight(cfg, world)
     else:
         cfg = resolve(cfg, world)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     mesh = build_mesh(cfg)
     try:
         resume = None
@@ -661,6 +660,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             _event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
             raise
     finally:
+        torch.use_deterministic_algorithms(was_deterministic)
         shutdown()
 
 
