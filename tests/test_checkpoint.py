@@ -198,6 +198,8 @@ RESHARD = {  # name: (saving ranks, saving layout, loading ranks, loading layout
     "dp4-zero3->dp2-ddp": (4, {"parallel.zero_stage": 3}, 2, {"parallel.zero_stage": 0}),
     "dp2-ddp->tp2": (2, {"parallel.zero_stage": 0}, 2, {"parallel.tp": 2}),
     "dp2-zero1->single": (2, {"parallel.zero_stage": 1}, 1, {}),
+    "dp2-zero3->pp2": (2, {"parallel.zero_stage": 3}, 2, {"parallel.pp": 2}),
+    "pp2-gpipe->dp2-zero2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}, 2, {"parallel.zero_stage": 2}),
 }
 
 

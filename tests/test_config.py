@@ -126,8 +126,19 @@ def test_hsdp_needs_a_sharded_stage():
 
 
 def test_axes_not_yet_available_are_refused_by_name():
-    with pytest.raises(ConfigError, match=r"parallel.pp = 2: .*set parallel.pp = 1"):
-        resolve(load_config(None, {"parallel.pp": 2}), world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.cp = 2: .*set parallel.cp = 1"):
+        resolve(load_config(None, {"parallel.cp": 2}), world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 2: .*set it to 1"):
+        resolve(load_config(None, {"parallel.ep": 2}), world_size=1)
+
+
+def test_list_keys_are_checked():
+    cfg = load_config(None, {"parallel.pp_layers": [3, 1]})
+    assert cfg.parallel.pp_layers == [3, 1]
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers must be a list"):
+        load_config(None, {"parallel.pp_layers": 4})
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers\[1\] must be an integer"):
+        load_config(None, {"parallel.pp_layers": [3, "x"]})
 
 
 TP_SHAPE = {"model.hidden": 64, "model.heads": 8, "model.kv_heads": 4, "model.ffn_hidden": 128}

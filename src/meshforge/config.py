@@ -73,9 +73,12 @@ class ParallelConfig:
     # Under tp > 1: run norms and residuals on sequence shards (reduce-scatter/all-gather
     # instead of all-reduce: same bytes, 1/tp of those activations). Off: replicated.
     sequence_parallel: bool = True
+    # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev (parallel/pipeline.py)
     pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    num_microbatches: int = 0  # 0: chosen from the batch
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules: >= 2; V schedules: 2)
+    # blocks per stage chunk, in pipeline order (pp x pp_virtual_stages entries); empty: balanced by cost
+    pp_layers: list[int] = field(default_factory=list)
+    num_microbatches: int = 0  # pipeline micro-batches per step and dp rank; 0: from train.micro_batch_size
 
 
 @dataclass
@@ -214,6 +217,11 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         raise ConfigError(
             f"{name} = {value!r} is not one of {', '.join(repr(c) for c in choices)}" + (f"; {hint}" if hint else "")
         )
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be a list, got {value!r} (e.g. [4, 4])")
+        (item,) = typing.get_args(tp)
+        return [_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -392,12 +400,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
     need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
     degrees = resolve_degrees(p, world_size)
-    for k in ("pp", "cp"):
-        need(
-            degrees[k] == 1,
-            f"parallel.{k} = {degrees[k]}: this version of meshforge runs data and tensor parallelism only "
-            f"(DDP, ZeRO-1/2/3, HSDP, TP+SP); set parallel.{k} = 1",
-        )
+    need(
+        degrees["cp"] == 1,
+        f"parallel.cp = {degrees['cp']}: context parallelism is not available in this version of meshforge; "
+        "set parallel.cp = 1",
+    )
     validate_tp(cfg, args, degrees, node_size())
     need(p.ep == 1, f"parallel.ep = {p.ep}: expert parallelism is not available in this version; set it to 1")
     need(
@@ -418,6 +425,15 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"train.micro_batch_size = {t.micro_batch_size} must divide the per-rank batch "
         f"global_batch_size / dp = {t.global_batch_size // dp}",
     )
+    if degrees["pp"] > 1:
+        from meshforge.parallel.pipeline import validate_pipeline
+
+        validate_pipeline(cfg, args, degrees["pp"], t.global_batch_size // dp)
+    else:
+        need(
+            not p.pp_layers,
+            f"parallel.pp_layers = {p.pp_layers} is set but parallel.pp = 1; set parallel.pp or leave pp_layers empty",
+        )
 
 
 def node_size() -> int | None:

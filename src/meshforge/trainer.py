@@ -45,6 +45,7 @@ from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError, DataError
+from meshforge.metrics.gantt import draw_gantt
 from meshforge.metrics.memory import GIB, gathered_param_bytes, state_bytes
 from meshforge.metrics.mfu import peak_flops, utilization
 from meshforge.metrics.sinks import MetricsLogger
@@ -55,8 +56,9 @@ from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.data_parallel import gradient_sync, make_optimizer
 from meshforge.parallel.grad_clip import clip_grad_norm
-from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
-from meshforge.parallel.parallelize import is_sharded, parallelize, uses_autocast
+from meshforge.parallel.mesh import Mesh, build_mesh, rank_layout, shutdown
+from meshforge.parallel.parallelize import is_sharded, parallelize, parallelize_pipeline, uses_autocast
+from meshforge.parallel.pipeline import Pipeline, Timeline
 from meshforge.parallel.precision import autocast, resolve_precision
 from meshforge.parallel.tensor_parallel import local_value, loss_context, match_grad_layouts
 
@@ -203,7 +205,12 @@ class Trainer:
 
         self.args = model_args_from_config(cfg.model)
         self.model = build_model(self.args, device="meta")
-        self.train_model = parallelize(self.model, cfg, mesh, seed=t.seed)
+        self.pipeline: Pipeline | None = None
+        if mesh.degrees["pp"] > 1:  # self.model: this rank's chunks, under the whole model's names
+            self.model, self.pipeline = parallelize_pipeline(self.model, cfg, mesh, seed=t.seed)
+            self.train_model = self.model
+        else:
+            self.train_model = parallelize(self.model, cfg, mesh, seed=t.seed)
         if cfg.model.init_from:
             pre = load_pretrained(cfg.model.init_from, device="cpu")
             diff = shape_mismatch(pre.args, self.args)
@@ -211,7 +218,9 @@ class Trainer:
                 raise ConfigError(
                     f"model.init_from = {cfg.model.init_from} has another shape than [model]: " + "; ".join(diff)
                 )
-            set_model_state_dict(self.model, pre.state_dict(), options=StateDictOptions(full_state_dict=True))
+            mine = dict(self.model.named_parameters())
+            full = {k: v for k, v in pre.state_dict().items() if k in mine}  # a pipeline rank holds some
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
         self.sharded = is_sharded(cfg, mesh)
         self.tp = mesh.degrees["tp"] > 1
         self.autocast = uses_autocast(cfg, mesh)
@@ -223,6 +232,8 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.local_batch = t.global_batch_size // mesh.dp_size
         self.micro = t.micro_batch_size or self.local_batch
+        if self.pipeline:  # the schedule runs the micro-batches
+            self.micro = self.local_batch // self.pipeline.m
         self.accum = self.local_batch // self.micro
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.flops_per_token = model_flops_per_token(self.args, t.seq_len)
@@ -230,6 +241,8 @@ class Trainer:
         self.peak = peak_flops(self.device, self.precision)
         self.step = 0
         self.tokens_seen = 0
+        self.pp_stats: dict[str, Any] = {}
+        self.gantt_step = min(3, t.steps)  # past the first steps' warm-up
         self._stop = False
         self.logger = None
         run_dir = Path(cfg.run.dir)
@@ -352,6 +365,8 @@ class Trainer:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if self.comm:
             self.comm.activate().reset()
+        if self.pipeline:
+            return self._pipeline_step(inputs, targets)
         total = torch.zeros((), device=self.device)
         gathered = 0
         sync_all = self.cfg.parallel.sync_every_microbatch
@@ -379,6 +394,70 @@ class Trainer:
         if self.comm:
             self.comm_bytes = self.comm.snapshot()
         return float(loss), float(grad_norm)
+
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+        """The same step with the micro-batches run by the pipeline schedule; the loss is
+        known on the last stage and shared over the pp group, the gradient norm adds up
+        over the stages."""
+        pipe = self.pipeline
+        loss = pipe.step(inputs, targets, self.mesh.rank)
+        dist.all_reduce(loss, group=self.mesh.group("pp"))
+        if self.mesh.dp_size > 1:
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
+            loss /= self.mesh.dp_size
+        if self.tp and not self.sharded:
+            match_grad_layouts(self.model)
+        grad_norm = clip_grad_norm(
+            self.model.parameters(), self.cfg.train.grad_clip or float("inf"), self.mesh.group("pp")
+        )
+        self.optimizer.step()
+        self.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": 0}
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pipeline_stats()
+        if self.comm:
+            self.comm_bytes = self.comm.snapshot()
+        return float(loss), float(grad_norm)
+
+    def _pipeline_stats(self) -> None:
+        """Measured bubble (mean over the pp ranks) next to the theory, in-flight micro-batches
+        per pp rank, and once per run the Gantt chart of a step."""
+        pipe = self.pipeline
+        tl = pipe.timeline()
+        group = self.mesh.group("pp")
+        mine = torch.tensor([pipe.bubble(), float(tl.max_in_flight()), peak_mem_gib(self.device)])
+        every = [torch.zeros_like(mine) for _ in range(pipe.pp)]
+        dist.all_gather(every, mine.to(self.device), group=group)
+        every = [e.cpu() for e in every]
+        self.pp_stats = {
+            "bubble_fraction": sum(float(e[0]) for e in every) / pipe.pp,
+            "bubble_theory": pipe.theory(),
+            "pp_in_flight": [int(e[1]) for e in every],
+        }
+        if self.device.type == "cuda":
+            self.pp_stats["pp_peak_mem_gib"] = [round(float(e[2]), 3) for e in every]
+        if self.step + 1 == self.gantt_step:
+            self._write_gantt(tl)
+
+    def _write_gantt(self, tl: Timeline) -> None:
+        """Gather every rank's timeline of this step to rank 0 and draw it."""
+        every: list = [None] * self.mesh.world_size
+        dist.all_gather_object(every, tl)
+        if not self.mesh.is_main:
+            return
+        pipe = self.pipeline
+        coords = rank_layout(self.mesh.degrees)
+        rows = [t for t in every if all(v == 0 for k, v in coords[t.rank].items() if k not in ("pp", "rank"))]
+        rows.sort(key=lambda t: coords[t.rank]["pp"])
+        run_dir = Path(self.cfg.run.dir)
+        title = (
+            f"{pipe.name}, pp={pipe.pp}"
+            + (f" x {pipe.v} chunks" if len(pipe.chunks) > 1 else "")
+            + f", m={pipe.m}, step {self.step + 1}: measured bubble {self.pp_stats['bubble_fraction']:.3f}"
+            + f" (theory {pipe.theory():.3f})"
+        )
+        draw_gantt(rows, run_dir / "pipeline_gantt.png", title)
+        (run_dir / "pipeline_timeline.json").write_text(json.dumps([dataclasses.asdict(t) for t in rows], indent=0))
+        self.event("pipeline_gantt", step=self.step + 1, path=str(run_dir / "pipeline_gantt.png"))
 
     def step_once(self) -> tuple[float, float, float]:
         """Set the LR, fetch this rank's slice of the next global batch, and take one step."""
@@ -410,6 +489,12 @@ class Trainer:
         per = n // self.mesh.dp_size
         mine = chosen[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per]
         total = torch.zeros((), device=self.device, dtype=torch.float64)
+        if self.pipeline:  # whole per-rank batches through the schedule, forward only
+            for s in range(0, per, self.local_batch):
+                batch = val.get(mine[s : s + self.local_batch]).to(self.device)
+                total += self.pipeline.eval_loss(batch[:, :-1], batch[:, 1:])
+            dist.all_reduce(total, group=self.mesh.group("pp"))
+            per = 0
         for s in range(0, per, self.micro):
             batch = val.get(mine[s : s + self.micro]).to(self.device)
             with autocast(self.device, self.precision) if self.autocast else contextlib.nullcontext():
@@ -515,6 +600,7 @@ class Trainer:
                         "state_mem_bytes": dict(self.state_mem),
                         "comm_bytes": {axis: sum(k.values()) for axis, k in self.comm_bytes.items()},
                         "comm_bytes_by_kind": self.comm_bytes,
+                        **self.pp_stats,
                     }
                 )
                 window = []
@@ -562,6 +648,27 @@ class Trainer:
             )
         return summary
 
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
+        return get_model_state_dict(self.model, options=opts)
+
+    def _pipeline_full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every pipeline rank gathers its chunks' full weights (over dp and tp), then the
+        ranks at dp = tp = 0 send theirs along the pp axis to rank 0, which merges them."""
+        opts = StateDictOptions(full_state_dict=True)
+        local = {k: v.detach().cpu() for k, v in get_model_state_dict(self.model, options=opts).items()}
+        coords = rank_layout(self.mesh.degrees)[self.mesh.rank]
+        if any(v for k, v in coords.items() if k not in ("pp", "rank")):
+            return None
+        parts: list | None = [None] * self.pipeline.pp if self.mesh.is_main else None
+        dist.gather_object(local, parts, dst=0, group=self.mesh.group("pp"))
+        if not self.mesh.is_main:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: _param_order(kv[0])))
+
     def _save_final(self, summary: dict[str, Any]) -> None:
         """Gather the full weights (a collective under sharding: every rank calls) and let
         rank 0 write them."""
@@ -574,8 +681,7 @@ class Trainer:
             level = quiet.level
             quiet.setLevel(logging.ERROR)
             try:
-                opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-                state = get_model_state_dict(self.model, options=opts)
+                state = self._pipeline_full_state() if self.pipeline else self._full_state()
             finally:
                 quiet.setLevel(level)
         if not self.mesh.is_main:
@@ -588,6 +694,13 @@ class Trainer:
         if self.cfg.checkpoint.export_hf:
             path = save_hf_state(self.args, state, run_dir / "final-hf")
             self.logger.event("export_hf", path=str(path), step=self.step)
+
+
+def _param_order(name: str) -> tuple:
+    """The whole model's parameter order: embedding, blocks by index, norm, head."""
+    if name.startswith("layers."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name.startswith("tok_embeddings") else 2, 0, name)
 
 
 def prepare_run_dir(cfg: Config) -> Path:
@@ -637,6 +750,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
     else:
         cfg = resolve(cfg, world)
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
+    clean = False
     mesh = build_mesh(cfg)
     try:
         resume = None
@@ -655,13 +769,15 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             )
             resume = obj[2]
         try:
-            return Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
+            result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
+            clean = True
+            return result
         except Exception as e:
             _event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
             raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
-        shutdown()
+        shutdown(clean)
 
 
 def _event_writer(cfg: Config):

@@ -153,18 +153,24 @@ class Transformer(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+        """Token ids (batch, seq) -> logits (batch, seq, vocab).
+
+        A slice of the model (a pipeline stage: some of the layers, ``tok_embeddings`` or
+        ``norm``/``output`` set to None) maps hidden states to hidden states the same way;
+        such a slice must be given ``positions`` when its input may be a sequence shard."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions)
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)
 
 
 def _param_seed(seed: int, name: str) -> int:

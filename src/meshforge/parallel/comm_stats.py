@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+_ISEND = dist.isend
 # function name -> (kind, argument holding the full-size payload, wire factor(n))
 _RING = {
     "all_reduce": ("all_reduce", "tensor", lambda n: 2 * (n - 1) / n),
@@ -32,7 +33,8 @@ _RING = {
     "all_to_all_single": ("all_to_all", "input", lambda n: (n - 1) / n),
     "broadcast": ("broadcast", "tensor", lambda n: 1.0),
     "send": ("p2p", "tensor", lambda n: 1.0),
-    "isend": ("p2p", "tensor", lambda n: 1.0),
+    # isend itself is not wrapped: P2POp checks it is handed the very function
+    "batch_isend_irecv": ("p2p", "p2p_op_list", lambda n: 1.0),
 }
 
 # the functional collectives DTensor uses; all_gather_single's argument is the local shard
@@ -79,11 +81,18 @@ class CommCounter:
     def record(self, table: dict, fn_name: str, bound: inspect.BoundArguments) -> None:
         kind, arg, factor = table[fn_name]
         group = _process_group(bound.arguments.get("group"))
-        n = dist.get_world_size(group)
+        n = dist.get_world_size(group) if fn_name != "batch_isend_irecv" else 2
         if n <= 1:
             return
         axis = self.axis_of_group.get(_group_key(group), "world" if group is None else "other")
         payload = _nbytes(bound.arguments.get(arg))
+        if fn_name == "batch_isend_irecv":  # pipeline transfers: count what this rank sends
+            ops = bound.arguments[arg]
+            group = _process_group(ops[0].group) if ops else None
+            axis = self.axis_of_group.get(_group_key(group), "world" if group is None else "other")
+            payload = sum(_nbytes(op.tensor) for op in ops if op.op is _ISEND)
+            if not payload:
+                return
         with self._lock:
             self.bytes[axis][kind] += payload * factor(n)
             self.calls[kind] += 1

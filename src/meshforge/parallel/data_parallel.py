@@ -96,11 +96,11 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
     blocks = list(model.layers.values())
     units: list[FSDPModule] = []
     tied = getattr(model.args, "tie_embeddings", False)
-    if not tied:
+    if not tied and model.tok_embeddings is not None:  # (a pipeline stage may lack it, or the head)
         units.append(fully_shard(model.tok_embeddings, **kw))
     for block in blocks:
         units.append(fully_shard(block, **kw))
-    if not tied:
+    if not tied and model.output is not None:
         fully_shard([model.norm, model.output], **kw)  # one unit; returns the list, so keep a member
         units.append(model.norm)
     fully_shard(model, **kw)

@@ -34,11 +34,16 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor], max_norm: float, stage_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm`` (inf: only
-    measure). Returns the pre-clip norm as a plain fp32 scalar, equal on every rank."""
+    measure). Returns the pre-clip norm as a plain fp32 scalar, equal on every rank.
+
+    ``stage_group``: the pipeline group, whose ranks hold disjoint parameters (their
+    squared norms add up)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and stage_group is None:
         return torch.zeros(())
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
@@ -47,7 +52,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
             groups[(id(mesh), dims)].append(g)
         else:
             groups[(None, ())].append(g)
-    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device if grads else None
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (_, dims), members in groups.items():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in members]
@@ -57,8 +62,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
             for d in dims:
                 dist.all_reduce(sq, group=mesh.get_group(d))
         total += sq
+    if stage_group is not None:
+        dist.all_reduce(total, group=stage_group)
     norm = total.sqrt()
-    if max_norm != float("inf"):
+    if max_norm != float("inf") and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for dtype_group in _by_dtype([g.to_local() if isinstance(g, DTensor) else g for g in grads]):
             torch._foreach_mul_(dtype_group, coef.to(dtype_group[0].dtype))

@@ -193,6 +193,11 @@ def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
     return out
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Tear the process groups down; after a clean run all ranks first meet at a barrier,
+    so none closes its connections while a peer still has transfers in flight to it (gloo
+    then aborts the peer). After an error there is no barrier: the other ranks may be gone."""
     if dist.is_initialized():
+        if clean and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -7,7 +7,8 @@ see the checkpointed block, and data parallelism goes last so its hooks see the 
 parameters. The model arrives on the meta device and is materialised here, after
 sharding, so a rank only ever allocates its own shards; every shard is filled from the
 seed-determined full values, so any layout starts from the single-process weights.
-This version applies TP/SP, AC, compile and the data-parallel family; the other axes
+With pp > 1 the model is first split into pipeline chunks (parallel/pipeline.py) and each
+chunk then goes through the same steps as a whole model. Context and expert parallelism
 are refused by config validation until they land.
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
@@ -28,6 +29,16 @@ from meshforge.models.llama import Transformer, init_weights
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.pipeline import (
+    V_SHAPED,
+    Pipeline,
+    balanced_split,
+    chunk_ranks,
+    give_positions,
+    model_view,
+    schedule_name,
+    split_model,
+)
 from meshforge.parallel.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
@@ -35,8 +46,8 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (ZeRO-2/3, HSDP, and any dp under tensor parallelism)."""
-    return mesh.dp_size > 1 and (cfg.parallel.zero_stage >= 2 or mesh.degrees["tp"] > 1)
+    """Data parallelism runs on FSDP2 (ZeRO-2/3, HSDP, and any dp under tensor or pipeline parallelism)."""
+    return mesh.dp_size > 1 and (cfg.parallel.zero_stage >= 2 or mesh.degrees["tp"] > 1 or mesh.degrees["pp"] > 1)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
@@ -45,10 +56,9 @@ def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
     return cfg.train.precision == "bf16" and not is_sharded(cfg, mesh)
 
 
-def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> nn.Module:
-    """Apply the configured layout to a meta-device model, materialise it on the mesh's
-    device and initialise it from ``seed`` (None: leave it for a state-dict load).
-    Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
+def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> bool:
+    """TP/SP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
+    materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
@@ -65,6 +75,32 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
         model.tie_weights()
     if seed is not None:
         init_weights(model, seed, fill=fill_param)
+    return sharded
+
+
+def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> nn.Module:
+    """Apply the configured layout (pp = 1) to a meta-device model, materialise it on the
+    mesh's device and initialise it from ``seed`` (None: leave it for a state-dict load).
+    Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
+    sharded = _apply(model, cfg, mesh, seed)
     if mesh.dp_size > 1 and not sharded:
         return apply_ddp(model, mesh, cfg.parallel.ddp_bucket_mb)
     return model
+
+
+def parallelize_pipeline(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> tuple[nn.Module, Pipeline]:
+    """pp > 1: split the meta-device model into chunks, keep this rank's, apply the other
+    axes to each chunk as to a whole model, and build the schedule. Returns a module over
+    this rank's chunks with the whole model's parameter names, and the pipeline."""
+    p = cfg.parallel
+    pp, name = mesh.degrees["pp"], schedule_name(p.pp_schedule)
+    v = 2 if name in V_SHAPED else p.pp_virtual_stages
+    sizes = list(p.pp_layers) or balanced_split(model.args, cfg.train.seq_len, pp * v)
+    owner = chunk_ranks(pp, v, name)
+    mine = [c for c in range(pp * v) if owner[c] == mesh.coordinate("pp")]
+    parts = split_model(model, sizes, mine)
+    for part, c in zip(parts, mine, strict=True):
+        if c != 0:
+            give_positions(part, cfg.train.seq_len)
+        _apply(part, cfg, mesh, seed)
+    return model_view(parts), Pipeline(parts, mine, cfg, mesh, tp=mesh.degrees["tp"] > 1)

@@ -105,6 +105,11 @@ def outer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The entries whose module this model has (a pipeline stage lacks the embedding or the head)."""
+    return {k: v for k, v in plan.items() if getattr(model, k.split(".")[0], None) is not None}
+
+
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard ``model`` (usually still on the meta device) over ``tp_mesh`` in place.
 
@@ -112,7 +117,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     (rows of the embedding, output features of the head), so after sharding the head is
     re-pointed at the embedding's DTensor and the two stay one parameter.
     """
-    parallelize_module(model, tp_mesh, outer_plan(sequence_parallel))
+    parallelize_module(model, tp_mesh, _present(model, outer_plan(sequence_parallel)))
     plan = block_plan(sequence_parallel)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)

@@ -134,6 +134,21 @@ def activation_bytes_per_layer(
     return s * b * bytes_per * (sharded / tp + whole / (tp if sp else 1))
 
 
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipelined step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
+    2019; Narayanan et al. 2021), divided by v for interleaved 1F1B; the zero-bubble
+    schedules (Qi et al. 2023) fill most of it with deferred weight-gradient work, counted
+    here as a third of the 1F1B bubble."""
+    if p <= 1:
+        return 0.0
+    b = (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return b / v
+    if schedule in ("zero_bubble", "zbv", "dualpipev"):
+        return b / 3
+    return b
+
+
 def in_flight(schedule: str, p: int, m: int, v: int) -> float:
     """Micro-batches whose activations the first stage holds at its peak (in stage units)."""
     if p == 1:
@@ -298,14 +313,7 @@ def estimate(
     dp_exposed = max(0.0, dp_s - hide) + last_bucket
 
     # pipeline bubble over the per-micro-batch work
-    if lay.pp > 1:
-        bubble = (lay.pp - 1) / (m + lay.pp - 1)
-        if lay.schedule == "interleaved_1f1b":
-            bubble /= lay.virtual_stages
-        elif lay.schedule == "zero_bubble":
-            bubble /= 3
-    else:
-        bubble = 0.0
+    bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages)
     pipelined = compute_s + tp_s + cp_s + pp_s
     bubble_s = pipelined * bubble / (1 - bubble)
 

@@ -1,0 +1,413 @@
+"""Pipeline parallelism on the ``pp`` mesh dimension, through ``torch.distributed.pipelining``.
+
+The layer stack is cut into ``pp x pp_virtual_stages`` chunks; chunk 0 also holds the
+embedding, the last chunk the final norm and head. Each chunk is the model itself with
+the other layers deleted (``layers`` is a ModuleDict keyed by layer index), so parameter
+names -- and so checkpoints -- are those of the whole model and a checkpoint saved under
+one pp degree loads under any other.
+
+Chunks go to ranks in a loop (chunk c on rank c mod pp: rank 0 holds chunks 0 and pp, ...)
+for the interleaved schedules, and in a V (rank r holds chunks r and 2pp-1-r) for the
+V-shaped ones (``zbv``, ``dualpipev``), which keeps the first and last chunk on rank 0.
+
+Blocks are balanced by cost, not count: a block costs its matmul FLOPs, the head its
+vocab x hidden matmul (several blocks' worth for a large vocabulary), and the embedding a
+third of the head (a lookup forward, but a dense vocab x hidden gradient and optimizer
+update). ``parallel.pp_layers`` overrides the split.
+
+The schedule runs all micro-batches of a step; its loss is the mean cross-entropy of a
+micro-batch and it divides the accumulated gradients by their number, so the gradients
+equal the single-process mean over the batch. Every action a rank executes (F, B, W) is
+timed, which gives the measured bubble and the Gantt chart of a step.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.errors import ConfigError
+from meshforge.models.llama import ModelArgs, Transformer
+from meshforge.parallel.tensor_parallel import local_value, loss_context
+from meshforge.planner.estimate import bubble_fraction
+
+if TYPE_CHECKING:
+    from meshforge.config import Config
+    from meshforge.parallel.mesh import Mesh
+
+# schedule name -> (torch.distributed.pipelining class name, chunks per rank: "1", ">=1", ">=2" or "2")
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "1"),
+    "1f1b": ("Schedule1F1B", "1"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", ">=2"),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", ">=1"),
+    "zbv": ("ScheduleZBVZeroBubble", "2"),
+    "dualpipev": ("ScheduleDualPipeV", "2"),
+}
+ALIASES = {"interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b", "zb": "zero_bubble"}
+V_SHAPED = ("zbv", "dualpipev")
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # activations sent between stages in eval
+
+
+def schedule_name(name: str) -> str:
+    return ALIASES.get(name.lower(), name.lower())
+
+
+def schedule_class(name: str) -> type | None:
+    """The installed PyTorch's class for a schedule, or None where it lacks it."""
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULES[name][0], None)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate_pipeline(cfg: Config, args: ModelArgs, pp: int, local_batch: int) -> None:
+    """Refuse pipeline settings that cannot run, before any rank starts."""
+    p, t = cfg.parallel, cfg.train
+    name = schedule_name(p.pp_schedule)
+    if name not in SCHEDULES:
+        from difflib import get_close_matches
+
+        close = get_close_matches(name, SCHEDULES, n=1)
+        raise ConfigError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} is not a pipeline schedule"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+            + f" (valid: {', '.join(SCHEDULES)})"
+        )
+    if schedule_class(name) is None:
+        have = [n for n in SCHEDULES if schedule_class(n) is not None]
+        raise ConfigError(
+            f"parallel.pp_schedule = {name!r} needs torch.distributed.pipelining.{SCHEDULES[name][0]}, which the "
+            f"installed PyTorch {torch.__version__} lacks; use one of {', '.join(have)} or upgrade PyTorch"
+        )
+    v, rule = p.pp_virtual_stages, SCHEDULES[name][1]
+    ok = {"1": v == 1, ">=1": v >= 1, ">=2": v >= 2, "2": v == 2}[rule]
+    if not ok:
+        want = {"1": "1", ">=2": "2 or more", "2": "exactly 2"}[rule]
+        raise ConfigError(
+            f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = {name!r}, which runs {want} "
+            f"model chunk(s) per rank; set parallel.pp_virtual_stages = {2 if rule != '1' else 1}"
+            + (" or pick interleaved_1f1b / zero_bubble for more chunks per rank" if rule == "1" and v > 1 else "")
+        )
+    chunks = pp * v
+    if args.layers < chunks:
+        raise ConfigError(
+            f"model.layers = {args.layers} is fewer than parallel.pp x parallel.pp_virtual_stages = {pp} x {v} = "
+            f"{chunks} pipeline chunks (each needs at least one block); lower parallel.pp or pp_virtual_stages"
+        )
+    if p.pp_layers:
+        if len(p.pp_layers) != chunks or sum(p.pp_layers) != args.layers or min(p.pp_layers) < 1:
+            raise ConfigError(
+                f"parallel.pp_layers = {p.pp_layers} must list {chunks} chunk sizes (pp x pp_virtual_stages), each "
+                f">= 1, summing to model.layers = {args.layers}; e.g. {balanced_split(args, t.seq_len, chunks)}"
+            )
+    if args.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings = true with parallel.pp > 1: the embedding (first stage) and the head (last "
+            "stage) would share one weight across ranks; set model.tie_embeddings = false or parallel.pp = 1"
+        )
+    if p.zero_stage == 1:
+        raise ConfigError(
+            "parallel.zero_stage = 1 with parallel.pp > 1: data parallelism under pipelining runs on FSDP2; use "
+            "parallel.zero_stage = 2 (the same communication as ZeRO-1, gradients sharded too), 3, or 0"
+        )
+    m = num_microbatches(cfg, local_batch)
+    if local_batch % m:
+        raise ConfigError(
+            f"parallel.num_microbatches = {m} does not divide the per-rank batch global_batch_size / dp = "
+            f"{local_batch}; use a divisor of {local_batch}"
+        )
+    if t.micro_batch_size and p.num_microbatches and t.micro_batch_size * p.num_microbatches != local_batch:
+        raise ConfigError(
+            f"train.micro_batch_size = {t.micro_batch_size} x parallel.num_microbatches = {p.num_microbatches} is "
+            f"not the per-rank batch {local_batch}; set only one of them"
+        )
+    need = chunks if name == "dualpipev" else pp
+    if m < need:
+        raise ConfigError(
+            f"{m} micro-batches per step (parallel.num_microbatches, or the per-rank batch {local_batch} / "
+            f"train.micro_batch_size) cannot fill a {name} pipeline of {need} stages: it needs at least {need}; "
+            "raise train.global_batch_size or parallel.num_microbatches, or lower train.micro_batch_size"
+        )
+    if rule != "1":
+        rounds = max(1, m // pp)
+        if m % rounds:
+            good = [k for k in range(m, m + 4 * pp) if k % max(1, k // pp) == 0 and local_batch % k == 0]
+            raise ConfigError(
+                f"parallel.num_microbatches = {m}: {name} runs micro-batches in rounds of parallel.pp = {pp}, so "
+                f"their number must be a multiple of {rounds}; use e.g. "
+                + (str(good[0]) if good else f"a multiple of {pp}")
+            )
+
+
+def num_microbatches(cfg: Config, local_batch: int) -> int:
+    """Micro-batches per step and dp rank: parallel.num_microbatches, else from
+    train.micro_batch_size, else the largest divisor of the batch up to 2 x pp x v."""
+    p, t = cfg.parallel, cfg.train
+    if p.num_microbatches:
+        return p.num_microbatches
+    if t.micro_batch_size:
+        return max(1, local_batch // t.micro_batch_size)
+    pp = p.pp if p.pp > 0 else 1
+    target = 2 * pp * p.pp_virtual_stages
+    return max(d for d in range(1, min(local_batch, target) + 1) if local_batch % d == 0)
+
+
+# ----------------------------------------------------------------------------- splitting
+
+
+def _costs(args: ModelArgs, seq_len: int) -> tuple[float, float, float]:
+    """Relative forward+backward cost of a block, the embedding and the final norm + head."""
+    kv = args.kv_heads * args.head_dim
+    block = 2 * args.hidden * (args.hidden + kv) + 3 * args.hidden * args.ffn_hidden + 2 * seq_len * args.hidden
+    head = args.hidden * args.vocab_size
+    return float(block), head / 3.0, float(head)
+
+
+def balanced_split(args: ModelArgs, seq_len: int, chunks: int) -> list[int]:
+    """Blocks per chunk (contiguous, each >= 1) minimising the most loaded chunk's cost."""
+    block, emb, head = _costs(args, seq_len)
+    n = args.layers
+
+    def cost(c: int, k: int) -> float:
+        return k * block + (emb if c == 0 else 0.0) + (head if c == chunks - 1 else 0.0)
+
+    # best[c][i]: the smallest maximum over chunks 0..c-1 holding blocks 0..i-1 (dynamic programme)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for c in range(1, chunks + 1):
+        for i in range(c, n - (chunks - c) + 1):
+            for j in range(c - 1, i):
+                v = max(best[c - 1][j], cost(c - 1, i - j))
+                if v < best[c][i] - 1e-9:
+                    best[c][i], cut[c][i] = v, j
+    sizes, i = [], n
+    for c in range(chunks, 0, -1):
+        j = cut[c][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def chunk_ranks(pp: int, v: int, schedule: str) -> list[int]:
+    """The pipeline rank of each chunk: a loop, or a V for the V-shaped schedules."""
+    if schedule in V_SHAPED:
+        return [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
+    return [c % pp for c in range(pp * v)]
+
+
+def split_model(model: Transformer, sizes: list[int], chunks: list[int]) -> list[Transformer]:
+    """Copies of ``model`` (on the meta device) that keep only the given chunks' parts."""
+    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    last = len(sizes) - 1
+    parts = []
+    for c in chunks:
+        part = copy.deepcopy(model)
+        keep = {str(i) for i in range(starts[c], starts[c] + sizes[c])}
+        for name in list(part.layers.keys()):
+            if name not in keep:
+                del part.layers[name]
+        if c != 0:
+            part.tok_embeddings = None
+        if c != last:
+            part.norm = None
+            part.output = None
+        parts.append(part)
+    return parts
+
+
+def give_positions(part: Transformer, seq_len: int) -> None:
+    """Stages after the first receive hidden states that may be sequence shards (SP), so
+    they are told the positions of the whole sequence."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0]
+        device = x.to_local().device if hasattr(x, "to_local") else x.device
+        return args, {**kwargs, "positions": torch.arange(seq_len, device=device)}
+
+    part.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def model_view(parts: list[Transformer]) -> nn.Module:
+    """One module over this rank's chunks with the whole model's parameter names (a
+    subset of them): what the optimizer, clipping, state dicts and checkpoints see."""
+    view = nn.Module()
+    view.args = parts[0].args
+    view.layers = nn.ModuleDict()
+    blocks = {k: b for part in parts for k, b in part.layers.items()}
+    for k in sorted(blocks, key=int):
+        view.layers[k] = blocks[k]
+    for name in ("tok_embeddings", "norm", "output"):
+        for part in parts:
+            if getattr(part, name, None) is not None:
+                setattr(view, name, getattr(part, name))
+    return view
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Action:
+    kind: str  # F, B (input gradient, or all of backward), W (weight gradient)
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """What one rank executed during one step, in seconds from the step's start."""
+
+    rank: int
+    span: float = 0.0
+    actions: list[Action] = field(default_factory=list)
+
+    def busy(self) -> float:
+        return sum(a.end - a.start for a in self.actions)
+
+    def max_in_flight(self) -> int:
+        """The most micro-batches whose activations this rank held at once (forwards not
+        yet matched by their backward), summed over its chunks."""
+        events = sorted(
+            [(a.end, 1) for a in self.actions if a.kind == "F"] + [(a.end, -1) for a in self.actions if a.kind == "B"]
+        )
+        cur = peak = 0
+        for _, d in events:
+            cur += d
+            peak = max(peak, cur)
+        return peak
+
+
+class Pipeline:
+    """This rank's pipeline: its chunks as stages, the schedule, and the step timeline."""
+
+    def __init__(self, parts: list[nn.Module], chunks: list[int], cfg: Config, mesh: Mesh, tp: bool):
+        from torch.distributed.pipelining import PipelineStage
+
+        p = cfg.parallel
+        self.name = schedule_name(p.pp_schedule)
+        self.pp = mesh.degrees["pp"]
+        self.v = p.pp_virtual_stages
+        self.num_chunks = self.pp * self.v if self.name not in V_SHAPED else 2 * self.pp
+        self.group = mesh.group("pp")
+        self.pp_rank = mesh.coordinate("pp")
+        self.chunks = chunks
+        self.parts = parts
+        self.tp = tp
+        self.has_first = 0 in chunks
+        self.has_last = self.num_chunks - 1 in chunks
+        local_batch = cfg.train.global_batch_size // mesh.dp_size
+        self.m = num_microbatches(cfg, local_batch)
+        self.stages = [
+            PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
+            for part, c in zip(parts, chunks, strict=True)
+        ]
+        cls = schedule_class(self.name)
+        stage_arg: Any = self.stages if SCHEDULES[self.name][1] != "1" else self.stages[0]
+        self.schedule = cls(stage_arg, n_microbatches=self.m, loss_fn=self._loss, scale_grads=True)
+        self.record: Timeline | None = None
+        self._t0 = 0.0
+        for stage in self.stages:
+            self._instrument(stage)
+
+    @staticmethod
+    def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.float().flatten(0, 1), target.flatten())
+
+    def _instrument(self, stage: Any) -> None:
+        """Time every forward, backward and weight-gradient action the schedule runs."""
+        chunk = stage.stage_index
+
+        def timed(kind: str, fn: Any) -> Any:
+            def run(mb: int, *a: Any, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(mb, *a, **kw)
+                finally:
+                    if self.record is not None:
+                        k = "B" if kind == "B" else kind
+                        self.record.actions.append(Action(k, chunk, mb, t - self._t0, time.perf_counter() - self._t0))
+
+            return run
+
+        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = timed("W", stage.backward_weight_one_chunk)
+
+    def _start(self, rank: int) -> None:
+        dist.barrier(group=self.group)  # a common start, so the spans are comparable
+        self.record = Timeline(rank)
+        self._t0 = time.perf_counter()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, rank: int) -> torch.Tensor:
+        """One forward/backward over all micro-batches of this rank's batch slice; returns
+        the mean loss on the rank holding the last chunk (zero elsewhere)."""
+        self._start(rank)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kw: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
+        with loss_context(self.tp):
+            self.schedule.step(*args, **kw)
+        self.record.span = time.perf_counter() - self._t0
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of a batch, forward only, one micro-batch at a time through the
+        chunks in order (zero except on the last chunk's rank). Written out rather than
+        ``schedule.eval``, which the V-shaped schedules do not support."""
+        total = torch.zeros((), device=inputs.device, dtype=torch.float64)
+        owner = chunk_ranks(self.pp, self.num_chunks // self.pp, self.name)
+        part_of = dict(zip(self.chunks, self.parts, strict=True))
+        peer = lambda c: dist.get_global_rank(self.group, owner[c])  # noqa: E731
+        self.record = None
+        for mb_in, mb_tgt in zip(inputs.tensor_split(self.m), targets.tensor_split(self.m), strict=True):
+            h = None
+            for c in range(self.num_chunks):
+                if owner[c] != self.pp_rank:
+                    continue
+                if c == 0:
+                    h = mb_in
+                elif owner[c - 1] != self.pp_rank:
+                    head = torch.zeros(4, dtype=torch.int64, device=inputs.device)  # shape, dtype
+                    dist.recv(head, src=peer(c - 1), group=self.group)
+                    *shape, code = head.tolist()
+                    h = torch.empty(*shape, device=inputs.device, dtype=_DTYPES[code])
+                    dist.recv(h, src=peer(c - 1), group=self.group)
+                h = part_of[c](h)
+                if c == self.num_chunks - 1:
+                    with loss_context(self.tp):
+                        loss = self._loss(h, mb_tgt)
+                    total += local_value(loss).double() * mb_tgt.numel()
+                elif owner[c + 1] != self.pp_rank:
+                    h = h.contiguous()
+                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.int64, device=inputs.device)
+                    dist.send(head, dst=peer(c + 1), group=self.group)
+                    dist.send(h, dst=peer(c + 1), group=self.group)
+        return total
+
+    def timeline(self) -> Timeline | None:
+        return self.record
+
+    def bubble(self) -> float:
+        """This rank's idle fraction of the last step."""
+        r = self.record
+        return 0.0 if r is None or r.span <= 0 else max(0.0, 1.0 - r.busy() / r.span)
+
+    def theory(self) -> float:
+        return bubble_fraction(self.name, self.pp, self.m, self.v)
