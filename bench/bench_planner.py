@@ -27,6 +27,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "dp 2 (DDP)": (2, {"parallel.zero_stage": 0}),
     "dp 2 (ZeRO-3)": (2, {"parallel.zero_stage": 3}),
     "tp 2 (+SP)": (2, {"parallel.tp": 2}),
+    "pp 2 (1F1B, m 4)": (2, {"parallel.pp": 2, "parallel.num_microbatches": 4}),
 }
 
 
@@ -66,7 +67,7 @@ def main() -> None:
     }
     rows = []
     for name, (n, extra) in LAYOUTS.items():
-        run = tmp / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "")
+        run = tmp / "".join(c if c.isalnum() else "_" for c in name)
         over = {**shape_over, **extra, "run.dir": str(run)}
         cmd = [sys.executable, "-m", "meshforge", "train", "--nproc", str(n)] + [
             f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in over.items()

@@ -429,6 +429,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         from meshforge.parallel.pipeline import validate_pipeline
 
         validate_pipeline(cfg, args, degrees["pp"], t.global_batch_size // dp)
+        if not p.num_microbatches:  # resolved, so the run's config.toml says what ran
+            from meshforge.parallel.pipeline import num_microbatches
+
+            p.num_microbatches = num_microbatches(cfg, t.global_batch_size // dp)
     else:
         need(
             not p.pp_layers,

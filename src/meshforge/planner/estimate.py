@@ -40,7 +40,8 @@ from typing import Any
 from meshforge.planner.hardware import GIB, Hardware
 from meshforge.planner.shape import Shape
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # searched
+V_SCHEDULES = ("zbv", "dualpipev")  # planned when asked for (--schedule), two chunks per rank
 RECOMPUTE = ("none", "selective", "full")
 
 

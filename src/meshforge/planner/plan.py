@@ -72,7 +72,9 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
             from_cfg["schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
         if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
             from_cfg["virtual_stages"] = p.pp_virtual_stages
-        if tr.get("micro_batch_size"):
+        if p.pp > 1 and "dp" in from_cfg and p.num_microbatches:  # the schedule's micro-batches
+            from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"] // p.num_microbatches)
+        elif tr.get("micro_batch_size"):
             from_cfg["micro_batch"] = t.micro_batch_size
         elif "micro_batch_size" in tr and "dp" in from_cfg:  # 0: the whole local batch in one pass
             from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"])
@@ -152,11 +154,11 @@ def run(args: argparse.Namespace) -> int:
         print("\nbest layout, explained:")
         print(report.explain(results[0], hw.hbm_gib))
     if args.emit_config:
-        chosen = next((e for e in results if report.runnable(e)), None)
+        chosen = next((e for e in results if report.runnable(e, shape)), None)
         if chosen is None:
             raise ConfigError(
-                "no fitting layout is runnable by this version of meshforge train (it has no pipeline or context "
-                "parallelism yet); fix --pp 1 --cp 1 or use more GPUs"
+                "no fitting layout is runnable by this version of meshforge train (it has no context or expert "
+                "parallelism yet); fix --cp 1 --ep 1 or use more GPUs"
             )
         Path(args.emit_config).write_text(report.train_config(chosen, shape, seq, gb, precision, preset))
         if not args.json:

@@ -55,11 +55,19 @@ def as_json(results: list[Estimate], top: int, shape: Shape, considered: int) ->
     )
 
 
-def runnable(e: Estimate) -> bool:
-    """What `meshforge train` supports now: no pipeline or context parallelism, and no
-    ZeRO-1 under tensor parallelism."""
+def runnable(e: Estimate, shape: Shape | None = None) -> bool:
+    """What `meshforge train` supports now: no context or expert parallelism, no ZeRO-1
+    under tensor or pipeline parallelism, and pipelines with at least pp micro-batches (in
+    whole rounds when interleaved), one block per chunk and an untied head."""
     L = e.layout
-    return L.pp == 1 and L.cp == 1 and L.ep == 1 and not (L.tp > 1 and L.zero_stage == 1)
+    if L.cp > 1 or L.ep > 1 or (L.zero_stage == 1 and (L.tp > 1 or L.pp > 1)):
+        return False
+    if L.pp > 1:
+        if L.num_microbatches < L.pp or L.num_microbatches % max(1, L.num_microbatches // L.pp):
+            return False
+        if shape is not None and (shape.tie_embeddings or shape.layers < L.pp * L.virtual_stages):
+            return False
+    return True
 
 
 def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precision: str, preset: str | None) -> str:
@@ -75,13 +83,21 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
         )
     )
     ac = L.recompute
+    if L.pp > 1:  # the schedule runs the micro-batches
+        pipe = (
+            f'pp = {L.pp}\npp_schedule = "{L.schedule}"\npp_virtual_stages = {L.virtual_stages}\n'
+            f"num_microbatches = {L.num_microbatches}\n"
+        )
+        micro = 0
+    else:
+        pipe, micro = "", L.micro_batch_size
     return (
         f"# written by meshforge plan: predicted {e.step_time_s:.3f} s/step, "
         f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"
-        f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp} (or torchrun)\n\n"
+        f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp * L.pp} (or torchrun)\n\n"
         f"[model]\n{model}\n"
-        f"[parallel]\ntp = {L.tp}\ndp_shard = {L.dp}\ndp_replicate = 1\nzero_stage = {L.zero_stage}\n"
+        f"[parallel]\ntp = {L.tp}\n{pipe}dp_shard = {L.dp}\ndp_replicate = 1\nzero_stage = {L.zero_stage}\n"
         f"sequence_parallel = {str(L.sequence_parallel).lower()}\n\n"
-        f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {L.micro_batch_size}\n"
+        f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {micro}\n"
         f'precision = "{precision}"\nactivation_checkpoint = "{ac}"\n'
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshforge.errors import ConfigError
-from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, Estimate, Layout, estimate
+from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, Layout, estimate
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.shape import Shape
 
@@ -55,8 +55,8 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
         raise ConfigError(f"fixed degrees multiply to {prod}, which does not divide --gpus {gpus}")
     if all(x is not None for x in (f.tp, f.pp, f.dp, f.cp)) and prod != gpus:
         raise ConfigError(f"--tp x --pp x --dp x --cp multiply to {prod}, not --gpus {gpus}; leave one out to infer it")
-    if f.schedule is not None and f.schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule {f.schedule!r}: one of {', '.join(SCHEDULES)}")
+    if f.schedule is not None and f.schedule not in SCHEDULES + V_SCHEDULES:
+        raise ConfigError(f"--schedule {f.schedule!r}: one of {', '.join(SCHEDULES + V_SCHEDULES)}")
     if f.recompute is not None and f.recompute not in RECOMPUTE:
         raise ConfigError(f"--recompute {f.recompute!r}: one of {', '.join(RECOMPUTE)}")
     if f.zero is not None and f.zero not in (0, 1, 2, 3):
@@ -100,8 +100,11 @@ def _schedules(pp: int, m: int, layers: int, f: Fixed):
             for v in [f.virtual_stages] if f.virtual_stages else (2, 4):
                 if m % pp == 0 and layers >= pp * v:
                     yield s, v
-        elif m >= pp or s == "gpipe":
-            yield s, 1
+        elif s in V_SCHEDULES:  # two chunks per rank in a V (only when asked for)
+            if m >= (2 * pp if s == "dualpipev" else pp) and layers >= 2 * pp:
+                yield s, 2
+        elif m >= pp:  # (torch's GPipe too needs a micro-batch per stage)
+            yield s, f.virtual_stages if s == "zero_bubble" and f.virtual_stages else 1
 
 
 def search(
