@@ -107,3 +107,20 @@ def assert_same_weights(ref_dir: Path, got_dir: Path, rtol: float = 1e-5) -> Non
     for k in a:
         err = float((b[k] - a[k]).norm() / a[k].norm())
         assert err < rtol, f"{k}: relative error {err:.2e} >= {rtol:.0e}"
+
+
+def layout_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict):
+    """``get(name)``: train layout ``name`` = (ranks, overrides) once per module through the
+    CLI on top of ``common``, and return its run directory."""
+    runs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            nproc, extra = layouts[name]
+            d = tmp_path_factory.mktemp(name) / "run"
+            r = run_cli("train", "--nproc", str(nproc), *cli_args(tiny_overrides(d, corpus, **common, **extra)))
+            assert r.returncode == 0, r.stderr[-4000:]
+            runs[name] = d
+        return runs[name]
+
+    return get

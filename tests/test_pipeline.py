@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import assert_same_weights, cli_args, layout_runner, run_cli, tiny_config, tiny_overrides
 from meshforge.config import load_config, resolve
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
@@ -67,18 +67,7 @@ def reference(tmp_path_factory, corpus):
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, corpus):
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            nproc, extra = LAYOUTS[name]
-            d = tmp_path_factory.mktemp(name) / "run"
-            r = run_cli("train", "--nproc", str(nproc), *cli_args(tiny_overrides(d, corpus, **COMMON, **extra)))
-            assert r.returncode == 0, r.stderr[-4000:]
-            runs[name] = d
-        return runs[name]
-
-    return get
+    return layout_runner(tmp_path_factory, corpus, LAYOUTS, COMMON)
 
 
 @pytest.mark.slow

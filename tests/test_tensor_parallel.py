@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import assert_same_weights, layout_runner, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.trainer import train
 
@@ -83,18 +83,7 @@ def references(tmp_path_factory, corpus):
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, corpus):
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            nproc, extra = LAYOUTS[name]
-            d = tmp_path_factory.mktemp(name) / "run"
-            r = run_cli("train", "--nproc", str(nproc), *cli_args(tiny_overrides(d, corpus, **COMMON, **extra)))
-            assert r.returncode == 0, r.stderr[-4000:]
-            runs[name] = d
-        return runs[name]
-
-    return get
+    return layout_runner(tmp_path_factory, corpus, LAYOUTS, COMMON)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
