@@ -4,13 +4,15 @@ interface, bad input, and an emitted config that trains."""
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
 from conftest import run_cli
 from meshforge.errors import ConfigError
+from meshforge.planner.calibrate import COLLECTIVES, fit_alpha_beta
 from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
-from meshforge.planner.hardware import get_hardware
+from meshforge.planner.hardware import cost_coefficients, get_hardware
 from meshforge.planner.search import Fixed, search
 from meshforge.planner.shape import Shape, from_preset
 
@@ -134,6 +136,67 @@ def test_tp_across_nodes_is_slower_than_inside():
     inside = estimate(shape, lay, 4096, 16, "bf16", H100, 8).time["tp_comm"]
     across = estimate(shape, lay, 4096, 16, "bf16", H100, 4).time["tp_comm"]
     assert across > 4 * inside
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "fsdp_reduce_scatter", "send_recv"])
+def test_alpha_beta_fit_recovers_latency_and_bandwidth(kind):
+    """Calibration reads each collective's timings with the same formula the planner
+    prices it with, so a profile reproduces the times it was measured from."""
+    alpha, bw, n = 300e-6, 2e9, 4
+    steps, mult = cost_coefficients(kind, n)
+    points = [(s, steps * alpha + mult * s / bw) for s in (2**k for k in range(12, 25, 2))]
+    a, b = fit_alpha_beta(points, n, kind)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(bw, rel=1e-6)
+
+
+def test_calibrated_collectives_price_each_path():
+    """A profile's own figures for a collective replace the generic link for that path
+    (FSDP's gathers, DTensor's redistributes), and only inside a node."""
+    shape = from_preset("llama3.2-1b")
+    zero3 = Layout(tp=1, pp=1, dp=8, zero_stage=3, num_microbatches=1)
+    ddp = Layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    tp = Layout(tp=8, pp=1, dp=1, num_microbatches=1)
+    slow = replace(H100, collectives={"fsdp_all_gather": [1e-3, 1e9], "dtensor_reduce_scatter": [1e-3, 1e9]})
+    for lay, part in ((zero3, "dp_comm_total"), (tp, "tp_comm")):
+        base = estimate(shape, lay, 4096, 8, "bf16", H100, 8).time[part]
+        assert estimate(shape, lay, 4096, 8, "bf16", slow, 8).time[part] > 3 * base
+        across = estimate(shape, lay, 4096, 8, "bf16", slow, 4).time[part]  # the group spans nodes
+        assert across == pytest.approx(estimate(shape, lay, 4096, 8, "bf16", H100, 4).time[part])
+    assert estimate(shape, ddp, 4096, 8, "bf16", slow, 8).time["dp_comm_total"] == pytest.approx(
+        estimate(shape, ddp, 4096, 8, "bf16", H100, 8).time["dp_comm_total"]
+    )
+
+
+def test_comm_overlap_decides_what_data_parallel_traffic_hides():
+    """With communication on its own engine only the last bucket is exposed; where it
+    shares the cores (overlap 0) all of it is."""
+    shape = from_preset("llama3.2-1b")
+    lay = Layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    t = estimate(shape, lay, 4096, 8, "bf16", H100, 8).time
+    assert t["dp_comm_exposed"] == pytest.approx(t["dp_comm_total"] / shape.layers)
+    t0 = estimate(shape, lay, 4096, 8, "bf16", replace(H100, comm_overlap=0.0), 8).time
+    assert t0["dp_comm_exposed"] == pytest.approx(t0["dp_comm_total"])
+    half = estimate(shape, lay, 4096, 8, "bf16", replace(H100, comm_overlap=0.5), 8).time
+    assert t["dp_comm_exposed"] < half["dp_comm_exposed"] < t0["dp_comm_exposed"]
+
+
+def test_tp_collectives_per_layer_follow_megatron():
+    """4 all-reduce equivalents per layer and micro-batch (6 with full recompute), plus the
+    embedding's and the head's: the tp time scales with exactly these counts."""
+    shape = from_preset("llama3.1-8b")
+    hw = replace(H100, intra_latency=0.0, collectives={})
+
+    def tp_time(recompute: str, sp: bool) -> float:
+        lay = Layout(tp=8, pp=1, dp=1, num_microbatches=1, recompute=recompute, sequence_parallel=sp)
+        return estimate(shape, lay, 4096, 1, "bf16", hw, 8).time["tp_comm"]
+
+    act = 4096 * shape.hidden * 2
+    one = 2 * 7 / 8 * act / hw.intra_bw  # one all-reduce (or RS + AG pair) of the activations
+    loss = 3 * 2 * 7 / 8 * 4096 * 4 / hw.intra_bw
+    L = shape.layers
+    assert tp_time("none", True) == pytest.approx((4 * L + 2) * one + loss)
+    assert tp_time("none", False) == pytest.approx((4 * L + 2) * one + loss)
+    assert tp_time("full", True) == pytest.approx((6 * L + 2) * one + loss)
 
 
 # ----------------------------------------------------------------------------- search
@@ -277,6 +340,9 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     hw = get_hardware(None, str(out))
     assert hw.peak("fp32") > 1e9 and hw.intra_bw > 1e6 and 0 < hw.intra_latency < 0.1
+    assert set(hw.collectives) == set(COLLECTIVES)  # each as training issues it
+    assert all(0 <= alpha < 0.1 and bw > 1e6 for alpha, bw in hw.collectives.values())
+    assert 0 <= hw.comm_overlap <= 1 and hw.elementwise_bytes_per_hidden > 0
     r = run_cli("plan", *TINY, "--hardware", str(out), "--gpus", "2", "--gpus-per-node", "2", "--seq-len=32", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["layouts"][0]["step_time_s"] > 0

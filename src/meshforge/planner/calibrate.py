@@ -8,9 +8,14 @@ slowest rank's figures are kept. Measured:
 - matmul throughput over a sweep of sizes and dtypes; the best is the peak, and the
   half-efficiency size is fitted to the rest (efficiency(f) = f / (f + f_half));
 - the attention core (SDPA forward + backward) as a fraction of that peak;
-- memory bandwidth (a large copy), and the bytes an RMSNorm + residual + SwiGLU pass moves;
-- all-reduce time between ``nproc`` local ranks (gloo on CPU, NCCL on GPU) over message
-  sizes, fitted to t = 2(n-1)·α + 2(n-1)/n · S / B for latency α and bandwidth B.
+- memory bandwidth (a large copy), and the cost of a Llama block's work outside GEMMs and
+  attention (norms, RoPE, residuals, SwiGLU, copies): a real block's forward + backward
+  less the GEMM and attention time the profile predicts for it, in bytes per token x hidden;
+- between ``nproc`` local ranks (gloo on CPU, NCCL on GPU), each collective as training
+  issues it (c10d all-reduce, flat all-gather and reduce-scatter as FSDP2 does, DTensor
+  redistributes as tensor parallelism does, batched send/recv as pipelining does) over
+  message sizes, each fitted to the planner's α-β formula for that collective;
+- how much of an all-reduce hides under concurrent matmuls.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from meshforge.errors import ConfigError
-from meshforge.planner.hardware import PRESETS, Hardware
+from meshforge.planner.hardware import PRESETS, Hardware, cost_coefficients
 
 
 def _timed(fn, repeat: int, min_s: float = 0.0, calls: int = 0) -> float:
@@ -127,6 +132,36 @@ def elementwise_bytes_per_hidden(device: torch.device, bw: float, repeat: int) -
     return t * bw / (tokens * hdim * 4 * passes)
 
 
+def block_elementwise(
+    device: torch.device, dtype: torch.dtype, peak: float, half: float, attn: float, bw: float, repeat: int
+) -> float:
+    """Bytes per (token x hidden x element) of a Llama block's work outside GEMMs and the
+    attention core (norms, RoPE, residuals, SwiGLU, layout copies, the dispatch of each):
+    a real block's forward + backward, less the GEMM and attention time this profile
+    predicts for it - the rest of the block as the planner counts it."""
+    from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
+
+    cuda = device.type == "cuda"
+    h, heads, kv, f, b, s = (2048, 16, 8, 5632, 4, 2048) if cuda else (256, 4, 2, 768, 8, 256)
+    args = ModelArgs(hidden=h, layers=1, heads=heads, kv_heads=kv, ffn_hidden=f, vocab_size=256, max_seq_len=s)
+    block = Block(args).to(device, dtype)
+    for prm in block.parameters():
+        torch.nn.init.normal_(prm, std=0.02)
+    x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device), torch.arange(s, device=device))
+
+    def run():
+        block(x, cos, sin).sum().backward()
+
+    t = _timed(run, repeat, MIN_S)
+    tokens, kv_dim = b * s, kv * (h // heads)
+    gemm_flops = 6.0 * tokens * (2 * h * h + 2 * h * kv_dim + 3 * h * f)
+    typical = 2.0 * tokens * h * max(f, h)
+    predicted = gemm_flops / (peak * typical / (typical + half)) + 12.0 * s * h * tokens / (peak * attn)
+    bpe = torch.finfo(dtype).bits // 8
+    return max(t - predicted, 0.0) * bw / (tokens * h * bpe * 3)
+
+
 def compute_profile(device: torch.device, quick: bool) -> dict:
     """Matmul peaks and efficiency curve, attention fraction, bandwidth, elementwise cost."""
     cuda = device.type == "cuda"
@@ -144,27 +179,182 @@ def compute_profile(device: torch.device, quick: bool) -> dict:
             half = fit_half(pts, peaks[name])
     attn = attention_fraction(device, torch.bfloat16 if cuda else torch.float32, peaks[main], repeat)
     bw = bandwidth(device, repeat)
-    return {
-        "peaks": peaks,
-        "half": half,
-        "attn": attn,
-        "bw": bw,
-        "elem": elementwise_bytes_per_hidden(device, bw, repeat),
-    }
+    dtype = torch.bfloat16 if cuda else torch.float32
+    # a whole block's non-GEMM work; the bare elementwise passes are its floor (noise)
+    elem = max(
+        block_elementwise(device, dtype, peaks[main], half, attn, bw, repeat),
+        elementwise_bytes_per_hidden(device, bw, repeat),
+    )
+    return {"peaks": peaks, "half": half, "attn": attn, "bw": bw, "elem": elem}
 
 
-def all_reduce_times(dev: torch.device, sizes: list[int], repeat: int) -> list[tuple[int, float]]:
+# collectives the way training issues them: DDP all-reduces, ZeRO-1 all-gathers, FSDP2
+# units gathering and reducing their parameters (copying them into and out of flat buffers;
+# on gloo the reduce-scatter is an all-reduce, see AllReduceScatter), tensor parallelism redistributes DTensors along
+# the sequence dimension, pipelining sends activations point to point. On NCCL they differ
+# little; gloo's all-gather and reduce-scatter are several times slower than its all-reduce
+# and DTensor adds dispatch and copies, which one all-reduce figure cannot represent.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "fsdp_all_gather",
+    "fsdp_reduce_scatter",
+    "dtensor_all_gather",
+    "dtensor_reduce_scatter",
+    "send_recv",
+)
+
+
+def _collective_call(kind: str, nbytes: int, dev: torch.device, mesh):
+    """A callable performing one ``kind`` collective whose full (unsharded) payload is
+    ``nbytes`` - the size the planner's α-β formulas take."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    n = max(world, nbytes // 4 // world * world)
+    if kind == "all_reduce":
+        x = torch.zeros(n, device=dev)
+        return lambda: dist.all_reduce(x)
+    if kind == "all_gather":
+        x, out = torch.zeros(n // world, device=dev), torch.empty(n, device=dev)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+        return lambda: gather(out, x)
+    if kind == "reduce_scatter":
+        x, out = torch.zeros(n, device=dev), torch.empty(n // world, device=dev)
+        if dist.get_backend() == "gloo":  # FSDP2 reduces gradients this way on gloo
+            from meshforge.parallel.data_parallel import AllReduceScatter
+
+            rs = AllReduceScatter()
+            return lambda: rs(out, x, None, dist.ReduceOp.SUM)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(out, x)
+    if kind == "send_recv":  # a stage boundary: each rank sends to the next, receives from the previous
+        rank = dist.get_rank()
+        x, y = torch.zeros(n, device=dev), torch.empty(n, device=dev)
+        ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, y, (rank - 1) % world)]
+
+        def p2p():
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        return p2p
+    if kind.startswith("fsdp_"):
+        return _fsdp_call(kind, n, dev, mesh)
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    hidden = 256  # activations (batch, sequence, hidden) sharded on the sequence, as under SP
+    seq = max(world, n // (4 * hidden) // world * world)
+
+    def done(t: torch.Tensor) -> None:
+        if hasattr(t, "wait"):  # an AsyncCollectiveTensor still in flight
+            t.wait()
+
+    if kind == "dtensor_all_gather":
+        x = DTensor.from_local(torch.zeros(4, seq // world, hidden, device=dev), mesh, [Shard(1)])
+        return lambda: done(x.redistribute(mesh, [Replicate()]).to_local())
+    if kind == "dtensor_reduce_scatter":
+        x = DTensor.from_local(torch.zeros(4, seq, hidden, device=dev), mesh, [Partial()])
+        return lambda: done(x.redistribute(mesh, [Shard(1)]).to_local())
+    raise ValueError(kind)
+
+
+def _fsdp_call(kind: str, n: int, dev: torch.device, mesh):
+    """An FSDP2 unit of four matrices, ``n`` elements in all: unshard + reshard is its
+    all-gather with copy-in/out; a forward + backward adds the gradient reduction, which is
+    timed as the difference (each call runs both, the caller subtracts)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    cols = 256
+    rows = max(world, n // 4 // cols // world * world)
+    unit = torch.nn.Module()
+    unit.w = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(rows, cols, device=dev)) for _ in range(4))
+    unit.forward = lambda: sum(w.sum() for w in unit.w)
+    fully_shard(unit, mesh=mesh)
+    if dist.get_backend() == "gloo":
+        from meshforge.parallel.data_parallel import AllReduceScatter
+
+        unit.set_custom_reduce_scatter(AllReduceScatter())
+
+    def gather() -> None:
+        unit.unshard()
+        unit.reshard()
+
+    if kind == "fsdp_all_gather":
+        return gather
+    plain = [torch.zeros(rows, cols, device=dev, requires_grad=True) for _ in range(4)]
+
+    def local() -> None:  # the same forward + backward without FSDP
+        sum(w.sum() for w in plain).backward()
+
+    def step() -> None:
+        unit().backward()
+
+    return step, gather, local
+
+
+def collective_times(kind: str, dev: torch.device, sizes: list[int], repeat: int, mesh=None) -> list[tuple[int, float]]:
+    """(payload bytes, seconds per call) over ``sizes``; the slowest rank's time."""
     import torch.distributed as dist
 
     res = []
     for nbytes in sizes:
-        x = torch.zeros(nbytes // 4, device=dev)
+        fn = _collective_call(kind, nbytes, dev, mesh)
         dist.barrier()
-        t = _timed(lambda x=x: dist.all_reduce(x), repeat, calls=max(1, 2**22 // nbytes))
+        calls = max(1, 2**22 // nbytes)
+        if isinstance(fn, tuple):  # (whole, part to subtract, more to subtract)
+            t = max(_timed(fn[0], repeat, calls=calls) - sum(_timed(f, repeat, calls=calls) for f in fn[1:]), 0.0)
+        else:
+            t = _timed(fn, repeat, calls=calls)
         tt = torch.tensor([t], device=dev)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         res.append((nbytes, float(tt)))
     return res
+
+
+def comm_overlap(dev: torch.device, repeat: int) -> float:
+    """How much of a gradient all-reduce hides under compute running at the same time:
+    1 - (t(both) - t(compute)) / t(all-reduce), from the medians of interleaved rounds.
+    Near 1 where communication has its own engine (NCCL on GPUs); near 0 on a CPU whose
+    cores the communication threads share with the matmuls."""
+    import torch.distributed as dist
+
+    big = 8192 if dev.type == "cuda" else 768
+    a, b = torch.randn(big, big, device=dev), torch.randn(big, big, device=dev)
+    g = torch.zeros(2**24 // 4 if dev.type != "cuda" else 2**28 // 4, device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def comm() -> None:
+        dist.all_reduce(g)
+        sync()
+
+    t_comm = _timed(comm, 3, calls=2)
+    t_mm = _timed(lambda: (a @ b, sync()), 3, calls=3)
+    k = max(1, round(t_comm / t_mm))  # a compute window about as long as the communication
+
+    def compute() -> None:
+        for _ in range(k):
+            a @ b
+        sync()
+
+    def both() -> None:
+        w = dist.all_reduce(g, async_op=True)
+        for _ in range(k):
+            a @ b
+        w.wait()
+        sync()
+
+    ratios = []
+    for _ in range(max(3, repeat)):
+        tc, ta, tb = (_timed(f, 1, calls=2) for f in (compute, comm, both))
+        ratios.append((tb - tc) / ta)
+    exposed = statistics.median(ratios)
+    return min(1.0, max(0.0, 1.0 - exposed))
 
 
 def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: str) -> None:
@@ -189,22 +379,33 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         every: list = [None] * world
         dist.all_gather_object(every, mine)
         slowest = min(every, key=lambda c: c["peaks"]["bf16" if cuda else "fp32"])
-        sizes = [2**k for k in range(12, 22 if quick else 25, 2)]
-        points = all_reduce_times(dev, sizes, 3 if quick else 6)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world,))
+        sizes = [2**k for k in range(12, 23 if quick else 25, 2)]
+        points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh) for kind in COLLECTIVES}
+        _SYNC_COMPUTE[0] = True
+        overlap = comm_overlap(dev, 3 if quick else 5)
         if rank == 0:
-            Path(out).write_text(json.dumps({"compute": slowest, "points": points}))
+            Path(out).write_text(json.dumps({"compute": slowest, "points": points, "overlap": overlap}))
         dist.destroy_process_group()
     else:
-        Path(out).write_text(json.dumps({"compute": mine, "points": []}))
+        Path(out).write_text(json.dumps({"compute": mine, "points": {}, "overlap": 1.0}))
 
 
-def fit_alpha_beta(points: list, nproc: int) -> tuple[float, float]:
-    """Least squares for t = a + b·S with a = 2(n-1)α and b = 2(n-1)/n / B."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    icpt = max(my - slope * mx, 0.0)
-    return icpt / (2 * (nproc - 1)), 2 * (nproc - 1) / nproc / slope
+def fit_alpha_beta(points: list, nproc: int, kind: str = "all_reduce") -> tuple[float, float]:
+    """t = a + b·S, read as a = steps·α and b = mult / B (the planner's α-β model of
+    ``kind``, ``cost_coefficients``). Robust to the noise of a shared machine: b is the
+    least-squares slope over the larger half of the messages (where bandwidth shows), a the
+    median over all of them of what that slope leaves."""
+    pts = sorted(points)
+    big = pts[len(pts) // 2 :] if len(pts) >= 4 else pts
+    mx, my = statistics.fmean(x for x, _ in big), statistics.fmean(y for _, y in big)
+    slope = sum((x - mx) * (y - my) for x, y in big) / sum((x - mx) ** 2 for x, _ in big)
+    slope = max(slope, 1e-15)  # a flat curve: effectively unlimited bandwidth
+    a = max(statistics.median(y - slope * x for x, y in pts), 0.0)
+    steps, mult = cost_coefficients(kind, nproc)
+    return a / steps, mult / slope
 
 
 def calibrate(nproc: int, quick: bool) -> Hardware:
@@ -225,7 +426,8 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
     res = json.loads(Path(out).read_text())
     Path(out).unlink()
     c, points = res["compute"], res["points"]
-    alpha, link = fit_alpha_beta(points, nproc) if nproc > 1 else (10e-6, 1e10)
+    fits = {kind: list(fit_alpha_beta(pts, nproc, kind)) for kind, pts in points.items()}
+    alpha, link = fits.get("all_reduce", (10e-6, 1e10))
     base = PRESETS["cpu"] if not cuda else PRESETS["h100-sxm"]
     return Hardware(
         name=("cuda:" + torch.cuda.get_device_name()) if cuda else f"cpu/{nproc}",
@@ -241,8 +443,10 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         attention_efficiency=c["attn"],
         elementwise_bytes_per_hidden=c["elem"],
         reserve_gib=base.reserve_gib,
+        collectives=fits,
+        comm_overlap=res["overlap"],
         source="calibrated",
-        extra={"threads_per_rank": threads, "nproc": nproc, "allreduce_points": points, "time": time.time()},
+        extra={"threads_per_rank": threads, "nproc": nproc, "collective_points": points, "time": time.time()},
     )
 
 
@@ -262,7 +466,9 @@ def run(args: argparse.Namespace) -> int:
         + ", "
         f"GEMM half-efficiency at {hw.gemm_half_flop / 1e6:.1f} MFLOP, attention {100 * hw.attention_efficiency:.0f}% "
         f"of peak, memory {hw.hbm_bw / 1e9:.1f} GB/s, elementwise {hw.elementwise_bytes_per_hidden:.1f} B/h, "
-        f"all-reduce α {hw.intra_latency * 1e6:.0f} us, B {hw.intra_bw / 1e9:.2f} GB/s between {args.nproc} ranks"
+        f"between {args.nproc} ranks: "
+        + ", ".join(f"{k} α {a * 1e6:.0f} us B {b / 1e9:.2f} GB/s" for k, (a, b) in hw.collectives.items())
+        + (f"; {100 * hw.comm_overlap:.0f}% of an all-reduce hides under compute" if args.nproc > 1 else "")
     )
     print(f"plan with it: meshforge plan --hardware {args.out} --gpus {args.nproc} --gpus-per-node {args.nproc} ...")
     return 0

@@ -22,14 +22,17 @@ Memory per GPU (the most loaded pipeline stage):
 
 Time per step: GEMM FLOPs at a size-dependent efficiency, the attention core at its own
 efficiency, and memory-bound elementwise passes (norms, residuals, activations); TP
-collectives on the critical path (8 per layer and micro-batch under SP, 2 more forward
-ones with full recompute); data-parallel traffic hidden under backward (DDP/ZeRO-1/2) or
-under forward and backward (ZeRO-3 prefetch) except what exceeds it, FSDP paying one collective's latency per layer;
-pipeline bubble
+collectives on the critical path (4 all-reduces per layer and micro-batch, each a
+reduce-scatter + all-gather pair under SP, 2 more with full recompute, and the
+embedding's and head's); data-parallel traffic hidden under backward (DDP/ZeRO-1/2) or
+under forward and backward (ZeRO-3 prefetch), as far as the hardware overlaps
+communication with compute (``comm_overlap``: ~1 for NCCL, ~0 for gloo on a CPU), except
+what exceeds it, FSDP paying one collective's latency per layer; pipeline bubble
 (p−1)/(m+p−1), divided by v for interleaving and by 3 for zero-bubble; the optimizer step
 as a memory-bound pass over its state. α–β model per collective: a ring over n ranks moves
 (n−1)/n of the payload per rank per all-gather or reduce-scatter (twice for all-reduce) at
-the bandwidth of the slowest link it crosses, plus (n−1)·α.
+the bandwidth of the slowest link it crosses, plus (n−1)·α; a calibrated profile has its
+own α and bandwidth for each collective as training issues it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from meshforge.planner.hardware import GIB, Hardware
+from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # searched
@@ -213,24 +216,23 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
 
 
 def ring_time(kind: str, payload: float, n: int, bw: float, alpha: float) -> float:
-    """α–β time of a ring collective; ``payload`` is the full (unsharded) size in bytes."""
+    """α–β time of a collective (``cost_coefficients``); ``payload`` is the full
+    (unsharded) size in bytes."""
     if n <= 1 or payload <= 0:
         return 0.0
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind]
-    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind]
-    return factor * (n - 1) / n * payload / bw + steps * (n - 1) * alpha
+    steps, mult = cost_coefficients(kind, n)
+    return mult * payload / bw + steps * alpha
+
+
+def collective_time(hw: Hardware, kind: str, payload: float, inner: int, n: int, gpus_per_node: int) -> float:
+    """A ``kind`` collective over ``n`` ranks at stride ``inner``, on the link it crosses
+    (with the profile's own figures for that collective where calibrated)."""
+    bw, alpha = hw.link(kind, inner * n <= gpus_per_node)
+    return ring_time(kind, payload, n, bw, alpha)
 
 
 def gemm_efficiency(hw: Hardware, flop: float) -> float:
     return hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
-
-
-def axis_link(hw: Hardware, inner: int, size: int, gpus_per_node: int) -> tuple[float, float]:
-    """Bandwidth and latency for a group of ``size`` ranks at stride ``inner``: intra-node if
-    the whole group sits in one node."""
-    if inner * size <= gpus_per_node:
-        return hw.intra_bw, hw.intra_latency
-    return hw.inter_bw, hw.inter_latency
 
 
 def estimate(
@@ -272,46 +274,66 @@ def estimate(
     )
     ideal_s = shape.model_flops_per_token(seq) * tokens_gpu / peak
 
-    # tensor parallel: on the critical path
-    tp_bw, tp_alpha = axis_link(hw, 1, lay.tp, gpus_per_node)
+    # tensor parallel: on the critical path. Per layer and micro-batch two all-reduces of
+    # the block's activations in forward and two in backward (each a reduce-scatter +
+    # all-gather pair under SP), two more when the forward is recomputed; the vocab-parallel
+    # embedding (forward) and the head's input (backward) one each, on the stages holding
+    # them; the loss-parallel cross-entropy three small all-reduces
     act = tokens_mb * shape.hidden * bpe
-    per_layer_mb = 8 if lay.sequence_parallel else 4  # AG+RS pairs (SP) or all-reduces, fwd + bwd
-    kind = "all_gather" if lay.sequence_parallel else "all_reduce"
-    if lay.recompute == "full":
-        per_layer_mb += 2 if lay.sequence_parallel else 1
-    tp_s = per_layer_mb * layers_stage * m * ring_time(kind, act, lay.tp, tp_bw, tp_alpha)
+    per_mb = layers_stage * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
+
+    def tp_coll(kind: str, payload: float) -> float:
+        return collective_time(hw, "dtensor_" + kind, payload, 1, lay.tp, gpus_per_node)
+
+    if lay.sequence_parallel:
+        one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
+    else:
+        one = tp_coll("all_reduce", act)
+    tp_s = m * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4))
 
     # context parallel (ring attention): K/V blocks passed around, mostly under attention compute
-    cp_bw, cp_alpha = axis_link(hw, lay.tp, lay.cp, gpus_per_node)
     kv_bytes = tokens_mb * 2 * shape.kv_dim / lay.tp * bpe
+    cp_bw, cp_alpha = hw.link("send_recv", lay.tp * lay.cp <= gpus_per_node)
     cp_s = 0.5 * 3 * layers_stage * m * (lay.cp - 1) * (kv_bytes / cp_bw + cp_alpha) if lay.cp > 1 else 0.0
 
     # pipeline: activations (and their gradients) between stages, per micro-batch
-    pp_bw, pp_alpha = axis_link(hw, lay.tp * lay.cp * lay.dp, lay.pp, gpus_per_node)
-    pp_s = 2 * m * lay.virtual_stages * (act / lay.tp / pp_bw + pp_alpha) if lay.pp > 1 else 0.0
+    pp_s = 0.0
+    if lay.pp > 1:
+        pp_s = (
+            2
+            * m
+            * lay.virtual_stages
+            * collective_time(hw, "send_recv", act / lay.tp, lay.tp * lay.cp * lay.dp, lay.pp, gpus_per_node)
+        )
 
     # data parallel: hidden under compute except what exceeds it
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
     dp_n = lay.dp * lay.cp
-    dp_bw, dp_alpha = axis_link(hw, lay.tp, dp_n, gpus_per_node)
     grad_bytes = 4 * psi  # gradients are reduced in fp32
     w = bpe
+
+    def dp_coll(kind: str, payload: float) -> float:
+        return collective_time(hw, kind, payload, lay.tp, dp_n, gpus_per_node)
+
     if dp_n == 1:
         dp_s = 0.0
     elif lay.zero_stage <= 1:
-        dp_s = ring_time("all_reduce", grad_bytes, dp_n, dp_bw, dp_alpha)
+        dp_s = dp_coll("all_reduce", grad_bytes)
         if lay.zero_stage == 1:
-            dp_s += ring_time("all_gather", psi * w, dp_n, dp_bw, dp_alpha)
+            dp_s += dp_coll("all_gather", psi * w)
     else:  # FSDP: one collective per layer unit, so latency is paid per layer
         gathers = (1 if lay.zero_stage == 2 else 2) * m
         units = max(1, round(layers_stage))
-        dp_s = gathers * units * ring_time("all_gather", psi * w / units, dp_n, dp_bw, dp_alpha) + units * ring_time(
-            "reduce_scatter", grad_bytes / units, dp_n, dp_bw, dp_alpha
+        dp_s = gathers * units * dp_coll("fsdp_all_gather", psi * w / units) + units * dp_coll(
+            "fsdp_reduce_scatter", grad_bytes / units
         )
     compute_s = gemm_s + other_s
-    hide = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)  # ZeRO-3 prefetch spans fwd+bwd; else backward
+    # the last layer's (bucket's) reduction waits for the end of backward; the rest hides
+    # under the ZeRO-3 prefetch window (forward and backward) or backward, as far as the
+    # hardware runs communication beside compute (hw.comm_overlap)
+    window = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)
     last_bucket = dp_s / max(1.0, layers_stage) if dp_n > 1 else 0.0
-    dp_exposed = max(0.0, dp_s - hide) + last_bucket
+    dp_exposed = dp_s - min((dp_s - last_bucket) * hw.comm_overlap, window)
 
     # pipeline bubble over the per-micro-batch work
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages)

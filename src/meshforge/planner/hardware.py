@@ -36,6 +36,11 @@ class Hardware:
     # per token and layer in one pass
     elementwise_bytes_per_hidden: float = 30.0
     reserve_gib: float = 2.0  # CUDA context, allocator fragmentation, workspaces
+    # measured inside one node by `meshforge calibrate`, per collective as training issues it:
+    # kind -> [α seconds per ring step, bandwidth bytes/s]; kinds not listed use intra_*
+    collectives: dict = field(default_factory=dict)
+    # share of data-parallel traffic that hides under concurrent compute (1: its own engine)
+    comm_overlap: float = 1.0
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
@@ -43,6 +48,33 @@ class Hardware:
         if precision not in self.peak_flops:
             raise ConfigError(f"{self.name} has no {precision} peak; known: {', '.join(self.peak_flops)}")
         return self.peak_flops[precision]
+
+    def link(self, kind: str, intra: bool) -> tuple[float, float]:
+        """Bandwidth and per-step latency of a ``kind`` collective inside a node or across."""
+        if not intra:
+            return self.inter_bw, self.inter_latency
+        for k in (kind, base_kind(kind)):
+            if k in self.collectives:
+                alpha, bw = self.collectives[k]
+                return bw, alpha
+        return self.intra_bw, self.intra_latency
+
+
+def base_kind(kind: str) -> str:
+    """ "dtensor_all_gather" -> "all_gather": the collective under the framework's path."""
+    return kind.split("_", 1)[1] if kind.startswith(("dtensor_", "fsdp_")) else kind
+
+
+def cost_coefficients(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, payload multiplier) of the α-β model t = steps·α + mult·S/B for a
+    ``kind`` collective over n ranks, S its full (unsharded) payload: a ring all-gather or
+    reduce-scatter moves (n-1)/n of S per rank in n-1 steps, an all-reduce both, a
+    point-to-point send all of S in one step."""
+    kind = base_kind(kind)
+    if kind == "send_recv":
+        return 1.0, 1.0
+    twice = 2.0 if kind == "all_reduce" else 1.0
+    return twice * (n - 1), twice * (n - 1) / n
 
 
 def _tf(kind: str) -> dict[str, float]:

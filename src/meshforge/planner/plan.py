@@ -83,6 +83,8 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
         return shape, from_cfg, preset
     if args.model:
         return from_preset(args.model), from_cfg, args.model
+    if args.ffn_hidden is None and args.mlp == "gelu" and args.hidden:
+        args.ffn_hidden = 4 * args.hidden  # the GPT MLP
     need = ("layers", "hidden", "heads", "ffn_hidden", "vocab")
     missing = [k for k in need if getattr(args, k) is None]
     if missing:
