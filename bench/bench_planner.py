@@ -38,8 +38,22 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeat", type=int, default=1, help="calibrate and measure again, N rounds in all")
     args = p.parse_args()
+    ratios: dict[str, list[float]] = {}
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"\n== round {i + 1} of {args.repeat}")
+        for name, r in one_round(args).items():
+            ratios.setdefault(name, []).append(r)
+    if args.repeat > 1:
+        print(f"\n{'layout':<16} predicted/measured per round, median")
+        for name, rs in ratios.items():
+            print(f"{name:<16} {' '.join(f'{r:.2f}' for r in rs)}  median {statistics.median(rs):.2f}")
 
+
+def one_round(args: argparse.Namespace) -> dict[str, float]:
+    """Calibrate, train each layout, plan it; print the table, return predicted/measured."""
     from meshforge.planner.hardware import get_hardware
 
     tmp = Path(tempfile.mkdtemp())
@@ -105,6 +119,7 @@ def main() -> None:
         )
         top = ", ".join(f"{k} {v:.3f}" for k, v in parts[:3])
         print(f"{name:<16} {meas:>11.3f} {pred:>12.3f} {pred / meas:>18.2f}x  {top}")
+    return {name: pred / meas for name, meas, pred, _ in rows}
 
 
 if __name__ == "__main__":
