@@ -194,10 +194,22 @@ def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
 
 
 def shutdown(clean: bool = True) -> None:
-    """Tear the process groups down; after a clean run all ranks first meet at a barrier,
-    so none closes its connections while a peer still has transfers in flight to it (gloo
-    then aborts the peer). After an error there is no barrier: the other ranks may be gone."""
+    """Tear the process groups down; after a clean run all ranks first meet at a barrier on
+    every group (in creation order, the same on all ranks), so none closes its connections
+    while a peer still has transfers in flight to it (gloo then aborts the peer). After an
+    error there is no barrier: the other ranks may be gone."""
     if dist.is_initialized():
         if clean and dist.get_world_size() > 1:
+            # a gloo barrier first completes the group's earlier work: flush every group
+            # (pipeline sends live on the pp group), then the world
+            from torch.distributed import distributed_c10d as c10d
+
+            for group in list(getattr(c10d._world, "pg_map", {})):
+                if (
+                    group is not dist.group.WORLD
+                    and group is not c10d._get_default_group()
+                    and dist.get_world_size(group) > 1
+                ):
+                    dist.barrier(group=group)
             dist.barrier()
         dist.destroy_process_group()
