@@ -90,6 +90,24 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     return r
 
 
+def assert_run_matches(reference: Path, run: Path, steps: int) -> None:
+    """A parallel run against the single-process one from the same weights and data:
+    losses, grad norms (with clipping active), val loss and final weights to 1e-5."""
+    import json
+
+    def metrics(d: Path) -> list[dict]:
+        return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+    ref, got = metrics(reference), metrics(run)
+    assert len(got) == steps
+    assert [g["loss"] for g in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert [g["grad_norm"] for g in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
+    assert all(r["grad_norm"] > 0.5 for r in ref)  # clipping was active
+    val = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (reference, run)]
+    assert val[0] is not None and val[1] == pytest.approx(val[0], rel=1e-5)
+    assert_same_weights(reference, run)  # per tensor, norm-relative (see its docstring)
+
+
 def assert_same_weights(ref_dir: Path, got_dir: Path, rtol: float = 1e-5) -> None:
     """The final weights of two runs agree per tensor as ||w_got - w_ref|| / ||w_ref|| < rtol.
 

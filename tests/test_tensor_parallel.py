@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from conftest import assert_same_weights, layout_runner, tiny_config, tiny_overrides
+from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.trainer import train
 
@@ -89,14 +89,7 @@ def layout_runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, references, layout_runs):
     reference = references(name)
-    ref, got = metrics(reference), metrics(layout_runs(name))
-    assert len(got) == STEPS
-    assert [g["loss"] for g in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
-    assert [g["grad_norm"] for g in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
-    assert all(r["grad_norm"] > 0.5 for r in ref)  # clipping was active
-    val = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (reference, layout_runs(name))]
-    assert val[0] is not None and val[1] == pytest.approx(val[0], rel=1e-5)
-    assert_same_weights(reference, layout_runs(name))  # per tensor, norm-relative (see the docstring)
+    assert_run_matches(reference, layout_runs(name), STEPS)
 
 
 def _activation_bytes():
