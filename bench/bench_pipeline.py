@@ -22,16 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from small_model import small_model
+
 
 def run(tmp: Path, p: int, m: int, schedule: str, v: int, args: argparse.Namespace) -> dict | None:
     d = tmp / f"{schedule}-p{p}-m{m}-v{v}"
     over = {
-        "model.hidden": args.hidden,
-        "model.layers": args.layers,
-        "model.heads": args.hidden // 64,
-        "model.kv_heads": 2,
-        "model.ffn_hidden": 3 * args.hidden,
-        "train.seq_len": args.seq_len,
+        **small_model(args.hidden, args.layers, args.seq_len),
         "train.global_batch_size": m,
         "train.steps": args.steps,
         "train.precision": "fp32",

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from small_model import small_model
+
 LAYOUTS = {  # name: (ranks, overrides)
     "single process": (1, {}),
     "dp 2 (DDP)": (2, {"parallel.zero_stage": 0}),
@@ -64,12 +66,7 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
         subprocess.run(cmd, check=True, capture_output=True)
         profiles[n] = get_hardware(None, str(out))
     shape_over = {
-        "model.hidden": args.hidden,
-        "model.layers": args.layers,
-        "model.heads": args.hidden // 64,
-        "model.kv_heads": 2,
-        "model.ffn_hidden": 3 * args.hidden,
-        "train.seq_len": args.seq_len,
+        **small_model(args.hidden, args.layers, args.seq_len),
         "train.global_batch_size": args.batch,
         "train.steps": args.steps,
         "train.precision": "fp32",

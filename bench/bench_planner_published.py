@@ -14,59 +14,35 @@ import subprocess
 import sys
 
 GPT = ["--mlp", "gelu", "--vocab", "51200", "--seq-len", "2048", "--gpu", "a100-80g", "--recompute", "full"]
+NARAYANAN = "Narayanan et al. 2021 (SC21), Table 1"
+LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
+
+
+def llama405b(gpus: int, dp: int) -> list[str]:
+    return ["--model", "llama3.1-405b", "--gpus", str(gpus), "--seq-len", "8192", "--global-batch", "2048"] + [
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--dp",
+        str(dp),
+    ]
+
+
+def gpt(layers: int, hidden: int, heads: int, gpus: int, batch: int, pp: int) -> list[str]:
+    """Megatron-LM's GPT runs: tp 8, 1F1B when pipelined."""
+    shape = ["--layers", str(layers), "--hidden", str(hidden), "--heads", str(heads)]
+    degrees = ["--tp", "8", "--pp", str(pp)] + (["--schedule", "1f1b"] if pp > 1 else [])
+    return GPT + shape + ["--gpus", str(gpus), "--global-batch", str(batch)] + degrees
+
+
 RUNS = [  # (name, source, published figure, metric, arguments)
-    (
-        "Llama 3 405B, 8,192 H100",
-        "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4",
-        0.43,
-        "mfu",
-        ["--model", "llama3.1-405b", "--gpus", "8192", "--seq-len", "8192", "--global-batch", "2048"]
-        + ["--tp", "8", "--pp", "16", "--dp", "64"],
-    ),
-    (
-        "Llama 3 405B, 16,384 H100",
-        "same",
-        0.41,
-        "mfu",
-        ["--model", "llama3.1-405b", "--gpus", "16384", "--seq-len", "8192", "--global-batch", "2048"]
-        + ["--tp", "8", "--pp", "16", "--dp", "128"],
-    ),
-    (
-        "GPT 18.4B, 256 A100",
-        "Narayanan et al. 2021 (SC21), Table 1",
-        135 / 312,
-        "hfu",
-        GPT
-        + ["--layers", "40", "--hidden", "6144", "--heads", "48", "--gpus", "256", "--global-batch", "1024"]
-        + ["--tp", "8", "--pp", "1"],
-    ),
-    (
-        "GPT 145.6B, 1,536 A100",
-        "same",
-        148 / 312,
-        "hfu",
-        GPT
-        + ["--layers", "80", "--hidden", "12288", "--heads", "96", "--gpus", "1536", "--global-batch", "1536"]
-        + ["--tp", "8", "--pp", "8", "--schedule", "1f1b"],
-    ),
-    (
-        "GPT 529.6B, 2,520 A100",
-        "same",
-        163 / 312,
-        "hfu",
-        GPT
-        + ["--layers", "105", "--hidden", "20480", "--heads", "128", "--gpus", "2520", "--global-batch", "2520"]
-        + ["--tp", "8", "--pp", "35", "--schedule", "1f1b"],
-    ),
-    (
-        "GPT 1008B, 3,072 A100",
-        "same",
-        163 / 312,
-        "hfu",
-        GPT
-        + ["--layers", "128", "--hidden", "25600", "--heads", "160", "--gpus", "3072", "--global-batch", "3072"]
-        + ["--tp", "8", "--pp", "64", "--schedule", "1f1b"],
-    ),
+    ("Llama 3 405B, 8,192 H100", LLAMA3, 0.43, "mfu", llama405b(8192, 64)),
+    ("Llama 3 405B, 16,384 H100", LLAMA3, 0.41, "mfu", llama405b(16384, 128)),
+    ("GPT 18.4B, 256 A100", NARAYANAN, 135 / 312, "hfu", gpt(40, 6144, 48, 256, 1024, 1)),
+    ("GPT 145.6B, 1,536 A100", NARAYANAN, 148 / 312, "hfu", gpt(80, 12288, 96, 1536, 1536, 8)),
+    ("GPT 529.6B, 2,520 A100", NARAYANAN, 163 / 312, "hfu", gpt(105, 20480, 128, 2520, 2520, 35)),
+    ("GPT 1008B, 3,072 A100", NARAYANAN, 163 / 312, "hfu", gpt(128, 25600, 160, 3072, 3072, 64)),
 ]
 
 
