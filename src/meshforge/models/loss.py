@@ -1,0 +1,62 @@
+"""The training objective: next-token cross-entropy in fp32, plus the auxiliary terms that
+model layers report (a mixture-of-experts balance loss, a router z-loss).
+
+One object serves the plain step, the pipeline's last stage and evaluation, so the three
+compute the same thing. A layer reports a term with ``report_aux(self, name, value)``
+during its forward (``value`` already weighted by its coefficient); the next call of the
+loss on that model drains the terms, adds them to the language-model loss and keeps their
+values for logging. The loss knows nothing of parallelism: whoever parallelizes the model
+passes a ``context`` (tensor parallelism's loss-parallel cross-entropy) that wraps the
+loss and its backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_AUX = "_meshforge_aux_losses"
+
+
+def report_aux(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Called by a layer in its forward: add ``value`` to this forward's objective under ``name``."""
+    terms = module.__dict__.setdefault(_AUX, {})
+    terms[name] = terms[name] + value if name in terms else value
+
+
+def drain_aux(model: nn.Module | None) -> dict[str, torch.Tensor]:
+    """Every term the model's layers reported since the last drain, summed per name."""
+    out: dict[str, torch.Tensor] = {}
+    if model is None:
+        return out
+    for m in model.modules():
+        terms = m.__dict__.pop(_AUX, None)
+        for name, v in (terms or {}).items():
+            out[name] = out[name] + v if name in out else v
+    return out
+
+
+class LanguageModelLoss:
+    """Mean (training) or summed (evaluation) next-token cross-entropy over logits
+    ``(batch, seq, vocab)`` and targets ``(batch, seq)``, computed in fp32."""
+
+    def __init__(self, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.context = context
+        self.terms: dict[str, torch.Tensor] = {}  # the last training call's parts, detached
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+        """Training: the mean token loss plus the auxiliary terms ``model``'s layers reported."""
+        lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        aux = drain_aux(model)
+        self.terms = {"lm_loss": lm.detach(), **{k: v.detach() for k, v in aux.items()}}
+        return lm + sum(aux.values()) if aux else lm
+
+    def token_sum(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+        """Evaluation: the summed token loss of the language model alone (``model``'s
+        reported auxiliary terms are drained and dropped)."""
+        drain_aux(model)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
