@@ -11,3 +11,14 @@ class ConfigError(MeshforgeError):
 
 class DataError(MeshforgeError):
     """The data path is missing, empty, malformed or too small."""
+
+
+def suggest(word: str, options, cutoff: float = 0.5) -> str:
+    """The "did you mean" half of an error message: the closest option, else all of them."""
+    import difflib
+
+    options = [str(o) for o in options]
+    close = difflib.get_close_matches(str(word), options, n=1, cutoff=cutoff)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return "valid: " + ", ".join(sorted(options))
