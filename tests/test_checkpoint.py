@@ -243,7 +243,7 @@ def test_auto_interval_is_logged_with_its_inputs(tmp_path, corpus):
     assert chosen[0]["mtbf_hours"] == 1e-4 and chosen[0]["steps"] >= 1
     assert store.list_complete(d / "checkpoints")[-1].step == STEPS
     with pytest.raises(ConfigError, match=r"checkpoint.interval = 'often'"):
-        from meshforge.config import resolve
+        from meshforge.resolve import resolve
 
         resolve(load_config(None, {"checkpoint.interval": "often"}))
 

@@ -1,8 +1,9 @@
 import pytest
 
 from meshforge.cli import parse_train_args
-from meshforge.config import load_config, resolve, to_toml
+from meshforge.config import load_config, to_toml
 from meshforge.errors import ConfigError
+from meshforge.resolve import resolve
 
 
 def test_defaults_resolve_and_fill_preset():

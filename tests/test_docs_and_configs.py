@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.config import load_config, resolve, to_dict
+from meshforge.config import load_config, to_dict
+from meshforge.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from meshforge.config import load_config, resolve
+from meshforge.config import load_config
+from meshforge.resolve import resolve
 from meshforge.trainer import lr_at
 
 

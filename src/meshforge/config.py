@@ -1,17 +1,17 @@
 """Typed run configuration: TOML files plus ``--section.key=value`` overrides.
 
-Everything a run does is decided here, before any process starts, so that a config
-that cannot run is refused with a message naming the key and the fix (DESIGN.md,
-principle 4). The resolved config (every default and preset value filled in) is what
-gets written to the run directory, so a run can be reproduced from it alone.
+This file is the schema, parsing and value checks only: it knows every key, its type
+and its allowed values, and refuses a bad one with a message naming the key and the fix
+(fail loudly and early). Whether a *layout* can run (degrees, divisibility, schedules)
+is decided by ``parallel/dims.py``; ``meshforge/resolve.py`` puts the two together for a
+world size. The resolved config (every default and preset value filled in) is what gets
+written to the run directory, so a run can be reproduced from it alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import os
 import sys
 import types
 import typing
@@ -24,34 +24,27 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from meshforge.errors import ConfigError
-from meshforge.parallel.mesh import resolve_degrees
+from meshforge.errors import ConfigError, suggest
+from meshforge.models.llama import ModelArgs
+from meshforge.models.presets import model_args_from_config
 
 
-@dataclass
-class ModelConfig:
-    """A preset name plus optional explicit shape fields that override it."""
+def _model_config() -> type:
+    """[model]: a preset name, then every shape field of ModelArgs as an optional override
+    (None: the preset's value), then where to start from. Derived from ModelArgs so that a
+    new model field is a config key without being written twice."""
+    hints = typing.get_type_hints(ModelArgs)
+    shape = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
+    # init_from: start from these weights instead of a random init: a Hugging Face Llama
+    # directory or a meshforge weights directory (see `meshforge convert`)
+    return dataclasses.make_dataclass(
+        "ModelConfig",
+        [("preset", str, field(default="debug")), *shape, ("init_from", str, field(default=""))],
+        namespace={"__doc__": "A preset name plus optional explicit shape fields that override it."},
+    )
 
-    preset: str = "debug"
-    hidden: int | None = None
-    layers: int | None = None
-    heads: int | None = None
-    kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    vocab_size: int | None = None
-    max_seq_len: int | None = None
-    norm_eps: float | None = None
-    tie_embeddings: bool | None = None
-    rope_theta: float | None = None
-    rope_scaling: Literal["none", "llama3"] | None = None
-    rope_factor: float | None = None
-    rope_low_freq_factor: float | None = None
-    rope_high_freq_factor: float | None = None
-    rope_original_max_seq_len: int | None = None
-    init_std: float | None = None
-    # Start from these weights instead of a random init: a Hugging Face Llama directory
-    # or a meshforge weights directory (see `meshforge convert`).
-    init_from: str = ""
+
+ModelConfig = _model_config()
 
 
 @dataclass
@@ -185,14 +178,6 @@ def _fields_by_key(cls: type) -> dict[str, dataclasses.Field]:
     return {_key(f): f for f in dataclasses.fields(cls)}
 
 
-def _suggest(word: str, options: typing.Iterable[str]) -> str:
-    options = list(options)
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
-    if close:
-        return f"did you mean '{close[0]}'?"
-    return "valid: " + ", ".join(sorted(options))
-
-
 def _coerce(name: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints widen to floats, nothing else converts."""
     origin = typing.get_origin(tp)
@@ -213,7 +198,7 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         choices = typing.get_args(tp)
         if value in choices:
             return value
-        hint = _suggest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
+        hint = suggest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
         raise ConfigError(
             f"{name} = {value!r} is not one of {', '.join(repr(c) for c in choices)}" + (f"; {hint}" if hint else "")
         )
@@ -245,11 +230,11 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
 
 def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
     if section not in SECTIONS:
-        raise ConfigError(f"unknown config section [{section}] in {where}; {_suggest(section, SECTIONS)}")
+        raise ConfigError(f"unknown config section [{section}] in {where}; {suggest(section, SECTIONS)}")
     cls = SECTIONS[section]
     fields = _fields_by_key(cls)
     if key not in fields:
-        raise ConfigError(f"unknown key {section}.{key} in {where}; {_suggest(key, fields)}")
+        raise ConfigError(f"unknown key {section}.{key} in {where}; {suggest(key, fields)}")
     f = fields[key]
     hints = typing.get_type_hints(cls)
     setattr(getattr(cfg, section), f.name, _coerce(f"{section}.{key}", value, hints[f.name]))
@@ -324,175 +309,78 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def resolve(cfg: Config, world_size: int = 1) -> Config:
-    """Fill in presets and automatic values, then validate. Returns a new Config."""
-    from meshforge.models.presets import model_args_from_config
-
-    cfg = dataclasses.replace(
-        cfg,
-        **{s: dataclasses.replace(getattr(cfg, s)) for s in SECTIONS},
-    )
+def fill(cfg: Config) -> Config:
+    """A copy with the preset's shape written into [model] and automatic values filled in,
+    value-checked. Layout rules (degrees, divisibility) are not checked here: see
+    ``meshforge.resolve.resolve``."""
+    cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s)) for s in SECTIONS})
     args = model_args_from_config(cfg.model)
-    m = cfg.model
     for f in dataclasses.fields(args):
-        if hasattr(m, f.name):
-            setattr(m, f.name, getattr(args, f.name))
-    for k, v in resolve_degrees(cfg.parallel, world_size).items():
-        setattr(cfg.parallel, k, v)
+        setattr(cfg.model, f.name, getattr(args, f.name))
     if cfg.optim.warmup_steps < 0:
         cfg.optim.warmup_steps = min(100, cfg.train.steps // 10)
-    validate(cfg, world_size)
+    check_values(cfg)
     return cfg
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
-    """Refuse configs that cannot run, naming the key and the fix."""
-    from meshforge.models.presets import model_args_from_config
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
 
-    t, o, p, m = cfg.train, cfg.optim, cfg.parallel, cfg.model
-    args = model_args_from_config(m)
 
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
-
-    need(t.steps > 0, f"train.steps = {t.steps} must be > 0")
-    need(t.seq_len > 0, f"train.seq_len = {t.seq_len} must be > 0")
-    need(
-        t.seq_len <= args.max_seq_len,
-        f"train.seq_len = {t.seq_len} is above the model's max positions (model.max_seq_len = "
-        f"{args.max_seq_len}); lower train.seq_len or raise model.max_seq_len",
-    )
-    need(t.global_batch_size > 0, f"train.global_batch_size = {t.global_batch_size} must be > 0")
-    need(
-        t.micro_batch_size >= 0,
-        f"train.micro_batch_size = {t.micro_batch_size} must be >= 0 (0: no accumulation)",
-    )
-    need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
-    need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
-    need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
-    need(
-        t.precision != "fp8",
-        "train.precision = 'fp8' is not available in this version of meshforge; use 'bf16' (or 'fp32')",
-    )
-    need(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
-    need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
-    need(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
-    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-    need(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
-    need(o.warmup_steps >= -1, f"optim.warmup_steps = {o.warmup_steps} must be >= 0 (or -1 for automatic)")
-    need(
-        o.warmup_steps <= t.steps,
-        f"optim.warmup_steps = {o.warmup_steps} is more than train.steps = {t.steps}; lower it",
-    )
-    need(o.decay_steps >= 0, f"optim.decay_steps = {o.decay_steps} must be >= 0 (0: the whole run)")
-    need(0 <= cfg.data.val_fraction < 1, f"data.val_fraction = {cfg.data.val_fraction} must be in [0, 1)")
-    need(cfg.metrics.log_interval > 0, f"metrics.log_interval = {cfg.metrics.log_interval} must be > 0")
-    need(cfg.checkpoint.keep >= 1, f"checkpoint.keep = {cfg.checkpoint.keep} must be >= 1")
-    c = cfg.checkpoint
-    need(
+def check_values(cfg: Config) -> None:
+    """Refuse values that are wrong whatever the layout, naming the key and the fix."""
+    _check_train(cfg)
+    _check_optim(cfg)
+    d, c, p = cfg.data, cfg.checkpoint, cfg.parallel
+    _need(0 <= d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in [0, 1)")
+    _need(cfg.metrics.log_interval > 0, f"metrics.log_interval = {cfg.metrics.log_interval} must be > 0")
+    _need(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
+    _need(
         c.interval == "auto" or (isinstance(c.interval, int) and c.interval >= 0),
         f'checkpoint.interval = {c.interval!r} must be a number of steps >= 0 (0: no checkpoints) or "auto"',
     )
-    need(c.mtbf_hours > 0, f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
+    _need(c.mtbf_hours > 0, f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
+    _need(p.ep >= 1 and p.pp_virtual_stages >= 1, "parallel.ep and parallel.pp_virtual_stages must be >= 1")
+    _need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
+    _need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
+    _need(p.num_microbatches >= 0, f"parallel.num_microbatches = {p.num_microbatches} must be >= 0 (0: automatic)")
 
-    need(p.ep >= 1 and p.pp_virtual_stages >= 1, "parallel.ep and parallel.pp_virtual_stages must be >= 1")
-    need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
-    need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
-    degrees = resolve_degrees(p, world_size)
-    need(
-        degrees["cp"] == 1,
-        f"parallel.cp = {degrees['cp']}: context parallelism is not available in this version of meshforge; "
-        "set parallel.cp = 1",
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
+    max_seq = cfg.model.max_seq_len or model_args_from_config(cfg.model).max_seq_len
+    _need(t.steps > 0, f"train.steps = {t.steps} must be > 0")
+    _need(t.seq_len > 0, f"train.seq_len = {t.seq_len} must be > 0")
+    _need(
+        t.seq_len <= max_seq,
+        f"train.seq_len = {t.seq_len} is above the model's max positions (model.max_seq_len = "
+        f"{max_seq}); lower train.seq_len or raise model.max_seq_len",
     )
-    validate_tp(cfg, args, degrees, node_size())
-    need(p.ep == 1, f"parallel.ep = {p.ep}: expert parallelism is not available in this version; set it to 1")
-    need(
-        degrees["dp_replicate"] == 1 or p.zero_stage >= 2,
-        f"parallel.dp_replicate = {degrees['dp_replicate']} (HSDP: replicate across groups, shard within) needs "
-        f"parallel.zero_stage = 2 or 3; for plain data parallel use parallel.dp_shard = "
-        f"{degrees['dp_replicate'] * degrees['dp_shard']} with dp_replicate = 1",
+    _need(t.global_batch_size > 0, f"train.global_batch_size = {t.global_batch_size} must be > 0")
+    _need(
+        t.micro_batch_size >= 0,
+        f"train.micro_batch_size = {t.micro_batch_size} must be >= 0 (0: no accumulation)",
     )
-    dp = data_parallel_degree(cfg, world_size)
-    micro = t.micro_batch_size or t.global_batch_size // dp
-    need(
-        t.global_batch_size % dp == 0,
-        f"train.global_batch_size = {t.global_batch_size} is not divisible by the data-parallel degree {dp}; "
-        f"use a multiple of {dp}, e.g. {max(dp, (t.global_batch_size // dp) * dp) or dp}",
+    _need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
+    _need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
+    _need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
+    _need(
+        t.precision != "fp8",
+        "train.precision = 'fp8' is not available in this version of meshforge; use 'bf16' (or 'fp32')",
     )
-    need(
-        micro > 0 and (t.global_batch_size // dp) % micro == 0,
-        f"train.micro_batch_size = {t.micro_batch_size} must divide the per-rank batch "
-        f"global_batch_size / dp = {t.global_batch_size // dp}",
+
+
+def _check_optim(cfg: Config) -> None:
+    o, steps = cfg.optim, cfg.train.steps
+    _need(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
+    _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
+    _need(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
+    _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _need(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
+    _need(o.warmup_steps >= -1, f"optim.warmup_steps = {o.warmup_steps} must be >= 0 (or -1 for automatic)")
+    _need(
+        o.warmup_steps <= steps,
+        f"optim.warmup_steps = {o.warmup_steps} is more than train.steps = {steps}; lower it",
     )
-    if degrees["pp"] > 1:
-        from meshforge.parallel.pipeline import validate_pipeline
-
-        validate_pipeline(cfg, args, degrees["pp"], t.global_batch_size // dp)
-        if not p.num_microbatches:  # resolved, so the run's config.toml says what ran
-            from meshforge.parallel.pipeline import num_microbatches
-
-            p.num_microbatches = num_microbatches(cfg, t.global_batch_size // dp)
-    else:
-        need(
-            not p.pp_layers,
-            f"parallel.pp_layers = {p.pp_layers} is set but parallel.pp = 1; set parallel.pp or leave pp_layers empty",
-        )
-
-
-def node_size() -> int | None:
-    """Ranks per node when a launcher says so (torchrun's LOCAL_WORLD_SIZE), else unknown."""
-    v = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(v) if v and v.isdigit() else None
-
-
-def validate_tp(cfg: Config, args: Any, degrees: dict[str, int], ranks_per_node: int | None) -> None:
-    """Tensor parallelism shards whole heads, FFN columns and vocabulary rows: each must divide."""
-    tp = degrees["tp"]
-    if tp == 1:
-        return
-    p, t = cfg.parallel, cfg.train
-
-    def divisible(value: int, key: str, what: str, fix: str = "") -> None:
-        if value % tp:
-            smaller = max(d for d in range(1, tp) if tp % d == 0 and value % d == 0)
-            raise ConfigError(
-                f"{key} = {value} is not divisible by parallel.tp = {tp} (tensor parallelism splits the {what} "
-                f"evenly over the tp ranks); {fix or f'use a parallel.tp that divides it (e.g. {smaller})'}"
-            )
-
-    divisible(args.heads, "model.heads", "query heads")
-    divisible(args.kv_heads, "model.kv_heads", "key/value heads (grouped-query attention keeps whole kv heads)")
-    divisible(args.ffn_hidden, "model.ffn_hidden", "feed-forward columns")
-    padded = -(-args.vocab_size // tp) * tp
-    divisible(
-        args.vocab_size,
-        "model.vocab_size",
-        "vocabulary (embedding rows and head columns)",
-        f"pad the vocabulary: set --model.vocab_size={padded} (the extra rows are never produced by the "
-        "tokenizer and cost nothing but memory)",
-    )
-    if p.sequence_parallel:
-        divisible(
-            t.seq_len,
-            "train.seq_len",
-            "sequence under sequence parallelism",
-            f"use a multiple of {tp} (e.g. {-(-t.seq_len // tp) * tp}) or set parallel.sequence_parallel = false",
-        )
-    if ranks_per_node is not None and tp > ranks_per_node:
-        raise ConfigError(
-            f"parallel.tp = {tp} is larger than the {ranks_per_node} ranks per node: tensor parallelism "
-            "communicates on every layer and must stay on one node's fast links; use parallel.tp <= "
-            f"{ranks_per_node} and scale out with data or pipeline parallelism"
-        )
-    if p.zero_stage == 1:
-        raise ConfigError(
-            f"parallel.zero_stage = 1 with parallel.tp = {tp}: ZeRO-1 (ZeroRedundancyOptimizer) does not take "
-            "tensor-parallel shards; use parallel.zero_stage = 2 (the same communication as ZeRO-1, and "
-            "gradients sharded too) or 0"
-        )
-
-
-def data_parallel_degree(cfg: Config, world_size: int) -> int:
-    d = resolve_degrees(cfg.parallel, world_size)
-    return d["dp_replicate"] * d["dp_shard"]
+    _need(o.decay_steps >= 0, f"optim.decay_steps = {o.decay_steps} must be >= 0 (0: the whole run)")

@@ -39,7 +39,7 @@ from meshforge.checkpoint.manager import (
 )
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import load_pretrained, save_weights, shape_mismatch
-from meshforge.config import Config, resolve, to_toml
+from meshforge.config import Config, to_toml
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.sampler import GlobalBatchSampler
@@ -56,11 +56,13 @@ from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.data_parallel import gradient_sync, make_optimizer
 from meshforge.parallel.grad_clip import clip_grad_norm
-from meshforge.parallel.mesh import Mesh, build_mesh, rank_layout, shutdown
+from meshforge.parallel.dims import rank_layout
+from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import is_sharded, parallelize, parallelize_pipeline, uses_autocast
 from meshforge.parallel.pipeline import Pipeline, Timeline
 from meshforge.parallel.precision import autocast, resolve_precision
 from meshforge.parallel.tensor_parallel import local_value, loss_context, match_grad_layouts
+from meshforge.resolve import layout, resolve
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
@@ -751,7 +753,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = resolve(cfg, world)
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
-    mesh = build_mesh(cfg)
+    mesh = build_mesh(layout(cfg, world), cfg.train.device)
     try:
         resume = None
         if mesh.is_main:

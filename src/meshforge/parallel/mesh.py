@@ -1,42 +1,26 @@
-"""The device mesh: every layout is a named N-D mesh of ranks.
+"""The device mesh: every layout is a named N-D mesh of ranks, built from a ParallelDims.
 
-Dimensions, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor
-parallel is innermost so its ranks are neighbours (the same node's fast links); pipeline
-is outermost because its point-to-point traffic is the lightest. Flattened sub-meshes
-give later axes the groups they need:
-
-- ``dp``          = dp_replicate x dp_shard: the data-parallel ranks (the sampler's slices)
-- ``dp_shard_cp`` = dp_shard x cp: what FSDP shards parameters over
-- ``dp_cp``       = dp_replicate x dp_shard x cp: the ranks that average the loss
-
-One process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks find
-each other through the RANK / WORLD_SIZE / MASTER_ADDR environment; started directly,
-meshforge is a world of one and needs no process group at all.
+Which dimensions and flattened sub-meshes exist, and in which order, is a layout rule and
+lives in ``parallel/dims.py``; this file only turns them into process groups. One
+process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks find each
+other through the launcher's environment (``launch_env``); started directly, meshforge
+is a world of one and needs no process group at all.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshforge import launch_env
 from meshforge.errors import ConfigError
-
-if TYPE_CHECKING:
-    from meshforge.config import Config, ParallelConfig
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-FLATTENED = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
+from meshforge.parallel.dims import DIMS, ParallelDims
 
 
 @dataclass
@@ -45,9 +29,13 @@ class Mesh:
     world_size: int
     local_rank: int
     device: torch.device
-    degrees: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMS, 1))
+    dims: ParallelDims = field(default_factory=ParallelDims)
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return self.dims.degrees()
 
     @property
     def is_main(self) -> bool:
@@ -59,7 +47,7 @@ class Mesh:
 
     @property
     def dp_size(self) -> int:
-        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+        return self.dims.dp
 
     @property
     def dp_rank(self) -> int:
@@ -92,49 +80,15 @@ class Mesh:
         out: dict[dist.ProcessGroup, str] = {}
         if self.device_mesh is None:
             return out
-        for name in (*DIMS, *FLATTENED):
+        for name in (*DIMS, *self.dims.flattened()):
             sub = self.submesh(name)
             if sub.size() > 1:
                 out.setdefault(sub.get_group(), name)
         return out
 
 
-def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
-    """Mesh degrees with a -1 inferred; refuses products that do not match the world size."""
-    degrees = {k: getattr(p, k) for k in DIMS}
-    for k, v in degrees.items():
-        if v == 0 or v < -1:
-            raise ConfigError(f"parallel.{k} = {v} must be >= 1 (or -1 to infer it)")
-    free = [k for k, v in degrees.items() if v == -1]
-    if len(free) > 1:
-        raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
-    known = 1
-    for v in degrees.values():
-        known *= v if v > 0 else 1
-    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
-    if free:
-        if world_size % known:
-            raise ConfigError(
-                f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
-                f"product {known}; use a world size that is a multiple of {known} or change the degrees"
-            )
-        degrees[free[0]] = world_size // known
-    elif known != world_size:
-        fix = world_size // (known // p.dp_shard) if world_size % (known // p.dp_shard) == 0 else None
-        hint = f"set parallel.dp_shard = {fix}" if fix else "make their product equal the world size"
-        raise ConfigError(
-            f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
-            f"set parallel.dp_shard = -1 to infer it, or {hint}"
-        )
-    return degrees
-
-
-def env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def pick_device(requested: str) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch_env.local_rank()
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use train.device = 'cpu'")
@@ -151,8 +105,7 @@ def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
     to them and time out ("connectFullMesh failed ... Connection refused").
     """
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"meshforge/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
+    return dist.PrefixStore(f"meshforge/{launch_env.run_id()}/attempt-{launch_env.restart_count()}", store)
 
 
 def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -160,37 +113,24 @@ def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     return mesh[dims]._flatten(name)
 
 
-def build_mesh(cfg: Config, timeout_s: float = 600.0) -> Mesh:
-    """Join the process group (gloo on CPU, NCCL on GPU) and build the named mesh."""
-    world = env_world_size()
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(cfg.train.device)
-    degrees = resolve_degrees(cfg.parallel, world)
+def build_mesh(dims: ParallelDims, device_kind: str = "auto", timeout_s: float = 600.0) -> Mesh:
+    """Join the process group (gloo on CPU, NCCL on GPU) and build the named mesh of ``dims``."""
+    world, rank = launch_env.world_size(), launch_env.rank()
+    if dims.world_size != world:
+        raise ConfigError(f"the layout {dims.degrees()} needs {dims.world_size} ranks, but {world} were started")
+    device = pick_device(device_kind)
     if world == 1:
-        return Mesh(0, 1, 0, device, degrees)
+        return Mesh(0, 1, 0, device, dims)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend, timeout=timeout, store=_store(rank, world, timeout), rank=rank, world_size=world
         )
-    device_mesh = init_device_mesh(device.type, tuple(degrees[d] for d in DIMS), mesh_dim_names=DIMS)
-    flattened = {name: _flatten(device_mesh, dims, name) for name, dims in FLATTENED.items()}
-    return Mesh(rank, world, local_rank, device, degrees, device_mesh, flattened)
-
-
-def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
-    """Each global rank's coordinate on every dimension (row-major, tp fastest)."""
-    out = []
-    sizes = [degrees[d] for d in DIMS]
-    for r in range(int(torch.tensor(sizes).prod())):
-        coord, rest = {}, r
-        for d, s in reversed(list(zip(DIMS, sizes, strict=True))):
-            coord[d] = rest % s
-            rest //= s
-        out.append({"rank": r, **{d: coord[d] for d in DIMS}})
-    return out
+    degrees = dims.degrees()
+    device_mesh = init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+    flattened = {name: _flatten(device_mesh, sub, name) for name, sub in dims.flattened().items()}
+    return Mesh(rank, world, launch_env.local_rank(), device, dims, device_mesh, flattened)
 
 
 def shutdown(clean: bool = True) -> None:
@@ -202,8 +142,6 @@ def shutdown(clean: bool = True) -> None:
         if clean and dist.get_world_size() > 1:
             # a gloo barrier first completes the group's earlier work: flush every group
             # (pipeline sends live on the pp group), then the world
-            from torch.distributed import distributed_c10d as c10d
-
             for group in list(getattr(c10d._world, "pg_map", {})):
                 if (
                     group is not dist.group.WORLD

@@ -9,7 +9,7 @@ sharding, so a rank only ever allocates its own shards; every shard is filled fr
 seed-determined full values, so any layout starts from the single-process weights.
 With pp > 1 the model is first split into pipeline chunks (parallel/pipeline.py) and each
 chunk then goes through the same steps as a whole model. Context and expert parallelism
-are refused by config validation until they land.
+are refused by the layout rules (parallel/dims.py) until they land.
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
 data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
@@ -28,15 +28,14 @@ from torch import nn
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
+from meshforge.parallel.dims import chunks_per_rank, schedule_name
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import (
-    V_SHAPED,
     Pipeline,
     balanced_split,
     chunk_ranks,
     give_positions,
     model_view,
-    schedule_name,
     split_model,
 )
 from meshforge.parallel.tensor_parallel import apply_tp
@@ -46,8 +45,8 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (ZeRO-2/3, HSDP, and any dp under tensor or pipeline parallelism)."""
-    return mesh.dp_size > 1 and (cfg.parallel.zero_stage >= 2 or mesh.degrees["tp"] > 1 or mesh.degrees["pp"] > 1)
+    """Data parallelism runs on FSDP2 (the rule is the layout's: ParallelDims.uses_fsdp)."""
+    return mesh.dims.uses_fsdp(cfg.parallel.zero_stage)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
@@ -93,8 +92,8 @@ def parallelize_pipeline(model: Transformer, cfg: Config, mesh: Mesh, seed: int 
     axes to each chunk as to a whole model, and build the schedule. Returns a module over
     this rank's chunks with the whole model's parameter names, and the pipeline."""
     p = cfg.parallel
-    pp, name = mesh.degrees["pp"], schedule_name(p.pp_schedule)
-    v = 2 if name in V_SHAPED else p.pp_virtual_stages
+    pp, name = mesh.dims.pp, schedule_name(p.pp_schedule)
+    v = chunks_per_rank(name, p.pp_virtual_stages)
     sizes = list(p.pp_layers) or balanced_split(model.args, cfg.train.seq_len, pp * v)
     owner = chunk_ranks(pp, v, name)
     mine = [c for c in range(pp * v) if owner[c] == mesh.coordinate("pp")]

@@ -30,136 +30,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
-from meshforge.errors import ConfigError
 from meshforge.models.llama import ModelArgs, Transformer
+from meshforge.parallel.dims import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.tensor_parallel import local_value, loss_context
-from meshforge.planner.estimate import bubble_fraction
 
 if TYPE_CHECKING:
     from meshforge.config import Config
     from meshforge.parallel.mesh import Mesh
 
-# schedule name -> (torch.distributed.pipelining class name, chunks per rank: "1", ">=1", ">=2" or "2")
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "1"),
-    "1f1b": ("Schedule1F1B", "1"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", ">=2"),
-    "zero_bubble": ("ScheduleInterleavedZeroBubble", ">=1"),
-    "zbv": ("ScheduleZBVZeroBubble", "2"),
-    "dualpipev": ("ScheduleDualPipeV", "2"),
-}
-ALIASES = {"interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b", "zb": "zero_bubble"}
-V_SHAPED = ("zbv", "dualpipev")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # activations sent between stages in eval
-
-
-def schedule_name(name: str) -> str:
-    return ALIASES.get(name.lower(), name.lower())
 
 
 def schedule_class(name: str) -> type | None:
     """The installed PyTorch's class for a schedule, or None where it lacks it."""
-    import torch.distributed.pipelining as pipelining
-
     return getattr(pipelining, SCHEDULES[name][0], None)
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def validate_pipeline(cfg: Config, args: ModelArgs, pp: int, local_batch: int) -> None:
-    """Refuse pipeline settings that cannot run, before any rank starts."""
-    p, t = cfg.parallel, cfg.train
-    name = schedule_name(p.pp_schedule)
-    if name not in SCHEDULES:
-        from difflib import get_close_matches
-
-        close = get_close_matches(name, SCHEDULES, n=1)
-        raise ConfigError(
-            f"parallel.pp_schedule = {p.pp_schedule!r} is not a pipeline schedule"
-            + (f"; did you mean {close[0]!r}?" if close else "")
-            + f" (valid: {', '.join(SCHEDULES)})"
-        )
-    if schedule_class(name) is None:
-        have = [n for n in SCHEDULES if schedule_class(n) is not None]
-        raise ConfigError(
-            f"parallel.pp_schedule = {name!r} needs torch.distributed.pipelining.{SCHEDULES[name][0]}, which the "
-            f"installed PyTorch {torch.__version__} lacks; use one of {', '.join(have)} or upgrade PyTorch"
-        )
-    v, rule = p.pp_virtual_stages, SCHEDULES[name][1]
-    ok = {"1": v == 1, ">=1": v >= 1, ">=2": v >= 2, "2": v == 2}[rule]
-    if not ok:
-        want = {"1": "1", ">=2": "2 or more", "2": "exactly 2"}[rule]
-        raise ConfigError(
-            f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = {name!r}, which runs {want} "
-            f"model chunk(s) per rank; set parallel.pp_virtual_stages = {2 if rule != '1' else 1}"
-            + (" or pick interleaved_1f1b / zero_bubble for more chunks per rank" if rule == "1" and v > 1 else "")
-        )
-    chunks = pp * v
-    if args.layers < chunks:
-        raise ConfigError(
-            f"model.layers = {args.layers} is fewer than parallel.pp x parallel.pp_virtual_stages = {pp} x {v} = "
-            f"{chunks} pipeline chunks (each needs at least one block); lower parallel.pp or pp_virtual_stages"
-        )
-    if p.pp_layers:
-        if len(p.pp_layers) != chunks or sum(p.pp_layers) != args.layers or min(p.pp_layers) < 1:
-            raise ConfigError(
-                f"parallel.pp_layers = {p.pp_layers} must list {chunks} chunk sizes (pp x pp_virtual_stages), each "
-                f">= 1, summing to model.layers = {args.layers}; e.g. {balanced_split(args, t.seq_len, chunks)}"
-            )
-    if args.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings = true with parallel.pp > 1: the embedding (first stage) and the head (last "
-            "stage) would share one weight across ranks; set model.tie_embeddings = false or parallel.pp = 1"
-        )
-    if p.zero_stage == 1:
-        raise ConfigError(
-            "parallel.zero_stage = 1 with parallel.pp > 1: data parallelism under pipelining runs on FSDP2; use "
-            "parallel.zero_stage = 2 (the same communication as ZeRO-1, gradients sharded too), 3, or 0"
-        )
-    m = num_microbatches(cfg, local_batch)
-    if local_batch % m:
-        raise ConfigError(
-            f"parallel.num_microbatches = {m} does not divide the per-rank batch global_batch_size / dp = "
-            f"{local_batch}; use a divisor of {local_batch}"
-        )
-    if t.micro_batch_size and p.num_microbatches and t.micro_batch_size * p.num_microbatches != local_batch:
-        raise ConfigError(
-            f"train.micro_batch_size = {t.micro_batch_size} x parallel.num_microbatches = {p.num_microbatches} is "
-            f"not the per-rank batch {local_batch}; set only one of them"
-        )
-    need = chunks if name == "dualpipev" else pp
-    if m < need:
-        raise ConfigError(
-            f"{m} micro-batches per step (parallel.num_microbatches, or the per-rank batch {local_batch} / "
-            f"train.micro_batch_size) cannot fill a {name} pipeline of {need} stages: it needs at least {need}; "
-            "raise train.global_batch_size or parallel.num_microbatches, or lower train.micro_batch_size"
-        )
-    if rule != "1":
-        rounds = max(1, m // pp)
-        if m % rounds:
-            good = [k for k in range(m, m + 4 * pp) if k % max(1, k // pp) == 0 and local_batch % k == 0]
-            raise ConfigError(
-                f"parallel.num_microbatches = {m}: {name} runs micro-batches in rounds of parallel.pp = {pp}, so "
-                f"their number must be a multiple of {rounds}; use e.g. "
-                + (str(good[0]) if good else f"a multiple of {pp}")
-            )
-
-
-def num_microbatches(cfg: Config, local_batch: int) -> int:
-    """Micro-batches per step and dp rank: parallel.num_microbatches, else from
-    train.micro_batch_size, else the largest divisor of the batch up to 2 x pp x v."""
-    p, t = cfg.parallel, cfg.train
-    if p.num_microbatches:
-        return p.num_microbatches
-    if t.micro_batch_size:
-        return max(1, local_batch // t.micro_batch_size)
-    pp = p.pp if p.pp > 0 else 1
-    target = 2 * pp * p.pp_virtual_stages
-    return max(d for d in range(1, min(local_batch, target) + 1) if local_batch % d == 0)
 
 
 # ----------------------------------------------------------------------------- splitting
@@ -295,8 +184,6 @@ class Pipeline:
     """This rank's pipeline: its chunks as stages, the schedule, and the step timeline."""
 
     def __init__(self, parts: list[nn.Module], chunks: list[int], cfg: Config, mesh: Mesh, tp: bool):
-        from torch.distributed.pipelining import PipelineStage
-
         p = cfg.parallel
         self.name = schedule_name(p.pp_schedule)
         self.pp = mesh.degrees["pp"]
@@ -309,8 +196,7 @@ class Pipeline:
         self.tp = tp
         self.has_first = 0 in chunks
         self.has_last = self.num_chunks - 1 in chunks
-        local_batch = cfg.train.global_batch_size // mesh.dp_size
-        self.m = num_microbatches(cfg, local_batch)
+        self.m = p.num_microbatches  # resolved (meshforge.resolve) before any rank starts
         self.stages = [
             PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
             for part, c in zip(parts, chunks, strict=True)

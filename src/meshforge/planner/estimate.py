@@ -77,6 +77,7 @@ class Estimate:
     mfu: float
     hfu: float
     budget: dict[str, float] = field(default_factory=dict)  # fractions of the step
+    not_runnable: str = ""  # why `meshforge train` refuses this layout (parallel/dims.py); "" if it runs
 
     def as_json(self) -> dict[str, Any]:
         lay = asdict(self.layout)
@@ -93,6 +94,8 @@ class Estimate:
             "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
             "fits": self.fits,
             "overflow": self.overflow,
+            "runnable": not self.not_runnable,
+            "not_runnable": self.not_runnable,
             "step_time_s": self.step_time_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,

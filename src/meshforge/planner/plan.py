@@ -145,22 +145,22 @@ def run(args: argparse.Namespace) -> int:
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     elapsed = time.perf_counter() - t0
     if args.json:
-        print(report.as_json(results, args.top, shape, considered))
+        print(report.as_json(results, args.top, shape, considered, results.refused))
     else:
         print(
             f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
             f"{considered} layouts considered, {len(results)} fit, searched in {elapsed:.2f} s\n"
         )
-        print(report.table(results, args.top))
+        print(report.table(results, args.top, results.refused))
         print("\nbest layout, explained:")
         print(report.explain(results[0], hw.hbm_gib))
     if args.emit_config:
-        chosen = next((e for e in results if report.runnable(e, shape)), None)
+        chosen = next((e for e in results if report.runnable(e)), None)
         if chosen is None:
             raise ConfigError(
-                "no fitting layout is runnable by this version of meshforge train (it has no context or expert "
-                "parallelism yet); fix --cp 1 --ep 1 or use more GPUs"
+                "no fitting layout is runnable by this version of meshforge train: "
+                f"{results[0].not_runnable}; change the fixed choices or use more GPUs"
             )
         Path(args.emit_config).write_text(report.train_config(chosen, shape, seq, gb, precision, preset))
         if not args.json:

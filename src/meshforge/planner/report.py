@@ -9,12 +9,13 @@ from meshforge.planner.estimate import Estimate
 from meshforge.planner.shape import Shape
 
 
-def table(results: list[Estimate], top: int) -> str:
+def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
+    """The ranking; then the faster layouts meshforge train does not run yet, with the reason."""
     head = (
         f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'cp':>3} {'zero':>4} {'mb':>3} {'m':>4} {'recompute':>9} "
         f"{'schedule':>17} {'mem GiB':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6} {'HFU':>6}"
     )
-    rows = [head, "-" * len(head)]
+    rows, notes = [head, "-" * len(head)], []
     for i, e in enumerate(results[:top], 1):
         L = e.layout
         sched = "-" if L.pp == 1 else (f"{L.schedule} v={L.virtual_stages}" if L.virtual_stages > 1 else L.schedule)
@@ -22,8 +23,21 @@ def table(results: list[Estimate], top: int) -> str:
             f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
             f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f} "
             f"{e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
+            + ("  *" if e.not_runnable else "")
         )
-    return "\n".join(rows)
+        if e.not_runnable:
+            notes.append(f"  * #{i} is not runnable by meshforge train: {e.not_runnable}")
+    best = results[0].tokens_per_s_per_gpu if results else 0.0
+    faster = [e for e in refused if e.tokens_per_s_per_gpu > best][:3]
+    if faster:
+        notes.append("faster layouts meshforge train does not run (not ranked):")
+    for e in faster:
+        L = e.layout
+        notes.append(
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} zero {L.zero_stage} {L.schedule}: "
+            f"{e.tokens_per_s_per_gpu:.0f} tok/s/gpu -- {e.not_runnable}"
+        )
+    return "\n".join(rows + notes)
 
 
 def explain(e: Estimate, hbm_gib: float) -> str:
@@ -43,31 +57,22 @@ def explain(e: Estimate, hbm_gib: float) -> str:
     return "\n".join(lines)
 
 
-def as_json(results: list[Estimate], top: int, shape: Shape, considered: int) -> str:
+def as_json(results: list[Estimate], top: int, shape: Shape, considered: int, refused: list[Estimate] = ()) -> str:
     return json.dumps(
         {
             "model": shape.name,
             "num_params": shape.num_params(),
             "considered": considered,
             "layouts": [e.as_json() for e in results[:top]],
+            "not_runnable": [e.as_json() for e in refused[:top]],
         },
         indent=1,
     )
 
 
-def runnable(e: Estimate, shape: Shape | None = None) -> bool:
-    """What `meshforge train` supports now: no context or expert parallelism, no ZeRO-1
-    under tensor or pipeline parallelism, and pipelines with at least pp micro-batches (in
-    whole rounds when interleaved), one block per chunk and an untied head."""
-    L = e.layout
-    if L.cp > 1 or L.ep > 1 or (L.zero_stage == 1 and (L.tp > 1 or L.pp > 1)):
-        return False
-    if L.pp > 1:
-        if L.num_microbatches < L.pp or L.num_microbatches % max(1, L.num_microbatches // L.pp):
-            return False
-        if shape is not None and (shape.tie_embeddings or shape.layers < L.pp * L.virtual_stages):
-            return False
-    return True
+def runnable(e: Estimate) -> bool:
+    """Whether `meshforge train` runs this layout (the layout rules' verdict, set by the search)."""
+    return not e.not_runnable
 
 
 def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precision: str, preset: str | None) -> str:
@@ -96,7 +101,8 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
         f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"
         f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp * L.pp} (or torchrun)\n\n"
         f"[model]\n{model}\n"
-        f"[parallel]\ntp = {L.tp}\n{pipe}dp_shard = {L.dp}\ndp_replicate = 1\nzero_stage = {L.zero_stage}\n"
+        f"[parallel]\ntp = {L.tp}\n{pipe}cp = {L.cp}\nep = {L.ep}\ndp_shard = {L.dp}\ndp_replicate = 1\n"
+        f"zero_stage = {L.zero_stage}\n"
         f"sequence_parallel = {str(L.sequence_parallel).lower()}\n\n"
         f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {micro}\n"
         f'precision = "{precision}"\nactivation_checkpoint = "{ac}"\n'

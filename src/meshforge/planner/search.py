@@ -1,10 +1,19 @@
-"""Enumerate the layouts a cluster allows, estimate each, keep what fits, rank by speed."""
+"""Enumerate the layouts a cluster allows, estimate each, keep what fits, rank by speed.
+
+Whether a layout can exist and whether ``meshforge train`` runs it is not decided here:
+every candidate is put to the layout rules in ``parallel/dims.py``. A candidate they call
+invalid is skipped; one they call unsupported is estimated and ranked after the runnable
+ones, marked with the reason, so the planner never recommends a layout training refuses.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from meshforge.errors import ConfigError
+from meshforge.parallel.dims import ParallelDims, Training, tp_divides_heads
 from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, Layout, estimate
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.shape import Shape
@@ -40,8 +49,8 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
                 f"--tp {f.tp} is more than --gpus-per-node {gpus_per_node}: tp stays inside a node (its collectives "
                 "are on the critical path and need NVLink-class bandwidth); use pp or dp across nodes"
             )
-        if shape.heads % f.tp or shape.kv_heads % f.tp:
-            ok = [d for d in _divisors(shape.kv_heads) if d <= gpus_per_node]
+        if not tp_divides_heads(shape, f.tp):
+            ok = [d for d in _divisors(gpus_per_node) if tp_divides_heads(shape, d)]
             raise ConfigError(
                 f"--tp {f.tp} does not divide heads {shape.heads} / kv_heads {shape.kv_heads}; use one of {ok}"
             )
@@ -63,48 +72,97 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
         raise ConfigError(f"--zero {f.zero}: one of 0, 1, 2, 3")
 
 
-def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
-    """Every valid layout (a generator)."""
-    tps = [f.tp] if f.tp else [t for t in _divisors(gpus_per_node) if shape.heads % t == 0 and shape.kv_heads % t == 0]
+def rules_view(shape: Shape) -> SimpleNamespace:
+    """The planner's Shape as the layout rules read a model."""
+    return SimpleNamespace(
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        ffn_hidden=shape.ffn_hidden,
+        vocab_size=shape.vocab,
+        tie_embeddings=shape.tie_embeddings,
+    )
+
+
+def training_of(lay: Layout, seq: int, global_batch: int, gpus_per_node: int) -> Training:
+    """The settings a layout's emitted config gives ``meshforge train`` (report.train_config):
+    the pipeline's micro-batches as a count, otherwise as a size."""
+    pipelined = lay.pp > 1
+    return Training(
+        seq_len=seq,
+        global_batch=global_batch,
+        micro_batch=0 if pipelined else lay.micro_batch_size,
+        zero_stage=lay.zero_stage,
+        sequence_parallel=lay.sequence_parallel,
+        pp_schedule=lay.schedule,
+        pp_virtual_stages=lay.virtual_stages,
+        num_microbatches=lay.num_microbatches if pipelined else 0,
+        ranks_per_node=gpus_per_node,
+    )
+
+
+def judge(lay: Layout, shape: Shape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
+    """(exists, why train refuses it or ""): the layout rules' verdict on one layout."""
+    dims = ParallelDims(pp=lay.pp, dp_shard=lay.dp, cp=lay.cp, tp=lay.tp, ep=lay.ep)
+    found = dims.problems(rules_view(shape), training_of(lay, seq, global_batch, gpus_per_node))
+    if any(p.kind == "invalid" for p in found):
+        return False, found[0].message
+    return True, found[0].message if found else ""
+
+
+def candidates(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int) -> Iterator[Layout]:
+    """Every combination of the searched choices (valid or not: the rules judge them)."""
+    tps = [f.tp] if f.tp else [t for t in _divisors(gpus_per_node) if tp_divides_heads(shape, t)]
     pps = [f.pp] if f.pp else [p for p in _divisors(gpus) if p <= min(64, shape.layers)]
-    cps = [f.cp] if f.cp else [1]
     for tp in tps:
         for pp in pps:
-            for cp in cps:
-                if gpus % (tp * pp * cp) or (seq % cp) or (seq % tp):
+            for cp in [f.cp] if f.cp else [1]:
+                if gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)
-                if f.dp and dp != f.dp:
+                if (f.dp and dp != f.dp) or global_batch % dp:
                     continue
-                if global_batch % dp:
-                    continue
-                local = global_batch // dp
-                micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
-                for mb in micros:
-                    if local % mb:
-                        continue
-                    m = local // mb
-                    stages = [0, 1, 2, 3] if dp * cp > 1 else [0]
-                    for zero in [f.zero] if f.zero is not None else stages:
-                        for rc in [f.recompute] if f.recompute else RECOMPUTE:
-                            for sched, v in _schedules(pp, m, shape.layers, f):
-                                yield Layout(tp, pp, dp, cp, 1, zero, mb, m, rc, v, sched)
+                yield from _per_rank_choices(tp, pp, dp, cp, global_batch // dp, f, shape)
 
 
-def _schedules(pp: int, m: int, layers: int, f: Fixed):
+def _per_rank_choices(tp: int, pp: int, dp: int, cp: int, local: int, f: Fixed, shape: Shape) -> Iterator[Layout]:
+    micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
+    for mb in micros:
+        if local % mb:
+            continue
+        for zero in [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0]):
+            for rc in [f.recompute] if f.recompute else RECOMPUTE:
+                for sched, v in _schedules(pp, f):
+                    yield Layout(tp, pp, dp, cp, f.ep or 1, zero, mb, local // mb, rc, v, sched)
+
+
+def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
+    """Every layout the rules let exist, with (runnable, reason)."""
+    for lay in candidates(shape, gpus, global_batch, seq, f, gpus_per_node):
+        exists, reason = judge(lay, shape, seq, global_batch, gpus_per_node)
+        if exists:
+            yield lay, reason
+
+
+def _schedules(pp: int, f: Fixed) -> Iterator[tuple[str, int]]:
+    """(schedule, chunks per rank) to try; the V schedules only when asked for."""
     if pp == 1:
         yield "none", 1
         return
     for s in [f.schedule] if f.schedule else SCHEDULES:
         if s == "interleaved_1f1b":
             for v in [f.virtual_stages] if f.virtual_stages else (2, 4):
-                if m % pp == 0 and layers >= pp * v:
-                    yield s, v
-        elif s in V_SCHEDULES:  # two chunks per rank in a V (only when asked for)
-            if m >= (2 * pp if s == "dualpipev" else pp) and layers >= 2 * pp:
-                yield s, 2
-        elif m >= pp:  # (torch's GPipe too needs a micro-batch per stage)
+                yield s, v
+        elif s in V_SCHEDULES:
+            yield s, 2
+        else:
             yield s, f.virtual_stages if s == "zero_bubble" and f.virtual_stages else 1
+
+
+class Ranked(list):
+    """The ranking, plus the fitting layouts the layout rules say train does not run."""
+
+    refused: list[Estimate] = []
 
 
 def search(
@@ -116,22 +174,29 @@ def search(
     seq: int,
     precision: str,
     fixed: Fixed,
-) -> tuple[list[Estimate], int]:
-    """Fitting layouts, fastest first, and how many were considered."""
+) -> tuple[Ranked, int]:
+    """Fitting layouts that meshforge train runs, fastest first (``.refused``: fitting ones it
+    does not run, with the reason), and how many were considered. When only refused layouts
+    fit (e.g. every degree fixed to one train cannot run yet), they are the ranking, marked."""
     check_fixed(shape, gpus, fixed, gpus_per_node)
-    out, considered, smallest = [], 0, None
-    for lay in layouts(shape, gpus, global_batch, seq, fixed, gpus_per_node):
+    fitting, considered, smallest = [], 0, None
+    for lay, reason in layouts(shape, gpus, global_batch, seq, fixed, gpus_per_node):
         considered += 1
         e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
+        e.not_runnable = reason
         if e.fits:
-            out.append(e)
+            fitting.append(e)
         elif smallest is None or e.memory["total"] < smallest.memory["total"]:
             smallest = e
-    out.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
-    if not out:
+    if not fitting:
         bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed)
         raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger))
-    return out, considered
+    fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
+    runs = Ranked(e for e in fitting if not e.not_runnable)
+    if not runs:
+        return Ranked(fitting), considered
+    runs.refused = [e for e in fitting if e.not_runnable]
+    return runs, considered
 
 
 def smallest_cluster(
@@ -143,9 +208,9 @@ def smallest_cluster(
     n = gpus * 2
     while n <= 2**20:
         best = None
-        for lay in layouts(shape, n, global_batch, seq, free, gpus_per_node):
+        for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node):
             e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
-            if e.fits and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
+            if e.fits and not reason and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
                 best = e
         if best is not None:
             return n, best

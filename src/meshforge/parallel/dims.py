@@ -1,0 +1,468 @@
+"""The one home of layout rules: degrees, what divides what, and which meshes exist.
+
+``ParallelDims`` is pure Python (no process groups, no tensors), so the config check
+before launch, the device mesh, ``parallelize.py`` and the planner's search all ask the
+same object whether a layout can run, and a layout the planner ranks is one ``meshforge
+train`` runs (or it is marked not runnable with the reason this file gives).
+
+Mesh dimensions, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor
+parallel is innermost so its ranks are neighbours (one node's fast links); pipeline is
+outermost because its point-to-point traffic is the lightest. ``ep`` is no dimension of
+its own: expert parallelism will borrow ranks from ``dp_shard x cp``, as torchtitan does.
+Flattened sub-meshes give the axes the groups they need:
+
+- ``dp``          = dp_replicate x dp_shard: the data-parallel ranks (the sampler's slices)
+- ``dp_shard_cp`` = dp_shard x cp: what FSDP will shard parameters over once cp > 1 lands
+  (today FSDP shards over ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP)
+- ``dp_cp``       = dp_replicate x dp_shard x cp: the ranks that average the loss
+
+A rule answers with ``Problem``s: ``invalid`` layouts cannot exist (a degree that does not
+divide the heads), ``unsupported`` ones could, but this version of meshforge does not run
+them (context parallelism before it lands, ZeRO-1 under tp). Each problem names the key
+and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from meshforge.errors import ConfigError, suggest
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+# pipeline schedule -> (torch.distributed.pipelining class, model chunks per rank: "1", ">=1", ">=2" or "2")
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "1"),
+    "1f1b": ("Schedule1F1B", "1"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", ">=2"),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", ">=1"),
+    "zbv": ("ScheduleZBVZeroBubble", "2"),
+    "dualpipev": ("ScheduleDualPipeV", "2"),
+}
+SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b", "zb": "zero_bubble"}
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank placed in a V
+
+
+class ModelShape(Protocol):
+    """What the rules read of a model (a ModelArgs, or the planner's Shape)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    tie_embeddings: bool
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    message: str
+    kind: str = "invalid"  # "invalid" | "unsupported"
+
+
+@dataclass(frozen=True)
+class Training:
+    """The settings besides the degrees that decide whether a layout runs."""
+
+    seq_len: int
+    global_batch: int
+    micro_batch: int = 0  # sequences per forward pass per rank; 0: the whole local batch
+    zero_stage: int = 0
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    num_microbatches: int = 0  # pipeline micro-batches per step; 0: automatic
+    pp_layers: tuple[int, ...] = ()
+    ranks_per_node: int | None = None
+    qk_norm: bool = False
+
+
+def schedule_name(name: str) -> str:
+    return SCHEDULE_ALIASES.get(name.lower(), name.lower())
+
+
+def schedule_available(name: str) -> bool:
+    """Whether the installed PyTorch has this schedule's class."""
+    pipelining = importlib.import_module("torch.distributed.pipelining")
+    return getattr(pipelining, SCHEDULES[name][0], None) is not None
+
+
+def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    return 2 if schedule_name(schedule) in V_SHAPED else virtual_stages
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipelined step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
+    2019; Narayanan et al. 2021), divided by v for interleaved 1F1B; the zero-bubble
+    schedules (Qi et al. 2023) fill most of it with deferred weight-gradient work, counted
+    here as a third of the 1F1B bubble."""
+    if p <= 1:
+        return 0.0
+    b = (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return b / v
+    if schedule in ("zero_bubble", "zbv", "dualpipev"):
+        return b / 3
+    return b
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    # -- degrees --------------------------------------------------------------------------
+
+    @classmethod
+    def resolve(cls, world_size: int, **degrees: int) -> ParallelDims:
+        """Degrees with one -1 inferred; refuses products that do not match the world size."""
+        mesh = {k: degrees.get(k, 1) for k in DIMS}
+        for k, v in {**mesh, "ep": degrees.get("ep", 1)}.items():
+            if v == 0 or v < -1 or (k == "ep" and v < 1):
+                raise ConfigError(f"parallel.{k} = {v} must be >= 1" + ("" if k == "ep" else " (or -1 to infer it)"))
+        free = [k for k, v in mesh.items() if v == -1]
+        if len(free) > 1:
+            raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
+        known = _product(v for v in mesh.values() if v > 0)
+        shown = " x ".join(f"{k}={v}" for k, v in mesh.items())
+        if free:
+            if world_size % known:
+                raise ConfigError(
+                    f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
+                    f"product {known}; use a world size that is a multiple of {known} or change the degrees"
+                )
+            mesh[free[0]] = world_size // known
+        elif known != world_size:
+            rest = known // mesh["dp_shard"]
+            hint = (
+                f"set parallel.dp_shard = {world_size // rest}"
+                if world_size % rest == 0
+                else ("make their product equal the world size")
+            )
+            raise ConfigError(
+                f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
+                f"set parallel.dp_shard = -1 to infer it, or {hint}"
+            )
+        return cls(**mesh, ep=degrees.get("ep", 1))
+
+    @classmethod
+    def from_config(cls, parallel: Any, world_size: int) -> ParallelDims:
+        """From a [parallel] config section (any object with the degree attributes)."""
+        return cls.resolve(world_size, **{f.name: getattr(parallel, f.name) for f in fields(cls)})
+
+    def degrees(self) -> dict[str, int]:
+        """The mesh degrees by dimension, outermost first."""
+        return {k: getattr(self, k) for k in DIMS}
+
+    @property
+    def world_size(self) -> int:
+        return _product(self.degrees().values())
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def flattened(self) -> dict[str, tuple[str, ...]]:
+        """The flattened sub-meshes this layout builds (see the module docstring)."""
+        return dict(FLATTENED)
+
+    def uses_fsdp(self, zero_stage: int) -> bool:
+        """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp or pp (DDP takes no DTensors)."""
+        return self.dp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1)
+
+    def bubble(self, schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
+        return bubble_fraction(schedule_name(schedule), self.pp, num_microbatches, virtual_stages)
+
+    # -- rules ----------------------------------------------------------------------------
+
+    def problems(self, model: ModelShape, t: Training) -> list[Problem]:
+        """Every reason this layout cannot run this model with these settings (empty: it runs)."""
+        out: list[Problem] = []
+        for rule in (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline):
+            out.extend(rule(self, model, t))
+        return out
+
+    def check(self, model: ModelShape, t: Training) -> None:
+        """Raise the first problem as a ConfigError."""
+        found = self.problems(model, t)
+        if found:
+            raise ConfigError(found[0].message)
+
+    def local_batch(self, t: Training) -> int:
+        return t.global_batch // self.dp
+
+    def num_microbatches(self, t: Training) -> int:
+        """Pipeline micro-batches per step and dp rank: given, else from the micro-batch size,
+        else the largest divisor of the local batch up to 2 x pp x chunks per rank."""
+        local = self.local_batch(t)
+        if t.num_microbatches:
+            return t.num_microbatches
+        if t.micro_batch:
+            return max(1, local // t.micro_batch)
+        target = 2 * self.pp * t.pp_virtual_stages
+        return max(d for d in range(1, max(1, min(local, target)) + 1) if local % d == 0)
+
+
+def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
+    """Each global rank's coordinate on every mesh dimension (row-major, tp fastest)."""
+    sizes = [degrees[d] for d in DIMS]
+    out = []
+    for r in range(_product(sizes)):
+        coord, rest = {}, r
+        for d, s in reversed(list(zip(DIMS, sizes, strict=True))):
+            coord[d] = rest % s
+            rest //= s
+        out.append({"rank": r, **{d: coord[d] for d in DIMS}})
+    return out
+
+
+def _product(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _axes_available(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    if d.ep > 1:
+        yield Problem(
+            "parallel.ep",
+            f"parallel.ep = {d.ep}: expert parallelism is not available in this version; set it to 1",
+            "unsupported",
+        )
+
+
+def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    if d.dp_replicate > 1 and t.zero_stage < 2:
+        yield Problem(
+            "parallel.dp_replicate",
+            f"parallel.dp_replicate = {d.dp_replicate} (HSDP: replicate across groups, shard within) needs "
+            f"parallel.zero_stage = 2 or 3; for plain data parallel use parallel.dp_shard = {d.dp} with "
+            "dp_replicate = 1",
+        )
+    if t.zero_stage == 1 and d.tp > 1:
+        yield Problem(
+            "parallel.zero_stage",
+            f"parallel.zero_stage = 1 with parallel.tp = {d.tp}: ZeRO-1 (ZeroRedundancyOptimizer) does not take "
+            "tensor-parallel shards; use parallel.zero_stage = 2 (the same communication as ZeRO-1, and "
+            "gradients sharded too) or 0",
+            "unsupported",
+        )
+    if t.zero_stage == 1 and d.pp > 1:
+        yield Problem(
+            "parallel.zero_stage",
+            "parallel.zero_stage = 1 with parallel.pp > 1: data parallelism under pipelining runs on FSDP2; use "
+            "parallel.zero_stage = 2 (the same communication as ZeRO-1, gradients sharded too), 3, or 0",
+            "unsupported",
+        )
+
+
+def _batch(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    dp = d.dp
+    if t.global_batch % dp:
+        yield Problem(
+            "train.global_batch_size",
+            f"train.global_batch_size = {t.global_batch} is not divisible by the data-parallel degree {dp}; "
+            f"use a multiple of {dp}, e.g. {max(dp, (t.global_batch // dp) * dp) or dp}",
+        )
+        return
+    local = t.global_batch // dp
+    micro = t.micro_batch or local
+    if d.pp == 1 and (micro <= 0 or local % micro):
+        yield Problem(
+            "train.micro_batch_size",
+            f"train.micro_batch_size = {t.micro_batch} must divide the per-rank batch global_batch_size / dp = {local}",
+        )
+
+
+def _divisible(value: int, tp: int, key: str, what: str, fix: str = "") -> Iterator[Problem]:
+    if value % tp:
+        smaller = max(x for x in range(1, tp) if tp % x == 0 and value % x == 0)
+        yield Problem(
+            key,
+            f"{key} = {value} is not divisible by parallel.tp = {tp} (tensor parallelism splits the {what} "
+            f"evenly over the tp ranks); {fix or f'use a parallel.tp that divides it (e.g. {smaller})'}",
+        )
+
+
+def tp_divides_heads(model: ModelShape, tp: int) -> bool:
+    """Whole query and key/value heads per tp rank (shared with the planner's --tp check)."""
+    return model.heads % tp == 0 and model.kv_heads % tp == 0
+
+
+def _tensor_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    tp = d.tp
+    if tp == 1:
+        return
+    yield from _divisible(model.heads, tp, "model.heads", "query heads")
+    yield from _divisible(
+        model.kv_heads, tp, "model.kv_heads", "key/value heads (grouped-query attention keeps whole kv heads)"
+    )
+    yield from _divisible(model.ffn_hidden, tp, "model.ffn_hidden", "feed-forward columns")
+    padded = -(-model.vocab_size // tp) * tp
+    yield from _divisible(
+        model.vocab_size,
+        tp,
+        "model.vocab_size",
+        "vocabulary (embedding rows and head columns)",
+        f"pad the vocabulary: set --model.vocab_size={padded} (the extra rows are never produced by the "
+        "tokenizer and cost nothing but memory)",
+    )
+    if t.sequence_parallel:
+        yield from _divisible(
+            t.seq_len,
+            tp,
+            "train.seq_len",
+            "sequence under sequence parallelism",
+            f"use a multiple of {tp} (e.g. {-(-t.seq_len // tp) * tp}) or set parallel.sequence_parallel = false",
+        )
+    if t.ranks_per_node is not None and tp > t.ranks_per_node:
+        yield Problem(
+            "parallel.tp",
+            f"parallel.tp = {tp} is larger than the {t.ranks_per_node} ranks per node: tensor parallelism "
+            "communicates on every layer and must stay on one node's fast links; use parallel.tp <= "
+            f"{t.ranks_per_node} and scale out with data or pipeline parallelism",
+        )
+    if t.qk_norm:
+        yield Problem(
+            "model.qk_norm",
+            f"model.qk_norm = true with parallel.tp = {tp}: the QK-norm weights are not yet sharded by the "
+            "tensor-parallel plan; set parallel.tp = 1 or model.qk_norm = false",
+            "unsupported",
+        )
+
+
+def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    if d.cp == 1:
+        return
+    if t.seq_len % (2 * d.cp):
+        yield Problem(
+            "train.seq_len",
+            f"train.seq_len = {t.seq_len} must be a multiple of 2 x parallel.cp = {2 * d.cp} (context parallelism "
+            f"splits each sequence into 2 x cp load-balanced chunks); use e.g. "
+            f"{-(-t.seq_len // (2 * d.cp)) * 2 * d.cp}",
+        )
+    yield Problem(
+        "parallel.cp",
+        f"parallel.cp = {d.cp}: context parallelism is not available in this version of meshforge; set parallel.cp = 1",
+        "unsupported",
+    )
+
+
+def _pipeline(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    if d.pp == 1:
+        if t.pp_layers:
+            yield Problem(
+                "parallel.pp_layers",
+                f"parallel.pp_layers = {list(t.pp_layers)} is set but parallel.pp = 1; set parallel.pp or leave "
+                "pp_layers empty",
+            )
+        return
+    name = schedule_name(t.pp_schedule)
+    if name not in SCHEDULES:
+        hint = suggest(name, SCHEDULES)
+        yield Problem(
+            "parallel.pp_schedule",
+            f"parallel.pp_schedule = {t.pp_schedule!r} is not a pipeline schedule"
+            + (f"; {hint}" if hint.startswith("did you mean") else "")
+            + f" (valid: {', '.join(SCHEDULES)})",
+        )
+        return
+    if not schedule_available(name):
+        have = [n for n in SCHEDULES if schedule_available(n)]
+        yield Problem(
+            "parallel.pp_schedule",
+            f"parallel.pp_schedule = {name!r} needs torch.distributed.pipelining.{SCHEDULES[name][0]}, which the "
+            f"installed PyTorch lacks; use one of {', '.join(have)} or upgrade PyTorch",
+            "unsupported",
+        )
+        return
+    yield from _pipeline_chunks(d, model, t, name)
+    yield from _pipeline_microbatches(d, t, name)
+
+
+def _pipeline_chunks(d: ParallelDims, model: ModelShape, t: Training, name: str) -> Iterator[Problem]:
+    v, rule = t.pp_virtual_stages, SCHEDULES[name][1]
+    if not {"1": v == 1, ">=1": v >= 1, ">=2": v >= 2, "2": v == 2}[rule]:
+        want = {"1": "1", ">=2": "2 or more", "2": "exactly 2"}[rule]
+        yield Problem(
+            "parallel.pp_virtual_stages",
+            f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = {name!r}, which runs {want} "
+            f"model chunk(s) per rank; set parallel.pp_virtual_stages = {2 if rule != '1' else 1}"
+            + (" or pick interleaved_1f1b / zero_bubble for more chunks per rank" if rule == "1" and v > 1 else ""),
+        )
+        return
+    chunks = d.pp * v
+    if model.layers < chunks:
+        yield Problem(
+            "parallel.pp",
+            f"model.layers = {model.layers} is fewer than parallel.pp x parallel.pp_virtual_stages = {d.pp} x {v} = "
+            f"{chunks} pipeline chunks (each needs at least one block); lower parallel.pp or pp_virtual_stages",
+        )
+        return
+    sizes = t.pp_layers
+    if sizes and (len(sizes) != chunks or sum(sizes) != model.layers or min(sizes) < 1):
+        even = [model.layers // chunks + (1 if i < model.layers % chunks else 0) for i in range(chunks)]
+        yield Problem(
+            "parallel.pp_layers",
+            f"parallel.pp_layers = {list(sizes)} must list {chunks} chunk sizes (pp x pp_virtual_stages), each "
+            f">= 1, summing to model.layers = {model.layers}; e.g. {even}",
+        )
+    if model.tie_embeddings:
+        yield Problem(
+            "model.tie_embeddings",
+            "model.tie_embeddings = true with parallel.pp > 1: the embedding (first stage) and the head (last "
+            "stage) would share one weight across ranks; set model.tie_embeddings = false or parallel.pp = 1",
+            "unsupported",
+        )
+
+
+def _pipeline_microbatches(d: ParallelDims, t: Training, name: str) -> Iterator[Problem]:
+    if t.global_batch % d.dp:
+        return  # _batch says so
+    local, m = d.local_batch(t), d.num_microbatches(t)
+    if local % m:
+        yield Problem(
+            "parallel.num_microbatches",
+            f"parallel.num_microbatches = {m} does not divide the per-rank batch global_batch_size / dp = "
+            f"{local}; use a divisor of {local}",
+        )
+        return
+    if t.micro_batch and t.num_microbatches and t.micro_batch * t.num_microbatches != local:
+        yield Problem(
+            "train.micro_batch_size",
+            f"train.micro_batch_size = {t.micro_batch} x parallel.num_microbatches = {t.num_microbatches} is "
+            f"not the per-rank batch {local}; set only one of them",
+        )
+    need = d.pp * 2 if name == "dualpipev" else d.pp
+    if m < need:
+        yield Problem(
+            "parallel.num_microbatches",
+            f"{m} micro-batches per step (parallel.num_microbatches, or the per-rank batch {local} / "
+            f"train.micro_batch_size) cannot fill a {name} pipeline of {need} stages: it needs at least {need}; "
+            "raise train.global_batch_size or parallel.num_microbatches, or lower train.micro_batch_size",
+        )
+        return
+    if SCHEDULES[name][1] != "1":
+        rounds = max(1, m // d.pp)
+        if m % rounds:
+            good = [k for k in range(m, m + 4 * d.pp) if k % max(1, k // d.pp) == 0 and local % k == 0]
+            yield Problem(
+                "parallel.num_microbatches",
+                f"parallel.num_microbatches = {m}: {name} runs micro-batches in rounds of parallel.pp = {d.pp}, so "
+                f"their number must be a multiple of {rounds}; use e.g. "
+                + (str(good[0]) if good else f"a multiple of {d.pp}"),
+            )

@@ -1,0 +1,158 @@
+"""Layout rules live in one place (parallel/dims.py): the planner and `meshforge train`'s
+config check give the same verdict on every layout, and the import graph has no cycles."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from meshforge.config import load_config
+from meshforge.errors import ConfigError
+from meshforge.parallel.dims import ParallelDims, Training, rank_layout
+from meshforge.planner import report
+from meshforge.planner.estimate import estimate
+from meshforge.planner.hardware import get_hardware
+from meshforge.planner.search import Fixed, candidates, judge
+from meshforge.planner.shape import Shape
+from meshforge.resolve import resolve
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+GPUS, PER_NODE, BATCH = 8, 8, 16
+
+
+def _verdicts(shape: Shape, seq: int, fixed: Fixed):
+    hw = get_hardware("h100-sxm")
+    for lay in candidates(shape, GPUS, BATCH, seq, fixed, PER_NODE):
+        exists, reason = judge(lay, shape, seq, BATCH, PER_NODE)
+        e = estimate(shape, lay, seq, BATCH, "bf16", hw, PER_NODE)
+        yield lay, exists, reason, report.train_config(e, shape, seq, BATCH, "bf16", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("seq", [32, 30])
+@pytest.mark.parametrize("fixed", [Fixed(), Fixed(cp=2), Fixed(pp=2, schedule="interleaved_1f1b")])
+def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq, fixed):
+    """Every layout the planner considers for a small model on 8 ranks: the planner ranks it
+    as runnable exactly when `meshforge train`'s config check accepts its emitted config,
+    and when either refuses, both give the same reason."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(PER_NODE))
+    shape = Shape(4, 64, 4, 2, 128, 512, tie_embeddings=tie)
+    seen = {"runs": 0, "refused": 0, "invalid": 0}
+    for i, (lay, exists, reason, toml) in enumerate(_verdicts(shape, seq, fixed)):
+        path = tmp_path / f"{i}.toml"
+        path.write_text(toml)
+        cfg = load_config(path)
+        if exists and not reason:
+            got = resolve(cfg, GPUS).parallel
+            assert (got.tp, got.pp, got.cp, got.dp_shard, got.zero_stage) == (
+                lay.tp,
+                lay.pp,
+                lay.cp,
+                lay.dp,
+                lay.zero_stage,
+            )
+            seen["runs"] += 1
+        else:
+            with pytest.raises(ConfigError) as err:
+                resolve(cfg, GPUS)
+            assert str(err.value) == reason, lay
+            seen["refused" if exists else "invalid"] += 1
+    assert seen["runs"] + seen["refused"] + seen["invalid"] > 20
+    if fixed.cp:
+        assert seen["runs"] == 0 and (seen["refused"] > 0 or seq % 4)  # cp is refused by name until it lands
+    elif not tie:
+        assert seen["runs"] > 0
+    if seq == 30 and not fixed.cp:
+        assert seen["invalid"] > 0  # tp 4 cannot split 30 positions under SP
+
+
+def test_dims_infers_one_degree_and_names_the_fix():
+    d = ParallelDims.resolve(8, pp=2, dp_shard=-1, tp=2)
+    assert (d.dp_shard, d.world_size, d.dp) == (2, 8, 2)
+    assert d.uses_fsdp(0)  # dp under pp runs on FSDP2
+    assert not ParallelDims.resolve(2, dp_shard=2).uses_fsdp(0)
+    with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
+        ParallelDims.resolve(8, pp=-1, dp_shard=-1)
+    model = Shape(4, 64, 4, 2, 128, 512)
+    problems = ParallelDims(tp=8).problems(
+        type("M", (), {**vars(model), "vocab_size": 512})(), Training(seq_len=32, global_batch=8)
+    )
+    assert [p.key for p in problems][:2] == ["model.heads", "model.kv_heads"]
+    assert rank_layout({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})[3] == {
+        "rank": 3, "pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """meshforge module -> the meshforge modules it imports (anywhere in the file, also
+    function-local and TYPE_CHECKING imports: a cycle hidden behind them is still a cycle)."""
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            graph[mod] |= {t for t in targets if t in files and t != mod and t != "meshforge"}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n) :] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycles_in_src():
+    graph = _import_graph()
+    assert len(graph) > 30 and graph["meshforge.resolve"] >= {"meshforge.config", "meshforge.parallel.dims"}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_config_imports_nothing_from_parallel_or_planner():
+    graph = _import_graph()
+    reach, todo = set(), ["meshforge.config"]
+    while todo:
+        for n in graph[todo.pop()] - reach:
+            reach.add(n)
+            todo.append(n)
+    assert not {m for m in reach if m.startswith(("meshforge.parallel", "meshforge.planner"))}, reach
+    # and the layout rules are pure: no process groups, no torch at all
+    assert not {m for m in graph["meshforge.parallel.dims"] if m != "meshforge.errors"}
+    assert "import torch" not in (SRC / "meshforge/parallel/dims.py").read_text()
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
