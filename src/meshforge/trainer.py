@@ -55,8 +55,8 @@ from meshforge.models.llama import build_model
 from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.data_parallel import gradient_sync, make_optimizer
-from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.dims import rank_layout
+from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import is_sharded, parallelize, parallelize_pipeline, uses_autocast
 from meshforge.parallel.pipeline import Pipeline, Timeline
