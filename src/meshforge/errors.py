@@ -1,5 +1,7 @@
 """User-facing errors: the CLI prints them as one paragraph and exits with code 2."""
 
+import difflib
+
 
 class MeshforgeError(Exception):
     """Bad input a user can fix (config, data, checkpoint, command line)."""
@@ -15,8 +17,6 @@ class DataError(MeshforgeError):
 
 def suggest(word: str, options, cutoff: float = 0.5) -> str:
     """The "did you mean" half of an error message: the closest option, else all of them."""
-    import difflib
-
     options = [str(o) for o in options]
     close = difflib.get_close_matches(str(word), options, n=1, cutoff=cutoff)
     if close:

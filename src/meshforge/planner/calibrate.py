@@ -31,9 +31,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshforge.errors import ConfigError
+from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
+from meshforge.parallel.data_parallel import AllReduceScatter
 from meshforge.planner.hardware import PRESETS, Hardware, cost_coefficients
 
 
@@ -61,8 +68,6 @@ def _timed(fn, repeat: int, min_s: float = 0.0, calls: int = 0) -> float:
 
 
 def _sync() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized() and _SYNC_COMPUTE[0]:
         dist.barrier()
 
@@ -139,8 +144,6 @@ def block_elementwise(
     attention core (norms, RoPE, residuals, SwiGLU, layout copies, the dispatch of each):
     a real block's forward + backward, less the GEMM and attention time this profile
     predicts for it - the rest of the block as the planner counts it."""
-    from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
-
     cuda = device.type == "cuda"
     h, heads, kv, f, b, s = (2048, 16, 8, 5632, 4, 2048) if cuda else (256, 4, 2, 768, 8, 256)
     args = ModelArgs(hidden=h, layers=1, heads=heads, kv_heads=kv, ffn_hidden=f, vocab_size=256, max_seq_len=s)
@@ -209,8 +212,6 @@ COLLECTIVES = (
 def _collective_call(kind: str, nbytes: int, dev: torch.device, mesh):
     """A callable performing one ``kind`` collective whose full (unsharded) payload is
     ``nbytes`` - the size the planner's α-β formulas take."""
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     n = max(world, nbytes // 4 // world * world)
     if kind == "all_reduce":
@@ -223,8 +224,6 @@ def _collective_call(kind: str, nbytes: int, dev: torch.device, mesh):
     if kind == "reduce_scatter":
         x, out = torch.zeros(n, device=dev), torch.empty(n // world, device=dev)
         if dist.get_backend() == "gloo":  # FSDP2 reduces gradients this way on gloo
-            from meshforge.parallel.data_parallel import AllReduceScatter
-
             rs = AllReduceScatter()
             return lambda: rs(out, x, None, dist.ReduceOp.SUM)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -241,8 +240,6 @@ def _collective_call(kind: str, nbytes: int, dev: torch.device, mesh):
         return p2p
     if kind.startswith("fsdp_"):
         return _fsdp_call(kind, n, dev, mesh)
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
     hidden = 256  # activations (batch, sequence, hidden) sharded on the sequence, as under SP
     seq = max(world, n // (4 * hidden) // world * world)
 
@@ -263,9 +260,6 @@ def _fsdp_call(kind: str, n: int, dev: torch.device, mesh):
     """An FSDP2 unit of four matrices, ``n`` elements in all: unshard + reshard is its
     all-gather with copy-in/out; a forward + backward adds the gradient reduction, which is
     timed as the difference (each call runs both, the caller subtracts)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
     world = dist.get_world_size()
     cols = 256
     rows = max(world, n // 4 // cols // world * world)
@@ -274,8 +268,6 @@ def _fsdp_call(kind: str, n: int, dev: torch.device, mesh):
     unit.forward = lambda: sum(w.sum() for w in unit.w)
     fully_shard(unit, mesh=mesh)
     if dist.get_backend() == "gloo":
-        from meshforge.parallel.data_parallel import AllReduceScatter
-
         unit.set_custom_reduce_scatter(AllReduceScatter())
 
     def gather() -> None:
@@ -297,8 +289,6 @@ def _fsdp_call(kind: str, n: int, dev: torch.device, mesh):
 
 def collective_times(kind: str, dev: torch.device, sizes: list[int], repeat: int, mesh=None) -> list[tuple[int, float]]:
     """(payload bytes, seconds per call) over ``sizes``; the slowest rank's time."""
-    import torch.distributed as dist
-
     res = []
     for nbytes in sizes:
         fn = _collective_call(kind, nbytes, dev, mesh)
@@ -319,8 +309,6 @@ def comm_overlap(dev: torch.device, repeat: int) -> float:
     1 - (t(both) - t(compute)) / t(all-reduce), from the medians of interleaved rounds.
     Near 1 where communication has its own engine (NCCL on GPUs); near 0 on a CPU whose
     cores the communication threads share with the matmuls."""
-    import torch.distributed as dist
-
     big = 8192 if dev.type == "cuda" else 768
     a, b = torch.randn(big, big, device=dev), torch.randn(big, big, device=dev)
     g = torch.zeros(2**24 // 4 if dev.type != "cuda" else 2**28 // 4, device=dev)
@@ -360,8 +348,6 @@ def comm_overlap(dev: torch.device, repeat: int) -> float:
 def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: str) -> None:
     """One rank: compute measured while every rank computes (they share the machine as in
     training), then all-reduce timings; rank 0 writes the slowest rank's figures."""
-    import torch.distributed as dist
-
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(threads)
@@ -379,8 +365,6 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         every: list = [None] * world
         dist.all_gather_object(every, mine)
         slowest = min(every, key=lambda c: c["peaks"]["bf16" if cuda else "fp32"])
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh(dev.type, (world,))
         sizes = [2**k for k in range(12, 23 if quick else 25, 2)]
         points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh) for kind in COLLECTIVES}
@@ -409,8 +393,6 @@ def fit_alpha_beta(points: list, nproc: int, kind: str = "all_reduce") -> tuple[
 
 
 def calibrate(nproc: int, quick: bool) -> Hardware:
-    import torch.multiprocessing as mp
-
     cuda = torch.cuda.is_available()
     if cuda and nproc > torch.cuda.device_count():
         raise ConfigError(f"--nproc {nproc}: only {torch.cuda.device_count()} GPU(s) are visible")

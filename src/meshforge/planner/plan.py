@@ -7,7 +7,9 @@ import argparse
 import time
 from pathlib import Path
 
+from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
+from meshforge.models.presets import model_args_from_config
 from meshforge.planner import report
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.search import Fixed, search
@@ -48,9 +50,6 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
     from_cfg: dict = {}
     preset = None
     if args.config:
-        from meshforge.config import load_config
-        from meshforge.models.presets import model_args_from_config
-
         cfg = load_config(args.config, {})
         shape = from_args(model_args_from_config(cfg.model), Path(args.config).stem)
         preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
@@ -108,8 +107,6 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
 
 
 def _raw_toml(path: str) -> dict:
-    import tomllib
-
     with open(path, "rb") as f:
         return tomllib.load(f)
 
