@@ -1,13 +1,18 @@
 import pytest
 import torch
 
+from meshforge.errors import ConfigError
 from meshforge.metrics import mfu
+from meshforge.models import flops
 from meshforge.models.flops import (
     hardware_flops_per_token,
     matmul_params,
     model_flops_per_token,
 )
-from meshforge.models.llama import ModelArgs
+from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.presets import PRESETS
+from meshforge.parallel.pipeline import _costs
+from meshforge.planner.shape import Shape, from_args, from_preset
 
 A = ModelArgs(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
 
@@ -21,6 +26,63 @@ def test_flops_against_hand_computation():
     assert hardware_flops_per_token(A, 32, "none") == 529920
     assert hardware_flops_per_token(A, 32, "full") == 529920 + 2 * 80128 + 4 * 2 * 32 * 64
     assert hardware_flops_per_token(A, 32, "selective") == 529920 + 4 * 2 * 32 * 64
+
+
+def _same_counts(shape, args, seq=4096):
+    assert shape.num_params() == flops.num_params(args)
+    assert shape.matmul_params() == flops.matmul_params(args)
+    assert shape.block_params() == flops.block_params(args)
+    assert shape.model_flops_per_token(seq) == flops.model_flops_per_token(args, seq)
+    for rc in ("none", "selective", "full"):
+        assert shape.hardware_flops_per_token(seq, rc) == flops.hardware_flops_per_token(args, seq, rc)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_planner_shape_and_flops_agree_on_every_preset(name):
+    _same_counts(from_preset(name), PRESETS[name])
+
+
+def test_head_dim_other_than_hidden_over_heads_counts_everywhere():
+    args = ModelArgs(
+        hidden=64,
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab_size=50,
+        max_seq_len=32,
+        head_dim=40,
+        qk_norm=True,
+    )
+    counted = sum(p.numel() for p in build_model(args, device="meta").parameters())
+    assert flops.num_params(args) == counted
+    shape = Shape(3, 64, 4, 2, 96, 50, head_dim=40, qk_norm=True)
+    assert shape.kv_dim == 80 and shape.vocab_size == 50
+    _same_counts(shape, args, seq=32)
+    _same_counts(from_args(args), args, seq=32)
+    # attention: 2 * seq * heads * head_dim per token, layer and matmul (not seq * hidden)
+    assert flops.attention_flops_per_token(args, 32) == 4 * 3 * 32 * 160
+    with pytest.raises(ConfigError, match="multiple of heads"):
+        Shape(3, 66, 4, 2, 96, 50)
+
+
+def test_gpt_shape_counts_layernorm_biases_and_learned_positions():
+    h, f, v, p, L = 768, 3072, 50257, 1024, 12
+    gpt2 = Shape(L, h, 12, 12, f, v, "gelu", True, p, "gpt2")
+    per_block = 4 * h * h + 2 * h * f + 4 * h  # q,k,v,o; fc, proj; two LayerNorms with biases
+    assert gpt2.block_params() == flops.block_params(gpt2) == per_block
+    assert gpt2.num_params() == flops.num_params(gpt2) == L * per_block + (v + p) * h + h
+    assert gpt2.matmul_params() == L * (4 * h * h + 2 * h * f) + v * h
+    assert gpt2.model_flops_per_token(1024) == 6 * gpt2.matmul_params() + 12 * L * 1024 * h
+
+
+def test_pipeline_block_cost_is_the_flop_count():
+    args = PRESETS["debug"]
+    block, emb, head = _costs(args, 256)
+    assert block == flops.block_flops_per_token(args, 256) == 6 * flops.block_matmul_params(args) + 12 * 256 * 128
+    assert head == 6 * 512 * 128 and emb == head / 3
+    total = args.layers * block + head
+    assert total == flops.model_flops_per_token(args, 256)
 
 
 def test_mfu_arithmetic():

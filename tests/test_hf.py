@@ -99,3 +99,61 @@ def test_convert_cli_both_ways(tmp_path):
         torch.testing.assert_close(back(x).logits, hf(x).logits, atol=1e-4, rtol=0)
     r = run_cli("convert", "--to-hf", str(tmp_path / "mf"), "--out", str(tmp_path / "hf2"))
     assert r.returncode == 2 and "not empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def _round_trip(hf, cls, tmp_path, x):
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf_checkpoint(tmp_path / "hf")
+    with torch.no_grad():
+        ref = hf(x).logits
+        torch.testing.assert_close(ours(x), ref, atol=1e-4, rtol=0)
+    save_hf_checkpoint(ours, tmp_path / "back")
+    again = cls.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, ref, atol=1e-4, rtol=0)
+    return ours, json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def test_llama_with_explicit_head_dim_round_trips(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=120,
+        max_position_embeddings=128,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    ours, back = _round_trip(hf, transformers.LlamaForCausalLM, tmp_path, torch.randint(0, 120, (2, 50)))
+    assert ours.args.head_dim == 24 and not ours.args.qk_norm
+    assert back["model_type"] == "llama" and back["head_dim"] == 24
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Qwen3Config"), reason="transformers without Qwen3")
+def test_dense_qwen3_round_trips_with_qk_norm(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=120,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises the QK-norm weights to ones; make them matter
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    ours, back = _round_trip(hf, transformers.Qwen3ForCausalLM, tmp_path, torch.randint(0, 120, (2, 50)))
+    assert ours.args.qk_norm and ours.args.head_dim == 24
+    w = hf.model.layers[1].self_attn.k_norm.weight
+    torch.testing.assert_close(ours.state_dict()["layers.1.attention.k_norm.weight"], w, rtol=0, atol=0)
+    assert back["model_type"] == "qwen3" and back["architectures"] == ["Qwen3ForCausalLM"]

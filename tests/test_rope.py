@@ -84,3 +84,19 @@ def test_llama3_scaling_matches_transformers():
         rope_factor=8.0,
     )
     torch.testing.assert_close(rope_inv_freq(args), theirs.float(), rtol=1e-6, atol=0)
+
+
+def test_rotation_of_a_shard_with_offset_positions_is_the_slice_of_the_full_rotation():
+    inv = rope_inv_freq(ARGS)
+    x = torch.randn(2, 2, 40, 32)
+    full = apply_rope(x, *rope_cos_sin(inv, torch.arange(40)))
+    p, s = 13, 9
+    shard = apply_rope(x[:, :, p : p + s], *rope_cos_sin(inv, torch.arange(p, p + s)))
+    torch.testing.assert_close(shard, full[:, :, p : p + s])
+    assert not torch.allclose(apply_rope(x[:, :, p : p + s], *rope_cos_sin(inv, torch.arange(s))), shard)
+
+
+def test_explicit_head_dim_sets_the_rotated_pairs():
+    args = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=10, max_seq_len=8, head_dim=48)
+    assert rope_inv_freq(args).shape == (24,)
+    assert rope_inv_freq(ARGS).shape == (16,)

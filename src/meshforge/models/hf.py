@@ -1,7 +1,10 @@
-"""Hugging Face Llama checkpoints: read ``config.json`` + safetensors, write what ``transformers`` loads.
+"""Hugging Face Llama and dense Qwen3 checkpoints: read ``config.json`` + safetensors,
+write what ``transformers`` loads.
 
 meshforge's RoPE uses the same rotate-half layout as HF Llama, so weights map one to
-one by name; only the names differ. Tensors go through safetensors only (never pickle).
+one by name; only the names differ. Dense Qwen3 is the Llama layout plus QK-norm and an
+explicit head_dim; a model with QK-norm is written as Qwen3, any other as Llama.
+Tensors go through safetensors only (never pickle).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _LAYER_MAP = {
     "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
@@ -65,27 +70,34 @@ def from_hf_name(name: str) -> str | None:
     return None
 
 
-def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
+def _check_hf_family(cfg: dict, source: str) -> bool:
+    """Refuse what meshforge cannot represent; returns whether it is a Qwen3 (QK-norm) model."""
     arch = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+    qwen3 = cfg.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in arch
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch and not qwen3:
         raise HFCheckpointError(
             f"{source} describes a '{cfg.get('model_type')}' model ({', '.join(arch) or 'no architectures'}); "
-            "meshforge reads Llama-family checkpoints (model_type 'llama', LlamaForCausalLM) only"
+            "meshforge reads Llama-family checkpoints (model_type 'llama', LlamaForCausalLM; 'qwen3', "
+            "Qwen3ForCausalLM) only"
         )
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise HFCheckpointError(f"{source}: only SwiGLU (silu) Llama models without biases are supported")
-    heads = cfg["num_attention_heads"]
-    hidden = cfg["hidden_size"]
-    if cfg.get("head_dim") not in (None, hidden // heads):
-        raise HFCheckpointError(f"{source}: head_dim {cfg['head_dim']} != hidden_size / heads; not supported")
+    if cfg.get("use_sliding_window"):
+        raise HFCheckpointError(f"{source}: sliding-window attention (use_sliding_window) is not supported")
+    return qwen3
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
+    qwen3 = _check_hf_family(cfg, source)
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or rope
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rtype = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rtype not in ("default", "llama3"):
         raise HFCheckpointError(f"{source}: rope type '{rtype}' is not supported (only default and llama3)")
+    heads = cfg["num_attention_heads"]
     args = ModelArgs(
-        hidden=hidden,
+        hidden=cfg["hidden_size"],
         layers=cfg["num_hidden_layers"],
         heads=heads,
         kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -97,6 +109,8 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
         rope_theta=float(theta),
         rope_scaling="llama3" if rtype == "llama3" else "none",
         init_std=float(cfg.get("initializer_range", 0.02)),
+        head_dim=cfg.get("head_dim") or 0,
+        qk_norm=qwen3,
     )
     if rtype == "llama3":
         args.rope_factor = float(scaling["factor"])
@@ -108,9 +122,10 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
 
 
 def hf_config_from_args(a: ModelArgs, dtype: torch.dtype) -> dict:
+    """config.json for ``a``: Qwen3 when it has QK-norm, else Llama."""
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen3ForCausalLM" if a.qk_norm else "LlamaForCausalLM"],
+        "model_type": "qwen3" if a.qk_norm else "llama",
         "hidden_size": a.hidden,
         "intermediate_size": a.ffn_hidden,
         "num_hidden_layers": a.layers,

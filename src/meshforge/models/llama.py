@@ -9,6 +9,13 @@ can drop layers while parameter names (and so checkpoints) stay the same.
 RoPE uses the "rotate half" layout (the first and second halves of each head are the
 two coordinates of a rotated pair), which is the layout of Hugging Face Llama weights,
 so those import without permuting q/k projections.
+
+Seams that later features plug into without the model learning about them: the attention
+core (``Attention.core``, swapped per block by context parallelism for ring attention),
+positions passed in (a sequence shard passes its own), the feed-forward built by
+``build_feed_forward`` (a mixture-of-experts layer per layer id), an explicit
+``head_dim`` and optional QK-norm (Qwen3), and auxiliary losses reported to
+``models/loss.py``.
 """
 
 from __future__ import annotations
@@ -41,10 +48,29 @@ class ModelArgs:
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     init_std: float = 0.02
+    head_dim: int = 0  # 0 or None: hidden // heads, resolved whenever read (see _get_head_dim below)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def explicit_head_dim(self) -> bool:
+        """Whether head_dim was set rather than derived from hidden // heads."""
+        return bool(self.__dict__.get("head_dim"))
+
+
+def _get_head_dim(self: ModelArgs) -> int:
+    return self.__dict__.get("head_dim") or (self.hidden // self.heads if self.heads else 0)
+
+
+def _set_head_dim(self: ModelArgs, value: int | None) -> None:
+    self.__dict__["head_dim"] = int(value or 0)  # the raw value: 0 stays "derived"
+
+
+# head_dim is a dataclass field (a config key, saved in checkpoints) whose reads resolve
+# 0 to hidden // heads at that moment: a preset's derived head_dim follows hidden/heads
+# overrides laid over it later, while an explicit value sticks. The instance __dict__
+# keeps the raw value (so copy.copy and ModelArgs(**a.__dict__) keep "derived");
+# dataclasses.replace and asdict see the resolved value.
+ModelArgs.head_dim = property(_get_head_dim, _set_head_dim)  # type: ignore[assignment]
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
@@ -95,7 +121,21 @@ class RMSNorm(nn.Module):
         return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
 
 
+class SDPAttention(nn.Module):
+    """The attention core: causal softmax attention of q (batch, heads, seq, head_dim) over
+    k, v (batch, kv_heads, seq, head_dim), after RoPE; returns q's shape.
+
+    Parameter-free and given everything as arguments, so context parallelism can swap a
+    block's ``attention.core`` for ring attention without touching the projections."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
+    """Projections (wq, wk, wv, wo: the names checkpoints, HF export and the TP plan key
+    on), optional QK-norm, RoPE, and the replaceable core between them."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         hd = args.head_dim
@@ -104,14 +144,20 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.hidden, args.kv_heads * hd, bias=False)
         self.wv = nn.Linear(args.hidden, args.kv_heads * hd, bias=False)
         self.wo = nn.Linear(args.heads * hd, args.hidden, bias=False)
+        # Qwen3: one RMSNorm weight of size head_dim shared by all heads of q (and of k)
+        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.core: nn.Module = SDPAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -128,13 +174,20 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def build_feed_forward(args: ModelArgs, layer_id: int) -> nn.Module:
+    """The feed-forward layer of block ``layer_id``: the one place that chooses it, so a
+    mixture-of-experts layer can replace the dense SwiGLU on chosen layers."""
+    return FeedForward(args)
+
+
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
+        self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.hidden, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.hidden, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = build_feed_forward(args, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -146,7 +199,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.layers)})
         self.norm = RMSNorm(args.hidden, args.norm_eps)
         self.output = nn.Linear(args.hidden, args.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
@@ -159,7 +212,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab).
 
-        A slice of the model (a pipeline stage: some of the layers, ``tok_embeddings`` or
+        ``positions`` (seq,) are the input's token positions: a sequence shard passes its
+        own (e.g. p..p+s); None means ``arange(seq)``, for a model used whole. A slice of
+        the model (a pipeline stage: some of the layers, ``tok_embeddings`` or
         ``norm``/``output`` set to None) maps hidden states to hidden states the same way;
         such a slice must be given ``positions`` when its input may be a sequence shard."""
         if positions is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -71,11 +72,14 @@ def get_preset(name: str) -> ModelArgs:
         close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.4)
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(f"unknown model preset '{name}' (model.preset); {hint}known presets: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name])
+    return copy.copy(PRESETS[name])  # not dataclasses.replace: that would pin a derived head_dim
 
 
 def model_args_from_config(model_cfg: Any) -> ModelArgs:
-    """A preset with the config's explicit shape fields laid over it, checked for consistency."""
+    """A preset with the config's explicit shape fields laid over it, checked for consistency.
+
+    A head_dim the preset derives (0) stays derived, so it follows hidden/heads overrides;
+    an explicit ``model.head_dim`` wins."""
     args = get_preset(model_cfg.preset)
     for f in dataclasses.fields(ModelArgs):
         v = getattr(model_cfg, f.name, None)
@@ -89,12 +93,17 @@ def check_model_args(a: ModelArgs) -> None:
     for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
         if getattr(a, k) <= 0:
             raise ConfigError(f"model.{k} = {getattr(a, k)} must be > 0")
-    if a.hidden % a.heads:
-        raise ConfigError(f"model.hidden = {a.hidden} must be divisible by model.heads = {a.heads}")
+    if a.head_dim < 0:
+        raise ConfigError(f"model.head_dim = {a.head_dim} must be > 0 (or 0: hidden / heads)")
+    if not a.explicit_head_dim and a.hidden % a.heads:
+        raise ConfigError(
+            f"model.hidden = {a.hidden} must be divisible by model.heads = {a.heads}, or set model.head_dim explicitly"
+        )
     if a.heads % a.kv_heads:
         raise ConfigError(f"model.heads = {a.heads} must be divisible by model.kv_heads = {a.kv_heads}")
     if a.head_dim % 2:
-        raise ConfigError(f"head dim hidden/heads = {a.head_dim} must be even for rotary embeddings")
+        what = "model.head_dim" if a.explicit_head_dim else "head dim hidden/heads"
+        raise ConfigError(f"{what} = {a.head_dim} must be even for rotary embeddings")
     if a.norm_eps <= 0 or a.rope_theta <= 0 or a.init_std <= 0:
         raise ConfigError("model.norm_eps, model.rope_theta and model.init_std must be > 0")
     if a.rope_scaling == "llama3" and a.rope_high_freq_factor <= a.rope_low_freq_factor:

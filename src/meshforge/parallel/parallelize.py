@@ -98,8 +98,9 @@ def parallelize_pipeline(model: Transformer, cfg: Config, mesh: Mesh, seed: int 
     owner = chunk_ranks(pp, v, name)
     mine = [c for c in range(pp * v) if owner[c] == mesh.coordinate("pp")]
     parts = split_model(model, sizes, mine)
+    pipe: Pipeline | None = None  # built below; the hooks read the positions its runner sets per step
     for part, c in zip(parts, mine, strict=True):
-        if c != 0:
-            give_positions(part, cfg.train.seq_len)
+        give_positions(part, lambda: pipe.positions, None if c == 0 else cfg.train.seq_len)
         _apply(part, cfg, mesh, seed)
-    return model_view(parts), Pipeline(parts, mine, cfg, mesh, tp=mesh.degrees["tp"] > 1)
+    pipe = Pipeline(parts, mine, cfg, mesh, tp=mesh.degrees["tp"] > 1)
+    return model_view(parts), pipe

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from meshforge.models import flops
 from meshforge.models.llama import ModelArgs, Transformer
 from meshforge.parallel.dims import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.tensor_parallel import local_value, loss_context
@@ -56,10 +58,8 @@ def schedule_class(name: str) -> type | None:
 
 def _costs(args: ModelArgs, seq_len: int) -> tuple[float, float, float]:
     """Relative forward+backward cost of a block, the embedding and the final norm + head."""
-    kv = args.kv_heads * args.head_dim
-    block = 2 * args.hidden * (args.hidden + kv) + 3 * args.hidden * args.ffn_hidden + 2 * seq_len * args.hidden
-    head = args.hidden * args.vocab_size
-    return float(block), head / 3.0, float(head)
+    head = flops.head_flops_per_token(args)
+    return flops.block_flops_per_token(args, seq_len), head / 3.0, head
 
 
 def balanced_split(args: ModelArgs, seq_len: int, chunks: int) -> list[int]:
@@ -116,14 +116,21 @@ def split_model(model: Transformer, sizes: list[int], chunks: list[int]) -> list
     return parts
 
 
-def give_positions(part: Transformer, seq_len: int) -> None:
-    """Stages after the first receive hidden states that may be sequence shards (SP), so
-    they are told the positions of the whole sequence."""
+def give_positions(part: Transformer, current: Callable[[], torch.Tensor | None], seq_len: int | None) -> None:
+    """Give a stage the token positions of the step being run: ``current()`` returns what
+    the step runner set (e.g. ``Pipeline.positions``); when it set nothing, stages after
+    the first (whose inputs may be sequence shards under SP) get ``arange(seq_len)`` and
+    the first (``seq_len`` None) its own default."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0]
         device = x.to_local().device if hasattr(x, "to_local") else x.device
-        return args, {**kwargs, "positions": torch.arange(seq_len, device=device)}
+        positions = current()
+        if positions is None:
+            if seq_len is None:
+                return args, kwargs
+            positions = torch.arange(seq_len, device=device)
+        return args, {**kwargs, "positions": positions.to(device)}
 
     part.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -205,6 +212,9 @@ class Pipeline:
         stage_arg: Any = self.stages if SCHEDULES[self.name][1] != "1" else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=self.m, loss_fn=self._loss, scale_grads=True)
         self.record: Timeline | None = None
+        # token positions of the current step's input (1-D), set by the step runner and read
+        # by every chunk (give_positions); None: arange(train.seq_len)
+        self.positions: torch.Tensor | None = None
         self._t0 = 0.0
         for stage in self.stages:
             self._instrument(stage)

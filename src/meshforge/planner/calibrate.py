@@ -147,7 +147,7 @@ def block_elementwise(
     cuda = device.type == "cuda"
     h, heads, kv, f, b, s = (2048, 16, 8, 5632, 4, 2048) if cuda else (256, 4, 2, 768, 8, 256)
     args = ModelArgs(hidden=h, layers=1, heads=heads, kv_heads=kv, ffn_hidden=f, vocab_size=256, max_seq_len=s)
-    block = Block(args).to(device, dtype)
+    block = Block(args, 0).to(device, dtype)
     for prm in block.parameters():
         torch.nn.init.normal_(prm, std=0.02)
     x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)

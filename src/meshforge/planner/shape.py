@@ -4,8 +4,13 @@ GPT-style (4h GeLU MLP, learned positions), with parameter and FLOP counts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshforge.errors import ConfigError
+from meshforge.models import flops
+
+if TYPE_CHECKING:
+    from meshforge.models.llama import ModelArgs
 
 
 @dataclass
@@ -20,6 +25,8 @@ class Shape:
     tie_embeddings: bool = False
     max_positions: int = 0  # learned position embeddings (GPT-style); 0: rotary
     name: str = "custom"
+    head_dim: int = 0  # 0: hidden // heads
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
@@ -27,52 +34,45 @@ class Shape:
         for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"--{k.replace('_', '-')} must be > 0")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if (not self.head_dim and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise ConfigError(
-                f"hidden {self.hidden} must be a multiple of heads {self.heads}, and heads of kv_heads {self.kv_heads}"
+                f"hidden {self.hidden} must be a multiple of heads {self.heads} (or head_dim given), and heads of "
+                f"kv_heads {self.kv_heads}"
             )
+        self.head_dim = self.head_dim or self.hidden // self.heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def vocab_size(self) -> int:
+        """The vocabulary under ModelArgs' name, which models/flops.py reads."""
+        return self.vocab
 
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    # The counts are models/flops.py's, the one place they are defined.
+
     def block_params(self) -> int:
-        h, f = self.hidden, self.ffn_hidden
-        attn = 2 * h * h + 2 * h * self.kv_dim
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * f
-        norms = 2 * h * (2 if self.mlp == "gelu" else 1)  # LayerNorm has a bias
-        return attn + mlp + norms
+        return flops.block_params(self)
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + self.max_positions * self.hidden
+        return flops.embedding_params(self)
 
     def head_params(self) -> int:
-        return 0 if self.tie_embeddings else self.vocab * self.hidden
+        return flops.head_params(self)
 
     def num_params(self) -> int:
-        return self.layers * self.block_params() + self.embedding_params() + self.head_params() + self.hidden
+        return flops.num_params(self)
 
     def matmul_params(self) -> int:
-        h = self.hidden
-        per_layer = 2 * h * h + 2 * h * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * h * self.ffn_hidden
-        return self.layers * per_layer + self.vocab * h
+        return flops.matmul_params(self)
 
     def model_flops_per_token(self, seq: int) -> float:
-        """6N + 12·L·s·h (full attention square), as models/flops.py counts it."""
-        return 6.0 * self.matmul_params() + 12.0 * self.layers * seq * self.hidden
+        """6N + 12·L·s·heads·head_dim (full attention square)."""
+        return flops.model_flops_per_token(self, seq)
 
     def hardware_flops_per_token(self, seq: int, recompute: str) -> float:
-        base = self.model_flops_per_token(seq)
-        attn_fwd = 4.0 * self.layers * seq * self.hidden
-        if recompute == "full":
-            return base + 2.0 * self.matmul_params() + attn_fwd
-        if recompute == "selective":
-            return base + attn_fwd
-        return base
+        return flops.hardware_flops_per_token(self, seq, recompute)
 
 
 def from_preset(name: str) -> Shape:
@@ -87,8 +87,19 @@ def from_preset(name: str) -> Shape:
     return from_args(PRESETS[name], name)
 
 
-def from_args(a, name: str = "config") -> Shape:
+def from_args(a: ModelArgs, name: str = "config") -> Shape:
     """A meshforge ModelArgs (Llama-style) as a Shape."""
     return Shape(
-        a.layers, a.hidden, a.heads, a.kv_heads, a.ffn_hidden, a.vocab_size, "swiglu", a.tie_embeddings, 0, name
+        a.layers,
+        a.hidden,
+        a.heads,
+        a.kv_heads,
+        a.ffn_hidden,
+        a.vocab_size,
+        "swiglu",
+        a.tie_embeddings,
+        0,
+        name,
+        a.head_dim,
+        a.qk_norm,
     )
