@@ -45,6 +45,9 @@ def test_literal_suggests_valid_choice():
         ({"parallel.zero_stage": 5}, r"zero_stage = 5 must be 0, 1, 2 or 3"),
         ({"model.heads": 3}, r"model\.hidden = 128 must be divisible by model\.heads = 3"),
         ({"optim.warmup_steps": 500}, r"warmup_steps = 500 is more than train\.steps"),
+        ({"model.rope_scaling": "lama3"}, r"model\.rope_scaling = 'lama3' is not one of .*did you mean 'llama3'"),
+        ({"model.head_dim": 15}, r"head_dim.*even"),
+        ({"parallel.num_microbatches": -1}, r"num_microbatches = -1 must be >= 0"),
     ],
 )
 def test_impossible_values_refused(override, pattern):

@@ -24,6 +24,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # "none" | "llama3"
+    rope_scaling: Literal["none", "llama3"] = "none"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
