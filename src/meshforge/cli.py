@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshforge import __version__
+from meshforge import __version__, launch_env
 from meshforge.errors import ConfigError, MeshforgeError
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--section.key=value ...]
@@ -69,7 +69,7 @@ def cmd_train(argv: list[str]) -> int:
         print(TRAIN_USAGE)
         return 0
     from meshforge.config import load_config
-    from meshforge.launch import check_nproc, launch_local, under_torchrun
+    from meshforge.launch import check_nproc, launch_local
     from meshforge.trainer import preflight, train
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
@@ -79,7 +79,7 @@ def cmd_train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
-    if under_torchrun():
+    if launch_env.under_launcher():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
         summary = train(cfg)
