@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 from typing import Any
 
 from meshforge import __version__, launch_env
-from meshforge.errors import ConfigError, MeshforgeError
+from meshforge.errors import ConfigError, MeshforgeError, suggest
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--section.key=value ...]
 
@@ -55,11 +54,9 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
         elif "." in name:
             overrides[name] = parse_value(value)
         else:
-            close = difflib.get_close_matches("--" + name, _TRAIN_FLAGS, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
-                f"unknown option --{name}; {hint}options are {', '.join(_TRAIN_FLAGS)} "
-                "and --section.key=value config overrides"
+                f"unknown option --{name}; {suggest('--' + name, _TRAIN_FLAGS, cutoff=0.6)} "
+                "(or a --section.key=value config override)"
             )
     return config, nproc, restarts, overrides
 
