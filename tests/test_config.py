@@ -107,7 +107,7 @@ def test_override_syntax_both_forms_and_types():
 
 
 def test_unknown_cli_flag_suggests():
-    with pytest.raises(ConfigError, match=r"did you mean --nproc"):
+    with pytest.raises(ConfigError, match=r"did you mean '--nproc'"):
         parse_train_args(["--nprocs", "2"])
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 from typing import Any
 
-from meshforge import __version__
-from meshforge.errors import ConfigError, MeshforgeError
+from meshforge import __version__, launch_env
+from meshforge.errors import ConfigError, MeshforgeError, suggest
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--section.key=value ...]
 
@@ -55,11 +54,9 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
         elif "." in name:
             overrides[name] = parse_value(value)
         else:
-            close = difflib.get_close_matches("--" + name, _TRAIN_FLAGS, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
-                f"unknown option --{name}; {hint}options are {', '.join(_TRAIN_FLAGS)} "
-                "and --section.key=value config overrides"
+                f"unknown option --{name}; {suggest('--' + name, _TRAIN_FLAGS, cutoff=0.6)} "
+                "(or a --section.key=value config override)"
             )
     return config, nproc, restarts, overrides
 
@@ -69,7 +66,7 @@ def cmd_train(argv: list[str]) -> int:
         print(TRAIN_USAGE)
         return 0
     from meshforge.config import load_config
-    from meshforge.launch import check_nproc, launch_local, under_torchrun
+    from meshforge.launch import check_nproc, launch_local
     from meshforge.trainer import preflight, train
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
@@ -79,7 +76,7 @@ def cmd_train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
-    if under_torchrun():
+    if launch_env.under_launcher():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
         summary = train(cfg)

@@ -3,7 +3,7 @@
 ``MESHFORGE_FAULT="kill:rank=R:step=S"`` SIGKILLs rank R right after step S;
 ``MESHFORGE_FAULT="kill:rank=R:save=S"`` SIGKILLs it while the checkpoint of step S is
 being written (its shards are on disk, the checkpoint is not complete). Faults fire only
-on the first attempt (``TORCHELASTIC_RESTART_COUNT`` = 0), so a restarted group runs clean.
+on the first attempt (``launch_env.restart_count()`` = 0), so a restarted group runs clean.
 Nothing happens when the variable is unset.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
+from meshforge import launch_env
 from meshforge.errors import ConfigError
 
 
@@ -31,7 +32,7 @@ def _parse(spec: str) -> tuple[str, int, int] | None:
 
 def configured() -> tuple[str, int, int] | None:
     spec = os.environ.get("MESHFORGE_FAULT", "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec or launch_env.restart_count() > 0:
         return None
     return _parse(spec)
 

@@ -1,4 +1,5 @@
-"""Start N local ranks through PyTorch's elastic launcher, or detect that torchrun started us."""
+"""Start N local ranks through PyTorch's elastic launcher (whether torchrun started us is
+``launch_env.under_launcher()``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,6 @@ import sys
 import torch
 
 from meshforge.errors import ConfigError
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
 def check_nproc(nproc: int, device: str) -> None:

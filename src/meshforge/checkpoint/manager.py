@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from meshforge import faults
 from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.store import CheckpointError
+from meshforge.launch_env import restart_count  # noqa: F401 - trainer.py imports it from here until its rewrite
 
 Event = Callable[..., None]
 
@@ -199,9 +199,3 @@ def young_daly_steps(blocking_s: float, mtbf_hours: float, step_time_s: float) -
     seconds (Young 1974, Daly 2006), as a whole number of steps (at least 1)."""
     seconds = math.sqrt(2 * max(blocking_s, 1e-6) * mtbf_hours * 3600)
     return max(1, round(seconds / max(step_time_s, 1e-9))), seconds
-
-
-def restart_count() -> int:
-    """How many times the elastic agent has restarted this group (0 on the first attempt)."""
-    v = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(v) if v.isdigit() else 0

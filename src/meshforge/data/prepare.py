@@ -125,6 +125,50 @@ def val_block_size(input_bytes: int, every: int) -> int:
     return int(min(VAL_BLOCK, max(MIN_VAL_BLOCK, input_bytes // (every * 8))))
 
 
+def _split_blocks(
+    files: list[Path], tokenizer: Tokenizer, writers: dict[str, _ShardWriter], every: int, block_size: int
+) -> int:
+    """Tokenize ``files`` (EOS after each document) into blocks of ``block_size`` tokens,
+    every ``every``-th to the validation split; returns the number of documents."""
+    dtype = writers["train"].dtype
+    pending: list[np.ndarray] = []
+    pending_n = 0
+    block = 0
+    docs = 0
+
+    def emit(arr: np.ndarray) -> None:
+        nonlocal block
+        split = "val" if every and block % every == every - 1 else "train"
+        writers[split].add(arr)
+        block += 1
+
+    for text in iter_documents(files):
+        ids = tokenizer.encode(text)
+        docs += 1
+        pending.append(np.append(ids, tokenizer.eos_id).astype(dtype))
+        pending_n += len(ids) + 1
+        while pending_n >= block_size:
+            stream = np.concatenate(pending)
+            emit(stream[:block_size])
+            rest = stream[block_size:]
+            pending, pending_n = [rest], len(rest)
+    if pending_n:
+        emit(np.concatenate(pending))
+    for w in writers.values():
+        w.flush()
+    return docs
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished directory into place; if another process finished first, keep theirs."""
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "index.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prepare(
     inputs: list[str | Path],
     out_dir: str | Path,
@@ -143,33 +187,8 @@ def prepare(
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
         writers = {"train": _ShardWriter(tmp, "train", dtype), "val": _ShardWriter(tmp, "val", dtype)}
         every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
-        input_bytes = sum(f.stat().st_size for f in files)
-        block_size = val_block_size(input_bytes, every)
-        pending: list[np.ndarray] = []
-        pending_n = 0
-        block = 0
-        docs = 0
-
-        def emit(arr: np.ndarray) -> None:
-            nonlocal block
-            split = "val" if every and block % every == every - 1 else "train"
-            writers[split].add(arr)
-            block += 1
-
-        for text in iter_documents(files):
-            ids = tokenizer.encode(text)
-            docs += 1
-            pending.append(np.append(ids, tokenizer.eos_id).astype(dtype))
-            pending_n += len(ids) + 1
-            while pending_n >= block_size:
-                stream = np.concatenate(pending)
-                emit(stream[:block_size])
-                rest = stream[block_size:]
-                pending, pending_n = [rest], len(rest)
-        if pending_n:
-            emit(np.concatenate(pending))
-        for w in writers.values():
-            w.flush()
+        block_size = val_block_size(sum(f.stat().st_size for f in files), every)
+        docs = _split_blocks(files, tokenizer, writers, every, block_size)
         total = sum(s["tokens"] for w in writers.values() for s in w.shards)
         if docs == 0 or total <= docs:
             raise DataError(
@@ -189,12 +208,7 @@ def prepare(
             "splits": {k: w.shards for k, w in writers.items()},
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "index.json").exists():  # someone else finished first: keep theirs
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -238,23 +238,22 @@ def gemm_efficiency(hw: Hardware, flop: float) -> float:
     return hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
 
 
-def estimate(
-    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
-) -> Estimate:
-    n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
-    mem = memory(shape, lay, seq, precision, hw)
-    fits = mem["total"] <= hw.hbm_gib
-    overflow = "" if fits else f"needs {mem['total']:.1f} GiB of {hw.hbm_gib:.0f} GiB"
-    bpe = 4 if precision == "fp32" else 2
-    peak = hw.peak(precision)
-    m = lay.num_microbatches
-    tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
-    layers_stage = stage_layers(shape, lay.pp)
-    imbalance = layers_stage * lay.pp / shape.layers  # the slowest stage sets the pace
+def _bytes_per_element(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
 
-    # compute: this GPU's share of the hardware FLOPs. GEMMs run at the efficiency of their
-    # typical size; the attention core (scores, weighted sum) at hw.attention_efficiency;
-    # norms, residuals, activations and RoPE are memory-bound passes over the activations
+
+def _compute_time(
+    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
+) -> dict[str, float]:
+    """This GPU's share of the hardware FLOPs, in seconds. GEMMs run at the efficiency of
+    their typical size; the attention core (scores, weighted sum) at hw.attention_efficiency;
+    norms, residuals, activations and RoPE are memory-bound passes over the activations.
+    The slowest (most loaded) pipeline stage sets the pace."""
+    n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    bpe = _bytes_per_element(precision)
+    peak = hw.peak(precision)
+    tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
+    imbalance = stage_layers(shape, lay.pp) * lay.pp / shape.layers
     tokens_gpu = global_batch * seq / n_gpus
     attn_per_token = 12.0 * shape.layers * seq * shape.hidden  # fwd + bwd of the attention core
     if lay.recompute in ("full", "selective"):
@@ -275,15 +274,28 @@ def estimate(
         * tokens_gpu
         / hw.hbm_bw
     )
-    ideal_s = shape.model_flops_per_token(seq) * tokens_gpu / peak
+    recompute_s = (
+        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq))
+        * tokens_gpu
+        / (peak * eff)
+    )
+    return {
+        "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,
+        "gemm": gemm_s,
+        "non_gemm": other_s,
+        "recompute": recompute_s,
+    }
 
-    # tensor parallel: on the critical path. Per layer and micro-batch two all-reduces of
-    # the block's activations in forward and two in backward (each a reduce-scatter +
-    # all-gather pair under SP), two more when the forward is recomputed; the vocab-parallel
-    # embedding (forward) and the head's input (backward) one each, on the stages holding
-    # them; the loss-parallel cross-entropy three small all-reduces
-    act = tokens_mb * shape.hidden * bpe
-    per_mb = layers_stage * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
+
+def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+    """Tensor-parallel collectives, all on the critical path. Per layer and micro-batch two
+    all-reduces of the block's activations in forward and two in backward (each a
+    reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
+    vocab-parallel embedding (forward) and the head's input (backward) one each, on the
+    stages holding them; the loss-parallel cross-entropy three small all-reduces."""
+    tokens_mb = lay.micro_batch_size * seq / lay.cp
+    act = tokens_mb * shape.hidden * _bytes_per_element(precision)
+    per_mb = stage_layers(shape, lay.pp) * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
 
     def tp_coll(kind: str, payload: float) -> float:
         return collective_time(hw, "dtensor_" + kind, payload, 1, lay.tp, gpus_per_node)
@@ -292,74 +304,125 @@ def estimate(
         one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
     else:
         one = tp_coll("all_reduce", act)
-    tp_s = m * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4))
+    return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4))
 
-    # context parallel (ring attention): K/V blocks passed around, mostly under attention compute
-    kv_bytes = tokens_mb * 2 * shape.kv_dim / lay.tp * bpe
+
+def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+    """Ring attention: K/V blocks passed around the cp ranks, half of it exposed beside the
+    attention compute."""
+    if lay.cp <= 1:
+        return 0.0
+    tokens_mb = lay.micro_batch_size * seq / lay.cp
+    kv_bytes = tokens_mb * 2 * shape.kv_dim / lay.tp * _bytes_per_element(precision)
     cp_bw, cp_alpha = hw.link("send_recv", lay.tp * lay.cp <= gpus_per_node)
-    cp_s = 0.5 * 3 * layers_stage * m * (lay.cp - 1) * (kv_bytes / cp_bw + cp_alpha) if lay.cp > 1 else 0.0
+    layers_stage = stage_layers(shape, lay.pp)
+    return 0.5 * 3 * layers_stage * lay.num_microbatches * (lay.cp - 1) * (kv_bytes / cp_bw + cp_alpha)
 
-    # pipeline: activations (and their gradients) between stages, per micro-batch
-    pp_s = 0.0
-    if lay.pp > 1:
-        pp_s = (
-            2
-            * m
-            * lay.virtual_stages
-            * collective_time(hw, "send_recv", act / lay.tp, lay.tp * lay.cp * lay.dp, lay.pp, gpus_per_node)
-        )
 
-    # data parallel: hidden under compute except what exceeds it
-    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+    """Activations (forward) and their gradients (backward) between stages, per micro-batch
+    and model chunk."""
+    if lay.pp <= 1:
+        return 0.0
+    act = lay.micro_batch_size * seq / lay.cp * shape.hidden * _bytes_per_element(precision)
+    inner = lay.tp * lay.cp * lay.dp
+    return (
+        2
+        * lay.num_microbatches
+        * lay.virtual_stages
+        * collective_time(hw, "send_recv", act / lay.tp, inner, lay.pp, gpus_per_node)
+    )
+
+
+def _dp_time(shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+    """All data-parallel traffic of one step: DDP's (and ZeRO-1's) gradient all-reduce (plus
+    ZeRO-1's parameter all-gather), or FSDP's per-layer gathers and reduce-scatters, whose
+    latency is paid once per layer unit."""
+    psi, _ = stage_params(shape, lay.tp, lay.pp)
     dp_n = lay.dp * lay.cp
     grad_bytes = 4 * psi  # gradients are reduced in fp32
-    w = bpe
+    w = _bytes_per_element(precision)
 
     def dp_coll(kind: str, payload: float) -> float:
         return collective_time(hw, kind, payload, lay.tp, dp_n, gpus_per_node)
 
     if dp_n == 1:
-        dp_s = 0.0
-    elif lay.zero_stage <= 1:
+        return 0.0
+    if lay.zero_stage <= 1:
         dp_s = dp_coll("all_reduce", grad_bytes)
         if lay.zero_stage == 1:
             dp_s += dp_coll("all_gather", psi * w)
-    else:  # FSDP: one collective per layer unit, so latency is paid per layer
-        gathers = (1 if lay.zero_stage == 2 else 2) * m
-        units = max(1, round(layers_stage))
-        dp_s = gathers * units * dp_coll("fsdp_all_gather", psi * w / units) + units * dp_coll(
-            "fsdp_reduce_scatter", grad_bytes / units
-        )
-    compute_s = gemm_s + other_s
-    # the last layer's (bucket's) reduction waits for the end of backward; the rest hides
-    # under the ZeRO-3 prefetch window (forward and backward) or backward, as far as the
-    # hardware runs communication beside compute (hw.comm_overlap)
+        return dp_s
+    gathers = (1 if lay.zero_stage == 2 else 2) * lay.num_microbatches
+    units = max(1, round(stage_layers(shape, lay.pp)))
+    return gathers * units * dp_coll("fsdp_all_gather", psi * w / units) + units * dp_coll(
+        "fsdp_reduce_scatter", grad_bytes / units
+    )
+
+
+def _dp_exposed(dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware) -> float:
+    """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
+    reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
+    window (forward and backward) or backward, as far as the hardware runs communication
+    beside compute (hw.comm_overlap)."""
+    layers_stage = stage_layers(shape, lay.pp)
     window = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)
-    last_bucket = dp_s / max(1.0, layers_stage) if dp_n > 1 else 0.0
-    dp_exposed = dp_s - min((dp_s - last_bucket) * hw.comm_overlap, window)
+    last_bucket = dp_s / max(1.0, layers_stage) if lay.dp * lay.cp > 1 else 0.0
+    return dp_s - min((dp_s - last_bucket) * hw.comm_overlap, window)
 
-    # pipeline bubble over the per-micro-batch work
-    bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages)
-    pipelined = compute_s + tp_s + cp_s + pp_s
+
+def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> float:
+    """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
+    psi, _ = stage_params(shape, lay.tp, lay.pp)
+    opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
+    return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw
+
+
+def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str, float]:
+    """Where the step goes, as fractions of it (useful work at peak first)."""
+    return {
+        "useful_at_peak": time["ideal_compute"] / step,
+        "matmul_inefficiency": (time["gemm"] - recompute_s - time["ideal_compute"]) / step,
+        "recompute": recompute_s / step,
+        "non_gemm": time["non_gemm"] / step,
+        "tp_exposed": time["tp_comm"] / step,
+        "cp_exposed": time["cp_comm"] / step,
+        "pp_p2p": time["pp_p2p"] / step,
+        "dp_exposed": time["dp_comm_exposed"] / step,
+        "bubble": time["bubble"] / step,
+        "optimizer": time["optimizer"] / step,
+    }
+
+
+def estimate(
+    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
+) -> Estimate:
+    """Memory and step time of one layout, each as a breakdown (see the module doc)."""
+    n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    mem = memory(shape, lay, seq, precision, hw)
+    fits = mem["total"] <= hw.hbm_gib
+    overflow = "" if fits else f"needs {mem['total']:.1f} GiB of {hw.hbm_gib:.0f} GiB"
+    comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
+    tp_s = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    cp_s = _cp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    compute_s = comp["gemm"] + comp["non_gemm"]
+    dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
+    dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw)
+    bubble = bubble_fraction(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
+    pipelined = compute_s + tp_s + cp_s + pp_s  # the bubble is over the per-micro-batch work
     bubble_s = pipelined * bubble / (1 - bubble)
-
-    # optimizer: a memory-bound pass over this GPU's share of the state
-    opt_state = model_state_bytes(psi, dp_n, lay.zero_stage, precision)
-    opt_s = 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw
+    opt_s = _optimizer_time(shape, lay, precision, hw)
 
     step = pipelined + bubble_s + dp_exposed + opt_s
     tps = global_batch * seq / step / n_gpus
+    peak = hw.peak(precision)
     mfu = shape.model_flops_per_token(seq) * tps / peak
     hfu = shape.hardware_flops_per_token(seq, lay.recompute) * tps / peak
-    recompute_s = (
-        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq))
-        * tokens_gpu
-        / (peak * eff)
-    )
     time = {
-        "ideal_compute": ideal_s,
-        "gemm": gemm_s,
-        "non_gemm": other_s,
+        "ideal_compute": comp["ideal_compute"],
+        "gemm": comp["gemm"],
+        "non_gemm": comp["non_gemm"],
         "tp_comm": tp_s,
         "cp_comm": cp_s,
         "pp_p2p": pp_s,
@@ -368,16 +431,5 @@ def estimate(
         "bubble": bubble_s,
         "optimizer": opt_s,
     }
-    budget = {
-        "useful_at_peak": ideal_s / step,
-        "matmul_inefficiency": (gemm_s - recompute_s - ideal_s) / step,
-        "recompute": recompute_s / step,
-        "non_gemm": other_s / step,
-        "tp_exposed": tp_s / step,
-        "cp_exposed": cp_s / step,
-        "pp_p2p": pp_s / step,
-        "dp_exposed": dp_exposed / step,
-        "bubble": bubble_s / step,
-        "optimizer": opt_s / step,
-    }
+    budget = _budget(time, comp["recompute"], step)
     return Estimate(lay, shape.num_params(), mem, fits, overflow, time, step, tps, mfu, hfu, budget)

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from meshforge.errors import ConfigError
+from meshforge.errors import ConfigError, suggest
 from meshforge.metrics.mfu import PEAK_TFLOPS
 
 GIB = 2**30
@@ -117,12 +117,12 @@ def get_hardware(name: str | None, path: str | None = None) -> Hardware:
                 f"--hardware {path}: not a hardware profile written by meshforge calibrate ({e})"
             ) from None
     if name not in PRESETS:
-        import difflib
-
-        close = [k for k in PRESETS if name and k.startswith(name)]
-        close = close or difflib.get_close_matches(name or "", PRESETS, n=1)
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-        raise ConfigError(f"unknown --gpu {name!r}; {hint}presets: {', '.join(PRESETS)} (or --hardware FILE)")
+        prefixed = [k for k in PRESETS if name and k.startswith(name)]  # 'h100' names a family
+        if len(prefixed) > 1:
+            hint = f"did you mean {' or '.join(repr(c) for c in prefixed)}?"
+        else:
+            hint = suggest(prefixed[0] if prefixed else name or "", PRESETS, cutoff=0.6)
+        raise ConfigError(f"unknown --gpu {name!r}; {hint} (or --hardware FILE)")
     return replace(PRESETS[name])
 
 
