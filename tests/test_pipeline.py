@@ -23,8 +23,8 @@ from conftest import (
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
+from meshforge.parallel.dims import bubble_fraction
 from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
-from meshforge.planner.estimate import bubble_fraction
 from meshforge.resolve import resolve
 from meshforge.trainer import train
 

@@ -40,11 +40,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from meshforge.models import flops
+from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
+from meshforge.parallel.dims import V_SHAPED, bubble_fraction
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # searched
-V_SCHEDULES = ("zbv", "dualpipev")  # planned when asked for (--schedule), two chunks per rank
+# the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
+SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
+V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per rank
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -139,21 +143,6 @@ def activation_bytes_per_layer(
         sharded, whole = (h + 2 * kv + 4 * f), 4 * h  # + norm outputs, activation and product
     # sharded parts split over tp (heads/columns); the residual-stream parts only under SP
     return s * b * bytes_per * (sharded / tp + whole / (tp if sp else 1))
-
-
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipelined step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
-    2019; Narayanan et al. 2021), divided by v for interleaved 1F1B; the zero-bubble
-    schedules (Qi et al. 2023) fill most of it with deferred weight-gradient work, counted
-    here as a third of the 1F1B bubble."""
-    if p <= 1:
-        return 0.0
-    b = (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return b / v
-    if schedule in ("zero_bubble", "zbv", "dualpipev"):
-        return b / 3
-    return b
 
 
 def in_flight(schedule: str, p: int, m: int, v: int) -> float:
@@ -255,7 +244,7 @@ def _compute_time(
     tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
     imbalance = stage_layers(shape, lay.pp) * lay.pp / shape.layers
     tokens_gpu = global_batch * seq / n_gpus
-    attn_per_token = 12.0 * shape.layers * seq * shape.hidden  # fwd + bwd of the attention core
+    attn_per_token = 3.0 * flops.attention_flops_per_token(shape, seq)  # fwd + bwd of the attention core
     if lay.recompute in ("full", "selective"):
         attn_per_token *= 4 / 3
     flops_step = shape.hardware_flops_per_token(seq, lay.recompute) * tokens_gpu
