@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint import store
@@ -74,6 +75,34 @@ def test_saves_are_complete_verified_and_retained(saved, reference):
     assert losses(saved) == losses(reference)  # saving does not disturb training
     ev = [e for e in events(saved) if e["event"] == "checkpoint_saved"]
     assert [e["step"] for e in ev] == [4, 8, 12] and all(e["blocking_s"] > 0 for e in ev)
+
+
+def test_background_saves_hold_the_state_of_their_step(saved, tmp_path, corpus):
+    """dcp.async_save in a world of one (no process group): complete, verified checkpoints
+    whose tensors equal the synchronous run's at the same step, so the host copy was taken
+    before training moved on."""
+    d = tmp_path / "run"
+    train(
+        tiny_config(d, corpus, **COMMON, **{"checkpoint.interval": 4, "checkpoint.keep": 5, "checkpoint.async": True})
+    )
+    assert losses(d) == losses(saved)
+    assert [c.step for c in store.list_complete(d / "checkpoints")] == [4, 8, 12]
+    for step in (4, 8, 12):
+        name = store.step_dir_name(step)
+        assert store.verify(d / "checkpoints" / name)["step"] == step
+        a, b = tmp_path / f"async-{step}.pt", tmp_path / f"sync-{step}.pt"
+        dcp_to_torch_save(d / "checkpoints" / name, a)
+        dcp_to_torch_save(saved / "checkpoints" / name, b)
+        sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+        flat_a, flat_b = _flatten(sa), _flatten(sb)
+        assert flat_a.keys() == flat_b.keys()
+        assert all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), f"step {step}"
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix: tree}
 
 
 def test_retention_keeps_the_newest(tmp_path, corpus):

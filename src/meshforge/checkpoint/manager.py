@@ -1,13 +1,13 @@
 """When and how a run saves and resumes: synchronous or background saves on a dedicated
 process group, completion, retention, choosing what to resume from, and the save cadence.
 
-A background save (``checkpoint.async = true``) blocks training only while the state is
-copied to host memory (pinned on CUDA); a worker thread then writes the copy with DCP,
-hashes this rank's files, meets the other ranks on a gloo group of its own and — on rank
-0 — marks the checkpoint complete. The dedicated group keeps the save's collectives off
-the training group's (sharing one with a background writer was seen to corrupt gloo
-traffic or hang). At most one save is in flight; the next one, and the end of training,
-wait for it.
+A background save (``checkpoint.async = true``) goes through ``dcp.async_save``: training
+is blocked only while DCP copies the state to host memory; DCP's writer thread then writes
+the copy and, when the write is done, the same thread hashes this rank's files, meets the
+other ranks on a gloo group of its own and — on rank 0 — marks the checkpoint complete.
+The dedicated group keeps the save's collectives off the training group's (sharing one
+with a background writer was seen to corrupt gloo traffic or hang). At most one save is
+in flight; the next one, and the end of training, wait for it.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class SaveStats:
 
 
 class Checkpointer:
-    """One per rank. ``event`` logs to events.jsonl (rank 0) and may be a no-op elsewhere."""
+    """One per rank. ``event`` logs to events.jsonl (rank 0) and may be a no-op elsewhere.
+    ``device`` is unused: DCP's own stager makes the host copy of a background save."""
 
     def __init__(self, root: Path, rank: int, distributed: bool, keep: int, event: Event, device: torch.device):
         self.root, self.rank, self.keep, self.event = root, rank, keep, event
         self.distributed = distributed
-        self.pin = device.type == "cuda"
         self.group = dist.new_group(backend="gloo") if distributed else None  # for saves only
         self._pending: Future | None = None
         self._lock = threading.Lock()
@@ -73,39 +73,37 @@ class Checkpointer:
         self.wait()
         tmp = self.root / store.tmp_dir_name(step)
         tmp.mkdir(parents=True, exist_ok=True)
-        rank_meta = {"rank": self.rank, "rng": rng_state()}
-        if background:
-            state = sharded.stage(state, self.pin)
-            if self.pin:
-                torch.cuda.synchronize()
         stats = SaveStats(step, self.root / store.step_dir_name(step), 0.0)
-
-        def write() -> SaveStats:
-            sharded.save(state, tmp, self.group)
-            faults.maybe_kill("save", self.rank, step)  # tests: die with the shards written, unmarked
-            mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
-            store.write_json_atomic(
-                tmp / f"rank-{self.rank:05d}.json", {**rank_meta, "files": store.describe_files(tmp, mine)}
-            )
-            if self.group is not None:
-                dist.barrier(group=self.group)
-            if self.rank == 0:
-                store.finalize(tmp, stats.path, meta)
-                stats.removed = store.retain(self.root, self.keep)
-            if self.group is not None:
-                dist.barrier(group=self.group)  # the new checkpoint is in place for everyone
-            stats.total_s = time.perf_counter() - t0
-            return stats
-
+        rank_meta = {"rank": self.rank, "rng": rng_state()}  # now, not when the write ends
         if background:
-            stats.blocking_s = time.perf_counter() - t0
-            self.last_blocking_s = stats.blocking_s
-            self._pending = _in_background(write)
-        else:
-            write()
-            stats.blocking_s = stats.total_s
-            self.last_blocking_s = stats.blocking_s
-            self._report(stats)
+            written = sharded.async_save(state, tmp, self.group)
+            stats.blocking_s = self.last_blocking_s = time.perf_counter() - t0
+            self._pending = _then(written, lambda: self._complete(tmp, rank_meta, meta, stats, t0))
+            return
+        sharded.save(state, tmp, self.group)
+        self._complete(tmp, rank_meta, meta, stats, t0)
+        stats.blocking_s = self.last_blocking_s = stats.total_s
+        self._report(stats)
+
+    def _complete(
+        self, tmp: Path, rank_meta: dict[str, Any], meta: dict[str, Any], stats: SaveStats, t0: float
+    ) -> SaveStats:
+        """After this rank's shards are written: hash them, meet the other ranks on the save
+        group, and on rank 0 mark the checkpoint complete (rename into place) and retain."""
+        faults.maybe_kill("save", self.rank, stats.step)  # tests: die with the shards written, unmarked
+        mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
+        store.write_json_atomic(
+            tmp / f"rank-{self.rank:05d}.json", {**rank_meta, "files": store.describe_files(tmp, mine)}
+        )
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        if self.rank == 0:
+            store.finalize(tmp, stats.path, meta)
+            stats.removed = store.retain(self.root, self.keep)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # the new checkpoint is in place for everyone
+        stats.total_s = time.perf_counter() - t0
+        return stats
 
     def _report(self, stats: SaveStats) -> None:
         self.event(
@@ -135,23 +133,26 @@ class Checkpointer:
         self.wait()
 
     def abandon(self) -> None:
-        """On an error: do not wait for a save in flight (its peers may be gone); the writer
-        thread is a daemon, and its unfinished checkpoint is never marked complete."""
+        """On an error: do not wait for a save in flight (its peers may be gone); its
+        unfinished checkpoint is never marked complete."""
         self._pending = None
 
 
-def _in_background(fn: Callable[[], SaveStats]) -> Future:
-    """Run ``fn`` on a daemon thread (unlike a thread pool's, it never holds up process exit)."""
-    fut: Future = Future()
+def _then(written: Future, complete: Callable[[], SaveStats]) -> Future:
+    """A future for the whole background save: DCP's write, then ``complete`` on the thread
+    that finished the write (DCP's writer thread), its error (or the write's) kept for
+    whoever polls or waits."""
+    out: Future = Future()
 
-    def run() -> None:
+    def run(f: Future) -> None:
         try:
-            fut.set_result(fn())
+            f.result()
+            out.set_result(complete())
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(e)
+            out.set_exception(e)
 
-    threading.Thread(target=run, name="meshforge-checkpoint", daemon=True).start()
-    return fut
+    written.add_done_callback(run)
+    return out
 
 
 # ----------------------------------------------------------------------------- resuming

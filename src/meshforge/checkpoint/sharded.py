@@ -15,9 +15,8 @@ them in the loading layout.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +32,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
-
-@contextlib.contextmanager
-def _quiet(no_dist: bool) -> Iterator[None]:
-    """A world of one saves and loads without a process group, which DCP announces every time."""
-    if not no_dist:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+# A world of one saves and loads without a process group, which DCP announces every time --
+# for a background save from its own writer thread, where a catch_warnings() block around
+# the call cannot reach (and would not be thread-safe), so the filter is set once here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
@@ -78,32 +70,22 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"model": msd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
 
 
-def stage(state: Any, pin: bool) -> Any:
-    """A copy of ``state`` in host memory (pinned on CUDA), so training may change the
-    original while a background thread writes the copy."""
-    if isinstance(state, dict):
-        return {k: stage(v, pin) for k, v in state.items()}
-    if isinstance(state, DTensor):
-        local = stage(state.to_local(), pin)
-        return DTensor.from_local(
-            local, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride()
-        )
-    if isinstance(state, torch.Tensor):
-        t = state.detach()
-        if t.device.type == "cpu":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        out.copy_(t, non_blocking=True)
-        return out
-    return state
-
-
 def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
     """Every rank writes its shards of ``state`` into ``path`` (a collective over ``group``)."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
     no_dist = group is None and not dist.is_initialized()
-    with _quiet(no_dist):
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+
+
+def async_save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> Future:
+    """``save`` in the background through ``dcp.async_save``: returns once DCP has copied
+    ``state`` to host memory (so training may change the original); the future completes
+    when every rank's shards are written. ``group`` must be a gloo group (a CPU backend),
+    never the training group: a background writer sharing it was seen to corrupt gloo
+    traffic or hang."""
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+    no_dist = group is None and not dist.is_initialized()
+    return dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
 
 
 def load(
@@ -115,13 +97,11 @@ def load(
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
-        with _quiet(no_dist):
-            dcp.load({"model": msd, "optim": osd_state}, storage_reader=reader, process_group=group, no_dist=no_dist)
+        dcp.load({"model": msd, "optim": osd_state}, storage_reader=reader, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, msd)
         return  # the state tensors were loaded in place into the local optimizer
     osd = get_optimizer_state_dict(model, optimizer)  # initialises empty Adam state to load into
-    with _quiet(no_dist):
-        dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader, process_group=group, no_dist=no_dist)
+    dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader, process_group=group, no_dist=no_dist)
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
 
@@ -129,6 +109,5 @@ def load(
 def load_model_only(model: nn.Module, path: Path) -> None:
     """Full weights from a checkpoint into an unsharded model in this one process (for export)."""
     msd = get_model_state_dict(model, options=StateDictOptions())
-    with _quiet(True):
-        dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     set_model_state_dict(model, msd)
