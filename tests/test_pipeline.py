@@ -25,7 +25,7 @@ from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
 from meshforge.planner.estimate import bubble_fraction
-from meshforge.trainer import train
+from meshforge.train import train
 
 STEPS = 4
 COMMON = {

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from meshforge.config import load_config, resolve
-from meshforge.trainer import lr_at
+from meshforge.train import lr_at
 
 
 def cfg(schedule, **extra):
