@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,7 @@ class PlainStep(StepRunner):
         micro: int,
         accum: int,
         sync_every_microbatch: bool,
-        **common,
+        **common: Any,
     ):
         super().__init__(**common)
         self.train_model, self.forward_context = train_model, forward_context
@@ -136,7 +137,7 @@ class PipelineStep(StepRunner):
     """The schedule runs the micro-batches; the loss is known on the last stage (summed over
     the pp group to share it), the gradient norm adds up over the stages."""
 
-    def __init__(self, pipeline: Pipeline, **common):
+    def __init__(self, pipeline: Pipeline, **common: Any):
         super().__init__(**common)
         self.pipeline = pipeline
         self.loss_groups = (self.mesh.group("pp"),)
