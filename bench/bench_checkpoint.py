@@ -34,7 +34,7 @@ def main() -> None:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.trainer import Trainer, preflight, prepare_run_dir
+    from meshforge.train import Trainer, preflight, prepare_run_dir
 
     tmp = tempfile.mkdtemp()
     base = {
@@ -62,7 +62,7 @@ def main() -> None:
         prepare_run_dir(cfg)
         tr = Trainer(cfg, build_mesh(cfg))
         saves[name] = []
-        tr.checkpointer.event = lambda event, _name=name, **f: saves[_name].append(f)  # total write times
+        tr.checkpoints.checkpointer.event = lambda event, _name=name, **f: saves[_name].append(f)  # total write times
         trainers[name] = tr
     psi = num_params(trainers["none"].args)
 
@@ -79,22 +79,22 @@ def main() -> None:
             t0 = time.perf_counter()
             if name != "none":
                 b0 = time.perf_counter()
-                tr.save_checkpoint()
+                tr.checkpoints.save()
                 blocking[name].append(time.perf_counter() - b0)
             for _ in range(args.every):
                 s0 = time.perf_counter()
                 tr.step_once()
                 if name == "none":
                     step_times.append(time.perf_counter() - s0)
-                tr.checkpointer.poll()
+                tr.checkpoints.checkpointer.poll()
             w0 = time.perf_counter()
-            tr.checkpointer.wait()  # only blocks if the write outlasted N steps
+            tr.checkpoints.checkpointer.wait()  # only blocks if the write outlasted N steps
             if name == "async":
                 blocking[name][-1] += time.perf_counter() - w0
             elapsed[name] += time.perf_counter() - t0
             steps[name] += args.every
     for tr in trainers.values():
-        tr.checkpointer.close()
+        tr.checkpoints.checkpointer.close()
 
     tokens = args.batch * args.seq_len
     step = statistics.median(step_times)

@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.trainer import Trainer, preflight, prepare_run_dir
+    from meshforge.train import Trainer, preflight, prepare_run_dir
 
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])

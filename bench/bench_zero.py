@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.trainer import Trainer, preflight, prepare_run_dir
+    from meshforge.train import Trainer, preflight, prepare_run_dir
 
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
         sampler_trainer = trainers[stage]
 
         def step():
-            idx = sampler_trainer.sampler.next_batch(sampler_trainer.mesh.dp_rank, world)
+            idx = sampler_trainer.state.sampler.next_batch(sampler_trainer.mesh.dp_rank, world)
             batch = sampler_trainer.data.train.get(idx)
             logits = engine(batch[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())

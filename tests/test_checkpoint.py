@@ -17,7 +17,7 @@ from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.hf import load_hf_checkpoint
-from meshforge.trainer import train
+from meshforge.train import train
 
 STEPS = 12
 COMMON = {

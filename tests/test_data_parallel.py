@@ -14,7 +14,7 @@ from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_o
 from meshforge.checkpoint.weights import load_weights
 from meshforge.models.flops import num_params
 from meshforge.parallel.dims import rank_layout
-from meshforge.trainer import train
+from meshforge.train import train
 
 pytestmark = pytest.mark.slow
 

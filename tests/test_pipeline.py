@@ -26,7 +26,7 @@ from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.dims import bubble_fraction
 from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
 from meshforge.resolve import resolve
-from meshforge.trainer import train
+from meshforge.train import train
 
 STEPS = 4
 COMMON = {

@@ -4,7 +4,7 @@ import pytest
 
 from meshforge.config import load_config
 from meshforge.resolve import resolve
-from meshforge.trainer import lr_at
+from meshforge.train import lr_at
 
 
 def cfg(schedule, **extra):

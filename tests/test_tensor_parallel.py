@@ -23,7 +23,7 @@ import pytest
 
 from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
-from meshforge.trainer import train
+from meshforge.train import train
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from conftest import cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.metrics.tensorboard import read_scalars
-from meshforge.trainer import train
+from meshforge.train import train
 
 KEYS = {
     "step",

@@ -67,7 +67,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     from meshforge.config import load_config
     from meshforge.launch import check_nproc, launch_local
-    from meshforge.trainer import preflight, train
+    from meshforge.train import preflight, train
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from meshforge import faults
 from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.store import CheckpointError
-from meshforge.launch_env import restart_count  # noqa: F401 - trainer.py imports it from here until its rewrite
 
 Event = Callable[..., None]
 

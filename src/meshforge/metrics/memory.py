@@ -6,6 +6,8 @@ against the ZeRO formulas directly (see parallel/data_parallel.py).
 
 from __future__ import annotations
 
+import resource
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -46,3 +48,10 @@ def gathered_param_bytes(model: nn.Module) -> int:
     forward and backward under ZeRO-2. Only meaningful for a model whose parameters are
     sharded at rest (FSDP2): there, any parameter that is not a DTensor is gathered."""
     return sum(p.numel() * p.element_size() for p in _unique(model.parameters()) if not isinstance(p, DTensor))
+
+
+def peak_mem_gib(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA's max allocated, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

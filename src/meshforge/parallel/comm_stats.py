@@ -9,14 +9,21 @@ them without touching the libraries. Bytes are *wire bytes per
 rank* under ring algorithms, the unit the textbook formulas use: for a payload of S
 bytes on n ranks an all-reduce moves 2(n-1)/n·S, an all-gather or reduce-scatter
 (n-1)/n·S (S = the full, unsharded size), a broadcast or point-to-point S.
+
+Counting is a deliberate seam, off by default: ``with counter.counting():`` puts the
+wrappers in place, starts from zero, and takes them out again on exit, so outside that
+block the ``torch.distributed`` functions are the originals and cost nothing extra. The
+trainer counts only its logged steps (see docs/metrics.md, "The hot path").
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,10 +73,11 @@ def _nbytes(t: Any) -> int:
 
 
 class CommCounter:
-    """Process-wide counter; ``install`` once, then ``reset``/``snapshot`` around each step."""
+    """Counts the collectives called inside ``counting()`` blocks; read them with ``snapshot``."""
 
-    _installed = False
     _active: CommCounter | None = None
+    # (module, function name) -> (original, wrapper); built once, swapped in per counted block
+    _patches: dict[tuple[Any, str], tuple[Any, Any]] = {}
 
     def __init__(self, axis_of_group: dict[Any, str] | None = None, trace: bool = False):
         self.axis_of_group = {_group_key(g): axis for g, axis in (axis_of_group or {}).items()}
@@ -113,23 +121,32 @@ class CommCounter:
     def by_axis(self) -> dict[str, float]:
         return {axis: sum(kinds.values()) for axis, kinds in self.snapshot().items()}
 
-    def activate(self) -> CommCounter:
-        CommCounter._install()
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[CommCounter]:
+        """Count (from zero) the collectives called inside the block; outside it nothing is wrapped."""
+        self.reset()
         CommCounter._active = self
-        return self
+        CommCounter._swap(install=True)
+        try:
+            yield self
+        finally:
+            CommCounter._swap(install=False)
+            CommCounter._active = None
 
     @classmethod
-    def _install(cls) -> None:
-        if cls._installed:
-            return
-        import torch.distributed._functional_collectives as funcol  # private module: wrapped here only
+    def _swap(cls, install: bool) -> None:
+        """Put the wrappers in (or the originals back) as module attributes, where FSDP2,
+        DDP's hook, DTensor and pipelining look the functions up at call time."""
+        if not cls._patches:
+            import torch.distributed._functional_collectives as funcol  # private module: wrapped here only
 
-        for module, table in ((dist, _RING), (funcol, _FUNCOL)):
-            for name in table:
-                fn = getattr(module, name, None)
-                if fn is not None:
-                    setattr(module, name, _wrap(fn, table, name))
-        cls._installed = True
+            for module, table in ((dist, _RING), (funcol, _FUNCOL)):
+                for name in table:
+                    fn = getattr(module, name, None)
+                    if fn is not None:
+                        cls._patches[(module, name)] = (fn, _wrap(fn, table, name))
+        for (module, name), (original, wrapper) in cls._patches.items():
+            setattr(module, name, wrapper if install else original)
 
 
 def _group_key(group: Any) -> Any:

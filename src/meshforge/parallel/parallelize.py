@@ -20,12 +20,16 @@ gathered buffer).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from meshforge.models.llama import Transformer, init_weights
+from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
@@ -38,7 +42,8 @@ from meshforge.parallel.pipeline import (
     model_view,
     split_model,
 )
-from meshforge.parallel.tensor_parallel import apply_tp
+from meshforge.parallel.precision import autocast, resolve_precision
+from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 
 if TYPE_CHECKING:
     from meshforge.config import Config
@@ -53,6 +58,19 @@ def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
     """bf16 comes from autocast, except under FSDP2, whose mixed-precision policy casts the
     gathered parameters to bf16 (and reduces gradients in fp32) instead."""
     return cfg.train.precision == "bf16" and not is_sharded(cfg, mesh)
+
+
+def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
+    """The one loss object of a run (plain step, pipeline's last stage, evaluation); under
+    tensor parallelism its context is loss_parallel, over vocab-sharded logits."""
+    return LanguageModelLoss(context=functools.partial(loss_context, mesh.degrees["tp"] > 1))
+
+
+def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.AbstractContextManager]:
+    """What wraps a forward pass: bf16 autocast where the layout uses it (see uses_autocast), else nothing."""
+    if not uses_autocast(cfg, mesh):
+        return contextlib.nullcontext
+    return functools.partial(autocast, mesh.device, resolve_precision(cfg.train.precision, mesh.device))
 
 
 def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> bool:
@@ -87,10 +105,13 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
     return model
 
 
-def parallelize_pipeline(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> tuple[nn.Module, Pipeline]:
+def parallelize_pipeline(
+    model: Transformer, cfg: Config, mesh: Mesh, seed: int | None, loss: LanguageModelLoss
+) -> tuple[nn.Module, Pipeline]:
     """pp > 1: split the meta-device model into chunks, keep this rank's, apply the other
-    axes to each chunk as to a whole model, and build the schedule. Returns a module over
-    this rank's chunks with the whole model's parameter names, and the pipeline."""
+    axes to each chunk as to a whole model, and build the schedule (its last stage computes
+    ``loss``). Returns a module over this rank's chunks with the whole model's parameter
+    names, and the pipeline."""
     p = cfg.parallel
     pp, name = mesh.dims.pp, schedule_name(p.pp_schedule)
     v = chunks_per_rank(name, p.pp_virtual_stages)
@@ -102,5 +123,5 @@ def parallelize_pipeline(model: Transformer, cfg: Config, mesh: Mesh, seed: int 
     for part, c in zip(parts, mine, strict=True):
         give_positions(part, lambda: pipe.positions, None if c == 0 else cfg.train.seq_len)
         _apply(part, cfg, mesh, seed)
-    pipe = Pipeline(parts, mine, cfg, mesh, tp=mesh.degrees["tp"] > 1)
+    pipe = Pipeline(parts, mine, cfg, mesh, loss)
     return model_view(parts), pipe

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from meshforge.models import flops
 from meshforge.models.llama import ModelArgs, Transformer
+from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.dims import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
-from meshforge.parallel.tensor_parallel import local_value, loss_context
+from meshforge.parallel.tensor_parallel import local_value
 
 if TYPE_CHECKING:
     from meshforge.config import Config
@@ -190,7 +190,7 @@ class Timeline:
 class Pipeline:
     """This rank's pipeline: its chunks as stages, the schedule, and the step timeline."""
 
-    def __init__(self, parts: list[nn.Module], chunks: list[int], cfg: Config, mesh: Mesh, tp: bool):
+    def __init__(self, parts: list[nn.Module], chunks: list[int], cfg: Config, mesh: Mesh, loss: LanguageModelLoss):
         p = cfg.parallel
         self.name = schedule_name(p.pp_schedule)
         self.pp = mesh.degrees["pp"]
@@ -200,9 +200,10 @@ class Pipeline:
         self.pp_rank = mesh.coordinate("pp")
         self.chunks = chunks
         self.parts = parts
-        self.tp = tp
+        self.loss = loss  # the run's one loss object (its context: loss_parallel under tp)
         self.has_first = 0 in chunks
         self.has_last = self.num_chunks - 1 in chunks
+        self.last_part = parts[chunks.index(self.num_chunks - 1)] if self.has_last else None
         self.m = p.num_microbatches  # resolved (meshforge.resolve) before any rank starts
         self.stages = [
             PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
@@ -219,9 +220,8 @@ class Pipeline:
         for stage in self.stages:
             self._instrument(stage)
 
-    @staticmethod
-    def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.float().flatten(0, 1), target.flatten())
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss(output, target, self.last_part)
 
     def _instrument(self, stage: Any) -> None:
         """Time every forward, backward and weight-gradient action the schedule runs."""
@@ -243,21 +243,26 @@ class Pipeline:
         stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
         stage.backward_weight_one_chunk = timed("W", stage.backward_weight_one_chunk)
 
-    def _start(self, rank: int) -> None:
-        dist.barrier(group=self.group)  # a common start, so the spans are comparable
-        self.record = Timeline(rank)
+    def _start(self, rank: int, measure: bool) -> None:
+        """Measured steps only: a common start (a barrier), so the spans are comparable."""
+        self.record = None
+        if measure:
+            dist.barrier(group=self.group)
+            self.record = Timeline(rank)
         self._t0 = time.perf_counter()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, rank: int) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, rank: int, measure: bool = True) -> torch.Tensor:
         """One forward/backward over all micro-batches of this rank's batch slice; returns
-        the mean loss on the rank holding the last chunk (zero elsewhere)."""
-        self._start(rank)
+        the mean loss on the rank holding the last chunk (zero elsewhere). ``measure``: keep
+        the step's timeline (bubble, in-flight, Gantt chart)."""
+        self._start(rank, measure)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kw: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
-        with loss_context(self.tp):
+        with self.loss.context():
             self.schedule.step(*args, **kw)
-        self.record.span = time.perf_counter() - self._t0
+        if self.record is not None:
+            self.record.span = time.perf_counter() - self._t0
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
@@ -287,9 +292,9 @@ class Pipeline:
                     dist.recv(h, src=peer(c - 1), group=self.group)
                 h = part_of[c](h)
                 if c == self.num_chunks - 1:
-                    with loss_context(self.tp):
-                        loss = self._loss(h, mb_tgt)
-                    total += local_value(loss).double() * mb_tgt.numel()
+                    with self.loss.context():
+                        loss = self.loss.token_sum(h, mb_tgt, part_of[c])
+                    total += local_value(loss).double()
                 elif owner[c + 1] != self.pp_rank:
                     h = h.contiguous()
                     head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.int64, device=inputs.device)

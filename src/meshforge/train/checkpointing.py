@@ -1,0 +1,203 @@
+"""When to checkpoint, what a checkpoint holds, resuming from one, and the final save.
+
+Cadence is a fixed interval or ``auto``: one save early to measure its blocking time, then
+Young/Daly's optimum for checkpoint.mtbf_hours (rank 0 decides, every rank follows). A
+checkpoint is the sharded model + optimizer (DCP), a meta.json with the train state and the
+model's shape, and per-rank RNG. The final save gathers the full weights (a collective;
+under pipelining each stage's ranks gather their chunks and rank 0 merges them) and writes
+final/ and final-hf/. The file I/O itself lives in meshforge/checkpoint/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.manager import Checkpointer, model_shape_hash, young_daly_steps
+from meshforge.checkpoint.store import CheckpointError
+from meshforge.checkpoint.weights import save_weights, shape_mismatch
+from meshforge.config import Config, to_toml
+from meshforge.launch_env import restart_count
+from meshforge.models.hf import save_hf_state
+from meshforge.models.llama import ModelArgs
+from meshforge.parallel.dims import rank_layout
+from meshforge.parallel.mesh import Mesh
+from meshforge.train.run_dir import trim_metrics
+from meshforge.train.state import TrainState
+
+
+def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tuple[dict[str, Any] | None, int]:
+    """The checkpoint's meta (None: fresh start) and, on rank 0, how many metrics.jsonl
+    records after it were dropped (those steps are redone)."""
+    meta = store.read_meta(resume) if resume else None
+    dropped = 0
+    if is_main and (meta or restart_count()):
+        dropped = trim_metrics(run_dir, meta["step"] if meta else 0)
+    return meta, dropped
+
+
+class CheckpointManager:
+    """One per rank: owns the Checkpointer, the save cadence, resume and the final export."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        args: ModelArgs,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        event: Callable[..., None],
+    ):
+        self.cfg, self.mesh, self.args, self.event = cfg, mesh, args, event
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.run_dir = Path(cfg.run.dir)
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", mesh.rank, mesh.distributed, cfg.checkpoint.keep, event, mesh.device
+        )
+        self.interval = cfg.checkpoint.interval
+        self.next_save = self._first_save_step()
+
+    def _first_save_step(self) -> int | None:
+        step = self.state.step
+        if self.interval == 0:
+            return None
+        if self.interval == "auto":  # measure one save early, then follow Young/Daly
+            return step + max(1, min(10, self.cfg.train.steps // 10))
+        return (step // self.interval + 1) * self.interval
+
+    def meta(self) -> dict[str, Any]:
+        """meta.json: the train state, the model's shape, the layout it was saved under."""
+        return {
+            **self.state.state_dict(),
+            "model": dataclasses.asdict(self.args),
+            "model_hash": model_shape_hash(dataclasses.asdict(self.args)),
+            "world_size": self.mesh.world_size,
+            "degrees": self.mesh.degrees,
+            "zero_stage": self.cfg.parallel.zero_stage,
+            "config": to_toml(self.cfg),
+            "time": time.time(),
+            "torch": torch.__version__,
+        }
+
+    def save(self) -> None:
+        state = sharded.training_state(self.model, self.optimizer)
+        self.checkpointer.save(self.state.step, state, self.meta(), background=self.cfg.checkpoint.async_)
+
+    def maybe_save(self, last: bool, step_time_s: float) -> None:
+        """Save when the cadence says so (and at the last step when saving at all)."""
+        if self.next_save is None or (self.state.step < self.next_save and not last):
+            return
+        self.save()
+        if self.interval != "auto":
+            self.next_save = self._first_save_step()
+            return
+        blocking = self.checkpointer.last_blocking_s or 0.0
+        steps, seconds = young_daly_steps(blocking, self.cfg.checkpoint.mtbf_hours, step_time_s)
+        if self.mesh.distributed:  # every rank must save at the same steps: rank 0 decides
+            agreed = torch.tensor([steps], device=self.mesh.device)
+            dist.broadcast(agreed, src=0)
+            steps = int(agreed.item())
+        self.event(
+            "checkpoint_interval",
+            steps=steps,
+            seconds=round(seconds, 2),
+            blocking_s=round(blocking, 4),
+            mtbf_hours=self.cfg.checkpoint.mtbf_hours,
+            step_time_s=round(step_time_s, 4),
+        )
+        self.next_save = self.state.step + steps
+
+    def resume(self, path: Path, meta: dict[str, Any], dropped: int) -> str:
+        """Load model, optimizer and train state from ``path`` (any layout: DCP reshards);
+        returns the line to print."""
+        diff = shape_mismatch(ModelArgs(**meta["model"]), self.args)
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {path / 'meta.json'} was written for another model shape ({'; '.join(diff)}); set [model] "
+                "to the checkpoint's shape, or start a new run (checkpoint.load = none or another run.dir)"
+            )
+        t0 = time.perf_counter()
+        sharded.load(self.model, self.optimizer, path)
+        self.state.load_state_dict(meta)
+        same_layout = meta["world_size"] == self.mesh.world_size and meta["degrees"] == self.mesh.degrees
+        rank_file = path / f"rank-{self.mesh.rank:05d}.json"
+        if same_layout and rank_file.exists():
+            self.state.load_rng_state(json.loads(rank_file.read_text())["rng"])
+        self.next_save = self._first_save_step()
+        self.event(
+            "resumed",
+            path=str(path),
+            step=self.state.step,
+            saved_layout=meta["degrees"],
+            layout=self.mesh.degrees,
+            resharded=not same_layout,
+            load_s=round(time.perf_counter() - t0, 4),
+            metrics_dropped=dropped,
+        )
+        return f"resumed from {path} at step {self.state.step}" + (
+            f" (saved on {meta['world_size']} ranks {meta['degrees']}, resharded)" if not same_layout else ""
+        )
+
+    def export_final(self, pipelined: bool) -> None:
+        """Gather the full weights (a collective under sharding: every rank calls) and let
+        rank 0 write final/ and final-hf/ as configured."""
+        c = self.cfg.checkpoint
+        if not (c.save_final or c.export_hf):
+            return
+        # gathering TP x FSDP shards takes two all-gathers per tensor, which DTensor warns
+        # about per tensor; for a one-off save that is fine
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            state = self._pipeline_full_state() if pipelined else self._full_state()
+        finally:
+            quiet.setLevel(level)
+        if not self.mesh.is_main:
+            return
+        if c.save_final:
+            path = save_weights(self.args, state, self.run_dir / "final")
+            self.event("final_weights", path=str(path), step=self.state.step)
+        if c.export_hf:
+            path = save_hf_state(self.args, state, self.run_dir / "final-hf")
+            self.event("export_hf", path=str(path), step=self.state.step)
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
+        return get_model_state_dict(self.model, options=opts)
+
+    def _pipeline_full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every pipeline rank gathers its chunks' full weights (over dp and tp), then the
+        ranks at dp = tp = 0 send theirs along the pp axis to rank 0, which merges them."""
+        opts = StateDictOptions(full_state_dict=True)
+        local = {k: v.detach().cpu() for k, v in get_model_state_dict(self.model, options=opts).items()}
+        coords = rank_layout(self.mesh.degrees)[self.mesh.rank]
+        if any(v for k, v in coords.items() if k not in ("pp", "rank")):
+            return None
+        parts: list | None = [None] * self.mesh.degrees["pp"] if self.mesh.is_main else None
+        dist.gather_object(local, parts, dst=0, group=self.mesh.group("pp"))
+        if not self.mesh.is_main:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: _param_order(kv[0])))
+
+
+def _param_order(name: str) -> tuple:
+    """The whole model's parameter order: embedding, blocks by index, norm, head."""
+    if name.startswith("layers."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name.startswith("tok_embeddings") else 2, 0, name)

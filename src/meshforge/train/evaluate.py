@@ -1,0 +1,81 @@
+"""Validation loss, the same number under every layout.
+
+The sequences are spread evenly over the whole validation split (not its first block),
+and the set is a whole number of global batches split contiguously over the data-parallel
+ranks, so every layout evaluates the same sequences. The loss is the run's loss object's
+summed token loss (the language model alone, no auxiliary terms).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshforge.config import Config
+from meshforge.data.dataset import TokenSplit
+from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.pipeline import Pipeline
+from meshforge.parallel.tensor_parallel import local_value
+
+
+class Evaluator:
+    """Mean validation loss over train.eval_batches global batches' worth of sequences."""
+
+    def __init__(
+        self,
+        val: TokenSplit,
+        cfg: Config,
+        mesh: Mesh,
+        model: nn.Module,
+        loss: LanguageModelLoss,
+        forward_context: Callable[[], contextlib.AbstractContextManager],
+        pipeline: Pipeline | None,
+        batch_sizes: tuple[int, int],
+    ):
+        self.val, self.cfg, self.mesh, self.model, self.loss = val, cfg, mesh, model, loss
+        self.forward_context, self.pipeline = forward_context, pipeline
+        self.local_batch, self.micro = batch_sizes  # per dp rank: the whole slice, one micro-batch
+        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device)
+
+    def _mine(self) -> tuple[np.ndarray, int]:
+        """This dp rank's sequence indices, and the number of sequences over all ranks."""
+        B = self.cfg.train.global_batch_size
+        n = min(self.cfg.train.eval_batches * B, len(self.val) // B * B)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64), 0
+        chosen = np.arange(n, dtype=np.int64) * len(self.val) // n
+        per = n // self.mesh.dp_size
+        return chosen[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per], n
+
+    @torch.no_grad()
+    def __call__(self) -> float | None:
+        """The mean token loss (None when the validation split is smaller than a global batch).
+        A collective: every rank calls it."""
+        mine, n = self._mine()
+        if n == 0:
+            return None
+        device = self.mesh.device
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        if self.pipeline:  # whole per-rank batches through the schedule, forward only
+            self.pipeline.positions = self.positions
+            for s in range(0, len(mine), self.local_batch):
+                batch = self.val.get(mine[s : s + self.local_batch]).to(device)
+                total += self.pipeline.eval_loss(batch[:, :-1], batch[:, 1:])
+            dist.all_reduce(total, group=self.mesh.group("pp"))
+        else:
+            for s in range(0, len(mine), self.micro):
+                batch = self.val.get(mine[s : s + self.micro]).to(device)
+                with self.forward_context():
+                    logits = self.model(batch[:, :-1], self.positions)
+                with self.loss.context():
+                    loss = self.loss.token_sum(logits, batch[:, 1:], self.model)
+                total += local_value(loss).double()
+        if self.mesh.distributed:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+        return float(total) / (n * self.cfg.train.seq_len)

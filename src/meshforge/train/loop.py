@@ -1,0 +1,242 @@
+"""The training loop: one rank's Trainer ties the parts together, ``train`` runs it.
+
+Parts: the train state (state.py), optimizer and LR schedule (optimizer.py), the step
+runner (step.py), the evaluator (evaluate.py), checkpoint cadence, resume and final save
+(checkpointing.py), the step records (metrics.py, pipeline_stats.py), the run directory
+(run_dir.py). Measurement is off the hot path: a step is *measured* (device syncs,
+collectives for the figures, communication counting) only when it is logged, is the last
+one, or is the pipeline step drawn as a Gantt chart; see docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from meshforge import faults, launch_env
+from meshforge.config import Config
+from meshforge.data.sampler import GlobalBatchSampler
+from meshforge.metrics.mfu import peak_flops
+from meshforge.metrics.sinks import MetricsLogger
+from meshforge.models.flops import num_params
+from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
+from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
+from meshforge.parallel.precision import resolve_precision
+from meshforge.resolve import layout, resolve
+from meshforge.train.checkpointing import CheckpointManager, read_resume_point
+from meshforge.train.evaluate import Evaluator
+from meshforge.train.metrics import StepMetrics, end_line, start_line
+from meshforge.train.model_setup import build_rank_model
+from meshforge.train.optimizer import build_optimizer, build_scheduler
+from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
+from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight
+from meshforge.train.state import TrainState
+from meshforge.train.step import PipelineStep, PlainStep, StepResult
+from meshforge.train.stop import StopRequest
+
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+class Trainer:
+    """One rank's training run: the parts, and the loop over them."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, stream: TextIO | None = None, resume: Path | None = None):
+        self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
+        t = cfg.train
+        self.precision = resolve_precision(t.precision, self.device)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(t.seed)
+        if mesh.distributed and not mesh.is_main:
+            dist.barrier()  # let rank 0 build the data cache first
+        self.data = open_data(cfg)
+        if mesh.distributed and mesh.is_main:
+            dist.barrier()
+        self.loss = build_loss(cfg, mesh)
+        built = build_rank_model(cfg, mesh, self.loss)
+        self.args, self.model, self.pipeline = built.args, built.model, built.pipeline
+        self.optimizer = build_optimizer(self.model, cfg, mesh)
+        sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
+        self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
+        self.local_batch = t.global_batch_size // mesh.dp_size
+        self.micro = self.local_batch // self.pipeline.m if self.pipeline else t.micro_batch_size or self.local_batch
+        self.accum = self.local_batch // self.micro  # the pipeline schedule runs its micro-batches itself
+        self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
+        self.state_mem: dict[str, int] = {}  # the last measured step's figures
+        self.comm_bytes: dict[str, dict[str, float]] = {}
+        self.pp_stats: dict[str, Any] = {}
+        self.gantt_step = min(3, t.steps) if self.pipeline else 0  # past the first steps' warm-up
+        self.peak = peak_flops(self.device, self.precision)
+        self.metrics = StepMetrics(cfg, self.args, mesh.world_size, self.peak, self.device)
+        self._start_run(stream, resume, built.train_model)
+
+    def _start_run(self, stream: TextIO | None, resume: Path | None, train_model: torch.nn.Module) -> None:
+        """Logger, checkpoints and resume, then the schedule, step runner and evaluator at the resumed step."""
+        cfg, mesh = self.cfg, self.mesh
+        meta, dropped = read_resume_point(Path(cfg.run.dir), resume, mesh.is_main)
+        self.logger = None
+        if mesh.is_main:
+            m = cfg.metrics
+            self.logger = MetricsLogger(Path(cfg.run.dir), cfg.train.steps, m.console, m.jsonl, m.tensorboard, stream)
+        self.checkpoints = CheckpointManager(cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event)
+        if launch_env.restart_count():
+            self.event("restart", attempt=launch_env.restart_count(), resume_from=str(resume) if resume else None)
+        if resume:
+            self.say(self.checkpoints.resume(resume, meta, dropped))
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.state.step)
+        forward = forward_context(cfg, mesh)
+        common = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "loss": self.loss}
+        common.update(cfg=cfg, mesh=mesh, sharded=is_sharded(cfg, mesh))
+        if self.pipeline:
+            self.runner: PlainStep | PipelineStep = PipelineStep(self.pipeline, **common)
+        else:
+            sync_all = cfg.parallel.sync_every_microbatch
+            self.runner = PlainStep(train_model, forward, self.micro, self.accum, sync_all, **common)
+        batches = (self.local_batch, self.micro)
+        self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
+
+    def event(self, name: str, **fields: Any) -> None:
+        if self.logger:
+            self.logger.event(name, **fields)
+
+    def say(self, text: str) -> None:
+        if self.logger:
+            self.logger.print(text)
+
+    def step_once(self, measure: bool = True) -> StepResult:
+        """Fetch this rank's slice of the next global batch and take one step. ``measure``:
+        also take what a logged step reports (the same on every rank: it adds collectives)."""
+        idx = self.state.sampler.next_batch(self.mesh.dp_rank, self.mesh.dp_size)
+        batch = self.data.train.get(idx).to(self.device, non_blocking=True)
+        with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
+            result = self.runner.run(batch, measure)
+        if measure:
+            self.state_mem = result.state_mem or {}
+            self.comm_bytes = self.comm.snapshot() if self.comm else {}
+            if self.pipeline:
+                self.pp_stats = gather_pipeline_stats(self.pipeline, self.mesh)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.state.advance()
+        if self.pipeline and measure and self.state.step == self.gantt_step:
+            bubble = self.pp_stats["bubble_fraction"]
+            write_gantt(self.pipeline, self.mesh, self.state.step, bubble, Path(self.cfg.run.dir), self.event)
+        return result
+
+    def fit(self) -> dict[str, Any]:
+        """Train to train.steps (or a stop request); returns the summary."""
+        try:
+            with StopRequest(self.mesh, self.say) as stop:
+                result = self._fit(stop)
+            self.checkpoints.checkpointer.close()
+            return result
+        except BaseException:
+            self.checkpoints.checkpointer.abandon()
+            raise
+        finally:
+            if self.logger:
+                self.logger.close()
+
+    def _fit(self, stop: StopRequest) -> dict[str, Any]:
+        t, log, st = self.cfg.train, self.logger, self.state
+        if st.step >= t.steps:  # resumed from a checkpoint at (or past) the end
+            self.event("nothing_to_do", step=st.step, steps=t.steps)
+            self.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
+            return {"steps": st.step, "interrupted": False, "tokens": st.tokens_seen, "already_done": True}
+        self._announce()
+        interrupted, t_start = False, time.perf_counter()
+        while st.step < t.steps:
+            n = st.step + 1
+            logged = n % self.cfg.metrics.log_interval == 0 or n == t.steps
+            last = n == t.steps or stop.stop_after(n, logged)
+            t0 = time.perf_counter()
+            result = self.step_once(measure=logged or last or n == self.gantt_step)
+            faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
+            self.metrics.add(time.perf_counter() - t0, result)
+            if logged or last:
+                extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats}
+                rec = self.metrics.record(n, st.tokens_seen, result, extra)
+                if log:
+                    log.log_step(rec)
+            self.checkpoints.checkpointer.poll()
+            self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
+            if t.eval_interval and n % t.eval_interval == 0 and not last:
+                self._evaluate_and_log()
+            if last and n < t.steps:
+                interrupted = True
+                self.event("interrupted", step=n)
+                break
+        self.checkpoints.checkpointer.wait()
+        wall = time.perf_counter() - t_start
+        val_loss = self._evaluate_and_log() if t.eval_batches else None
+        summary = self.metrics.summary(
+            self.runner.reduce_loss,
+            steps=st.step,
+            interrupted=interrupted,
+            tokens=st.tokens_seen,
+            wall_time_s=wall,
+            val_loss=val_loss,
+        )
+        if self.mesh.is_main:
+            (Path(self.cfg.run.dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.checkpoints.export_final(pipelined=self.pipeline is not None)
+        self.event("run_end", **summary)
+        self.say(end_line(summary, self.cfg.run.dir))
+        return summary
+
+    def _evaluate_and_log(self) -> float | None:
+        v = self.evaluate()
+        if self.logger and v is not None:
+            self.logger.log_eval(self.state.step, v)
+        return v
+
+    def _announce(self) -> None:
+        params = num_params(self.args)
+        self.event(
+            "run_start",
+            world_size=self.mesh.world_size,
+            device=str(self.device),
+            precision=self.precision,
+            params=params,
+            peak_flops=self.peak,
+        )
+        self.say(
+            start_line(
+                self.cfg, params, self.mesh.world_size, self.device, self.precision, self.accum, self.micro, self.data
+            )
+        )
+
+
+def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run training on this rank. ``cfg`` is resolved here (again) with the process group's world size."""
+    for k, v in DETERMINISTIC_ENV.items():
+        if cfg.train.deterministic:
+            os.environ.setdefault(k, v)
+    world = launch_env.world_size()
+    if world == 1 or launch_env.rank() == 0:
+        cfg = preflight(cfg, world)
+    else:
+        cfg = resolve(cfg, world)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
+    clean = False
+    mesh = build_mesh(layout(cfg, world), cfg.train.device)
+    try:
+        cfg, resume = agree_on_start(cfg, mesh)
+        try:
+            result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
+            clean = True
+            return result
+        except Exception as e:
+            event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
+            raise
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        shutdown(clean)

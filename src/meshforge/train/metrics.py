@@ -1,0 +1,134 @@
+"""The step record (metrics.jsonl, TensorBoard, console) and the run summary.
+
+Between logged steps only what is free is kept: each step's host wall time and a handle
+on its (unreduced, on-device) loss for the summary's first and last-ten losses. Everything
+that needs a device sync or a collective (the reduced loss, the grad norm's value, state
+bytes, communication counts, pipeline statistics) is taken on measured steps only, by
+the step runner and the loop; this file turns those into records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshforge.config import Config
+from meshforge.data.dataset import TokenDataset
+from meshforge.metrics.memory import GIB, peak_mem_gib
+from meshforge.metrics.mfu import utilization
+from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
+from meshforge.models.llama import ModelArgs
+from meshforge.train.step import StepResult
+
+SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
+
+
+class StepMetrics:
+    """Turns measured steps into records; keeps step times and loss handles in between."""
+
+    def __init__(self, cfg: Config, args: ModelArgs, world_size: int, peak: float, device: torch.device):
+        t = cfg.train
+        self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
+        self.flops_per_token = model_flops_per_token(args, t.seq_len)
+        self.hw_flops_per_token = hardware_flops_per_token(args, t.seq_len, t.activation_checkpoint)
+        self.peak, self.device = peak, device
+        self.times: list[float] = []  # every step's wall time (host clock, no sync)
+        self.window: list[float] = []  # since the last logged step
+        self.first_loss: torch.Tensor | None = None
+        self.recent: deque[torch.Tensor] = deque(maxlen=SUMMARY_TAIL)
+
+    def add(self, dt: float, result: StepResult) -> None:
+        """Book one step: its time, and its loss tensor (a reference, no copy, no sync)."""
+        self.times.append(dt)
+        self.window.append(dt)
+        if self.first_loss is None:
+            self.first_loss = result.loss
+        self.recent.append(result.loss)
+
+    def recent_step_time(self) -> float:
+        """Mean wall time of the last ten steps (for the Young/Daly checkpoint interval)."""
+        tail = self.times[-10:]
+        return sum(tail) / len(tail)
+
+    def record(self, step: int, tokens_seen: int, result: StepResult, extra: dict[str, Any]) -> dict[str, Any]:
+        """The logged record of measured step ``step``; times are the mean over the window
+        since the last logged step, which this starts afresh. ``extra``: comm bytes, pp stats."""
+        step_time = sum(self.window) / len(self.window)
+        self.window = []
+        tps = self.tokens_per_step / step_time
+        per_device = tps / self.world_size
+        state_mem = result.state_mem or {}
+        comm = extra.get("comm_bytes_by_kind", {})
+        return {
+            "step": step,
+            "loss": result.global_loss,
+            "lr": result.lr,
+            "grad_norm": float(result.grad_norm),
+            "tokens_per_s": tps,
+            "step_time_s": step_time,
+            "mfu": utilization(self.flops_per_token, per_device, self.peak),
+            "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
+            "peak_mem_gib": peak_mem_gib(self.device),
+            "tokens_seen": tokens_seen,
+            "state_mem_gib": sum(state_mem.values()) / GIB,
+            "state_mem_bytes": dict(state_mem),
+            "comm_bytes": {axis: sum(k.values()) for axis, k in comm.items()},
+            "comm_bytes_by_kind": comm,
+            **extra.get("pp_stats", {}),
+        }
+
+    def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
+        """The run's summary. ``reduce_loss`` turns the kept per-rank losses into global ones in
+        one collective (every rank calls this). ``fields``: steps, interrupted, tokens,
+        wall_time_s, val_loss."""
+        kept = reduce_loss(torch.stack([self.first_loss, *self.recent])).tolist()
+        warm = self.times[max(1, len(self.times) // 10) :] or self.times  # leave out the first steps (compile, caches)
+        tps = self.tokens_per_step * len(warm) / sum(warm)
+        per_device = tps / self.world_size
+        out = {k: fields[k] for k in ("steps", "interrupted", "tokens", "wall_time_s")}
+        return {
+            **out,
+            "first_loss": kept[0],
+            "final_loss": sum(kept[1:]) / len(kept[1:]),
+            "val_loss": fields["val_loss"],
+            "tokens_per_s": tps,
+            "mfu": utilization(self.flops_per_token, per_device, self.peak),
+            "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
+            "peak_mem_gib": peak_mem_gib(self.device),
+        }
+
+
+def start_line(
+    cfg: Config,
+    params: int,
+    world: int,
+    device: torch.device,
+    precision: str,
+    accum: int,
+    micro: int,
+    data: TokenDataset,
+) -> str:
+    """The console's first line: what is trained, where, on what."""
+    t = cfg.train
+    return (
+        f"meshforge: training {cfg.model.preset} ({params / 1e6:.2f}M params) for {t.steps} "
+        f"steps on {world} x {device.type} ({precision}) | batch "
+        f"{t.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es) of {micro} per rank "
+        f"| data {data.root} ({len(data.train)} sequences) | run dir {cfg.run.dir}"
+    )
+
+
+def end_line(summary: dict[str, Any], run_dir: str) -> str:
+    """The console's last line."""
+    val_loss = summary["val_loss"]
+    vl = f" | val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})" if val_loss is not None else ""
+    return (
+        f"{'stopped early' if summary['interrupted'] else 'done'}: {summary['steps']} steps in "
+        f"{summary['wall_time_s']:.1f}s | {summary['tokens'] / 1e6:.2f}M tokens | loss {summary['first_loss']:.4f} -> "
+        f"{summary['final_loss']:.4f}{vl} | {summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
+        f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
+    )

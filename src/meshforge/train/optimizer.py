@@ -1,0 +1,66 @@
+"""AdamW with its parameter groups, and the learning-rate schedule as a LambdaLR.
+
+The schedule is linear warmup, then cosine / linear decay (or constant) to a floor of
+optim.lr x optim.min_lr_ratio, reached at optim.decay_steps (default train.steps).
+``lr_at`` is the formula; the scheduler applies it with base LR 1.0, so the LR an
+optimizer step uses is exactly ``lr_at(cfg, step)``. After a checkpoint load the scheduler
+is built at the resumed step (the schedule is a pure function of the step, so nothing
+else needs saving).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from meshforge.config import Config
+from meshforge.parallel.data_parallel import make_optimizer
+from meshforge.parallel.mesh import Mesh
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to a floor."""
+    o = cfg.optim
+    peak, floor = o.lr, o.lr * o.min_lr_ratio
+    if step < o.warmup_steps:
+        return peak * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return peak
+    end = o.decay_steps or cfg.train.steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, end - o.warmup_steps))
+    if o.schedule == "linear":
+        return peak - (peak - floor) * progress
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and embeddings (incl. a head tied to the embedding)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+    o = cfg.optim
+    impl = o.implementation
+    if impl == "auto":
+        impl = "fused" if mesh.device.type == "cuda" else "foreach"
+    kw: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw.update(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, cfg.parallel.zero_stage)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, step: int = 0) -> LambdaLR:
+    """The schedule, positioned so the next optimizer step (``step``, 0-based) uses ``lr_at(cfg, step)``."""
+    for g in optimizer.param_groups:
+        g["initial_lr"] = 1.0  # the lambda returns the LR itself
+    return LambdaLR(optimizer, lambda s: lr_at(cfg, s), last_epoch=step - 1)
+
+
+def current_lr(scheduler: LambdaLR) -> float:
+    """The LR the next optimizer step uses (a Python float: no device sync)."""
+    return scheduler.get_last_lr()[0]

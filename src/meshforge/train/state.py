@@ -1,0 +1,47 @@
+"""The train state a checkpoint carries besides the weights and optimizer: how far the run
+got (step, tokens seen), where the data order stands (the sampler) and the RNG streams.
+
+step, tokens_seen and the sampler go into the checkpoint's meta.json (rank 0's, shared by
+all ranks); the RNG is per rank (rank-NNNNN.json, written by the Checkpointer) and is only
+put back when the layout is the same, since another layout's ranks draw other streams.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshforge.checkpoint.manager import rng_state, set_rng_state
+from meshforge.data.sampler import GlobalBatchSampler
+
+
+class TrainState:
+    """Progress of one run; the same on every rank."""
+
+    def __init__(self, sampler: GlobalBatchSampler, tokens_per_step: int):
+        self.sampler = sampler
+        self.tokens_per_step = tokens_per_step
+        self.step = 0
+        self.tokens_seen = 0
+
+    def advance(self) -> None:
+        """One optimizer step done."""
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """What meta.json holds of the train state (JSON-able)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.sampler.load_state_dict(state["sampler"])
+
+    @staticmethod
+    def rng_state() -> dict[str, Any]:
+        """This rank's RNG streams (torch CPU, and CUDA when in use)."""
+        return rng_state()
+
+    @staticmethod
+    def load_rng_state(state: dict[str, Any]) -> None:
+        set_rng_state(state)

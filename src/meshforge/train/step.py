@@ -1,0 +1,148 @@
+"""One optimizer step: a plain runner (micro-batches with gradient accumulation) and a
+pipeline runner (the schedule runs the micro-batches), sharing one finish.
+
+The finish is the same for both: put gradients in their parameters' layouts (tp without
+FSDP), clip by the global norm (its all-reduce is part of the computation), step the
+optimizer and the LR schedule, drop the gradients. Measurement is asked for per step
+(``measure``): only then is the loss reduced over the ranks and read, and are the state
+bytes counted. Otherwise the loss stays a device tensor on this rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from meshforge.config import Config
+from meshforge.metrics.memory import gathered_param_bytes, state_bytes
+from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.data_parallel import gradient_sync
+from meshforge.parallel.grad_clip import clip_grad_norm
+from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.pipeline import Pipeline
+from meshforge.parallel.tensor_parallel import local_value, match_grad_layouts
+from meshforge.train.optimizer import current_lr
+
+
+@dataclass
+class StepResult:
+    """What a step leaves: device tensors always, host values only on measured steps."""
+
+    loss: torch.Tensor  # this rank's share of the loss, not reduced (see StepRunner.reduce_loss)
+    grad_norm: torch.Tensor  # the global pre-clip norm, equal on every rank
+    lr: float  # the LR this step used
+    measured: bool
+    global_loss: float | None = None  # measured: the loss over the whole global batch
+    state_mem: dict[str, int] | None = None  # measured: bytes of params, grads, optimizer state, gathered params
+
+
+class StepRunner:
+    """The shared finish; subclasses run forward and backward over this rank's batch slice."""
+
+    loss_groups: tuple[dist.ProcessGroup | None, ...] = ()  # groups the loss is summed over before dp
+    stage_group: dist.ProcessGroup | None = None  # pipeline: ranks with disjoint parameters
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        loss: LanguageModelLoss,
+        cfg: Config,
+        mesh: Mesh,
+        sharded: bool,
+    ):
+        self.model, self.optimizer, self.scheduler, self.loss = model, optimizer, scheduler, loss
+        self.mesh, self.sharded = mesh, sharded
+        self.max_norm = cfg.train.grad_clip or float("inf")
+        self.match_layouts = mesh.degrees["tp"] > 1 and not sharded
+        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device)  # once per run
+
+    def run(self, batch: torch.Tensor, measure: bool) -> StepResult:
+        """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one update."""
+        lr = current_lr(self.scheduler)
+        loss, gathered = self.forward_backward(batch[:, :-1], batch[:, 1:], measure)
+        out = StepResult(loss, torch.zeros(()), lr, measure)
+        if measure:
+            out.global_loss = float(self.reduce_loss(loss))
+        if self.match_layouts:
+            match_grad_layouts(self.model)
+        out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
+        self.optimizer.step()
+        if measure:
+            out.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return out
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool) -> tuple[torch.Tensor, int]:
+        """Accumulate this rank's gradients; return its loss and (measured, sharded) the
+        bytes of parameters held gathered for backward."""
+        raise NotImplementedError
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global-batch loss from every rank's share (any shape: summed elementwise).
+        A collective: every rank calls it at the same point."""
+        total = loss.detach().clone()
+        for group in self.loss_groups:
+            dist.all_reduce(total, group=group)
+        if self.mesh.dp_size > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+            total /= self.mesh.dp_size
+        return total
+
+
+class PlainStep(StepRunner):
+    """Micro-batches with gradient accumulation; DDP / FSDP reduce gradients on the last one
+    (or on every one with parallel.sync_every_microbatch)."""
+
+    def __init__(
+        self,
+        train_model: nn.Module,
+        forward_context: Callable[[], contextlib.AbstractContextManager],
+        micro: int,
+        accum: int,
+        sync_every_microbatch: bool,
+        **common: Any,
+    ):
+        super().__init__(**common)
+        self.train_model, self.forward_context = train_model, forward_context
+        self.micro, self.accum, self.sync_all = micro, accum, sync_every_microbatch
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool) -> tuple[torch.Tensor, int]:
+        total = torch.zeros((), device=self.mesh.device)
+        gathered = 0
+        for i in range(self.accum):
+            sl = slice(i * self.micro, (i + 1) * self.micro)
+            last = i == self.accum - 1
+            with gradient_sync(self.train_model, last or self.sync_all), self.loss.context():
+                with self.forward_context():
+                    logits = self.train_model(inputs[sl], self.positions)
+                loss = self.loss(logits, targets[sl], self.model)
+                if measure and last and self.sharded:
+                    gathered = gathered_param_bytes(self.model)  # what ZeRO-2 keeps gathered for backward
+                (loss / self.accum).backward()
+            total += local_value(loss.detach())
+        return total / self.accum, gathered
+
+
+class PipelineStep(StepRunner):
+    """The schedule runs the micro-batches; the loss is known on the last stage (summed over
+    the pp group to share it), the gradient norm adds up over the stages."""
+
+    def __init__(self, pipeline: Pipeline, **common: Any):
+        super().__init__(**common)
+        self.pipeline = pipeline
+        self.loss_groups = (self.mesh.group("pp"),)
+        self.stage_group = self.mesh.group("pp")
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool) -> tuple[torch.Tensor, int]:
+        self.pipeline.positions = self.positions  # the one spot later stages take this step's positions from
+        return self.pipeline.step(inputs, targets, self.mesh.rank, measure), 0
