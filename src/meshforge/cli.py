@@ -1,8 +1,14 @@
-"""``meshforge`` command line: train, data prepare, convert."""
+"""``meshforge`` command line: train, plan, calibrate, data prepare, convert.
+
+Each subcommand imports what it runs inside its own function (the only function-local
+imports in meshforge, on purpose): ``meshforge --help`` or a bad flag answers at once,
+without loading torch, the training stack or the planner.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,8 +113,6 @@ def cmd_data(args: argparse.Namespace) -> int:
         raise ConfigError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
     tok = load_tokenizer(args.tokenizer)
     out = prepare(args.input, args.out, tok, args.val_fraction)
-    import json
-
     index = json.loads((out / "index.json").read_text())
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
     print(

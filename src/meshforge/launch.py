@@ -7,6 +7,8 @@ import os
 import sys
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
 
 from meshforge.errors import ConfigError
 
@@ -32,9 +34,6 @@ def check_nproc(nproc: int, device: str) -> None:
 
 def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = get_args_parser().parse_args(
         [

@@ -13,6 +13,7 @@ in flight; the next one, and the end of training, wait for it.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import threading
@@ -189,8 +190,6 @@ def resolve_load(load: str, root: Path, event: Event) -> tuple[Path | None, dict
 
 
 def model_shape_hash(model_args: dict[str, Any]) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(model_args, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from tokenizers import Tokenizer as _Tok
 
 from meshforge.errors import DataError
 
@@ -46,8 +47,6 @@ class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` read by the ``tokenizers`` library (no network)."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer as _Tok
-
         p = Path(path)
         if p.is_dir():
             p = p / "tokenizer.json"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from meshforge.data.prepare import default_cache_dir
+
 TFLOPS = 1e12
 
 # Dense peak TFLOP/s by device and precision.
@@ -47,8 +49,6 @@ def gpu_kind(name: str) -> str | None:
 
 
 def _cache_file() -> Path:
-    from meshforge.data.prepare import default_cache_dir
-
     return default_cache_dir() / "cpu_peak.json"
 
 

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from meshforge.errors import ConfigError
+from meshforge.errors import ConfigError, suggest
 from meshforge.models.llama import ModelArgs
 
 _LLAMA3 = dict(
@@ -67,10 +67,8 @@ PRESETS: dict[str, ModelArgs] = {
 
 def get_preset(name: str) -> ModelArgs:
     if name not in PRESETS:
-        import difflib
-
-        close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.4)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        hint = suggest(name, PRESETS, cutoff=0.4)
+        hint = f"{hint} " if hint.startswith("did you mean") else ""
         raise ConfigError(f"unknown model preset '{name}' (model.preset); {hint}known presets: {', '.join(PRESETS)}")
     return copy.copy(PRESETS[name])  # not dataclasses.replace: that would pin a derived head_dim
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 _ISEND = dist.isend
 # function name -> (kind, argument holding the full-size payload, wire factor(n))
@@ -55,8 +56,6 @@ _FUNCOL = {
 
 def _process_group(group: Any) -> Any:
     """A functional collective's group argument ((mesh, dim), a 1-D mesh, or a group) as a ProcessGroup."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         return group[0].get_group(group[1])
     if isinstance(group, DeviceMesh):

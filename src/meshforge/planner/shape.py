@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from meshforge.errors import ConfigError
 from meshforge.models import flops
+from meshforge.models.presets import get_preset
 
 if TYPE_CHECKING:
     from meshforge.models.llama import ModelArgs
@@ -76,15 +77,8 @@ class Shape:
 
 
 def from_preset(name: str) -> Shape:
-    from meshforge.models.presets import PRESETS
-
-    if name not in PRESETS:
-        import difflib
-
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"unknown model preset {name!r}; {hint}presets: {', '.join(PRESETS)}")
-    return from_args(PRESETS[name], name)
+    """A named preset (models/presets.py) as a Shape; an unknown name is refused there."""
+    return from_args(get_preset(name), name)
 
 
 def from_args(a: ModelArgs, name: str = "config") -> Shape:
