@@ -1,4 +1,4 @@
-"""``meshforge`` command line: train, plan, calibrate, data prepare, convert.
+"""``meshforge`` command line: train, plan, calibrate, report, data prepare, convert.
 
 Each subcommand imports what it runs inside its own function (the only function-local
 imports in meshforge, on purpose): ``meshforge --help`` or a bad flag answers at once,
@@ -151,6 +151,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from meshforge.report import write_report
+
+    path = write_report(args.run_dirs, args.out)
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser: file://{path.resolve()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshforge", description="Train transformer language models across a device mesh.")
     p.add_argument("--version", action="version", version=f"meshforge {__version__}")
@@ -181,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", required=True, metavar="FILE")
     cal.add_argument("--nproc", type=int, default=2, help="local ranks for the collective measurements")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
     return p
 
 
@@ -199,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             from meshforge.planner.plan import run
 
             return run(args)
+        if args.command == "report":
+            return cmd_report(args)
         if args.command == "calibrate":
             from meshforge.planner.calibrate import run as run_calibrate
 

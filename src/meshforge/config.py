@@ -138,6 +138,7 @@ class MetricsConfig:
     console: bool = True
     jsonl: bool = True
     tensorboard: bool = True
+    report: bool = True  # write run.dir/report.html when the run stops (rank 0; also after a crash)
 
 
 @dataclass

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
 from meshforge.planner import report
-from meshforge.planner.hardware import get_hardware
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.hardware import Hardware, get_hardware
+from meshforge.planner.search import Fixed, Ranked, search
 from meshforge.planner.shape import Shape, from_args, from_preset
 
 
@@ -111,8 +112,22 @@ def _raw_toml(path: str) -> dict:
         return tomllib.load(f)
 
 
-def run(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+@dataclass
+class Planned:
+    """One search's inputs and answer, as ``meshforge plan`` and the run report use them."""
+
+    results: Ranked
+    considered: int
+    shape: Shape
+    hw: Hardware
+    global_batch: int
+    seq: int
+    precision: str
+    preset: str | None
+
+
+def plan_from_args(args: argparse.Namespace) -> Planned:
+    """Search the layouts the parsed ``meshforge plan`` arguments allow (no printing)."""
     shape, dflt, preset = _shape_and_defaults(args)
     hw = get_hardware(args.gpu, args.hardware)
     if args.inter_node_bw:
@@ -140,6 +155,21 @@ def run(args: argparse.Namespace) -> int:
         schedule=pick("schedule"),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
+    return Planned(results, considered, shape, hw, gb, seq, precision, preset)
+
+
+def parse_plan_args(argv: list[str]) -> argparse.Namespace:
+    """``meshforge plan`` arguments from a list (for callers that plan in-process)."""
+    p = argparse.ArgumentParser(prog="meshforge plan")
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    pl = plan_from_args(args)
+    results, considered, shape, hw = pl.results, pl.considered, pl.shape, pl.hw
+    gb, seq, precision, preset = pl.global_batch, pl.seq, pl.precision, pl.preset
     elapsed = time.perf_counter() - t0
     if args.json:
         print(report.as_json(results, args.top, shape, considered, results.refused))

@@ -1,0 +1,297 @@
+"""The HTML run report: read what a run directory holds (even a crashed run's partial files)
+and write one self-contained page — curves, events, config and the planner's prediction
+beside what was measured — that opens offline in any browser."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from meshforge.errors import MeshforgeError
+from meshforge.planner.hardware import PRESETS
+from meshforge.planner.plan import parse_plan_args, plan_from_args
+from meshforge.report.svg import COLORS, Series, line_chart, pipeline_timeline
+
+# (metric key in metrics.jsonl, chart title)
+CHARTS = (
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm"),
+    ("tokens_per_s", "tokens/s"),
+    ("mfu", "MFU (model FLOPs utilization)"),
+    ("hfu", "HFU (hardware FLOPs utilization)"),
+    ("peak_mem_gib", "peak memory (GiB)"),
+    ("state_mem_gib", "model + optimizer state memory (GiB)"),
+)
+CUDA_NAMES = ("h200", "h100", "a100", "b200", "mi300x")
+
+
+@dataclass
+class Run:
+    """What one run directory holds; missing files leave their field empty."""
+
+    path: Path
+    name: str
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    config_text: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file; a torn last line (a killed writer) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a run directory; refuse a directory that holds neither metrics nor events."""
+    p = Path(path)
+    if not (p / "metrics.jsonl").is_file() and not (p / "events.jsonl").is_file():
+        raise MeshforgeError(f"{p} is not a meshforge run directory (it has no metrics.jsonl and no events.jsonl)")
+    run = Run(p, p.resolve().name, read_jsonl(p / "metrics.jsonl"), read_jsonl(p / "events.jsonl"))
+    if (p / "config.toml").is_file():
+        run.config_text = (p / "config.toml").read_text(errors="replace")
+    run.summary = _read_json(p / "summary.json") or {}
+    tl = _read_json(p / "pipeline_timeline.json")
+    run.timeline = tl if isinstance(tl, list) else []
+    return run
+
+
+def _event(run: Run, name: str) -> dict[str, Any]:
+    return next((e for e in run.events if e.get("event") == name), {})
+
+
+def _gpu_for(run: Run) -> str:
+    """The planner's hardware preset for the run's device: cpu, a CUDA name in the device
+    string, else the preset whose peak matches the run's measured peak FLOPs."""
+    start = _event(run, "run_start")
+    device = str(start.get("device_name") or start.get("device") or "cpu").lower()
+    if device.startswith("cpu"):
+        return "cpu"
+    for name in CUDA_NAMES:
+        if name in device:
+            return next(k for k in PRESETS if k.startswith(name))
+    peak, precision = start.get("peak_flops"), start.get("precision", "bf16")
+    for name, hw in PRESETS.items():
+        if peak and name != "cpu" and abs(hw.peak_flops.get(precision, 0) - peak) < 1e-3 * peak:
+            return name
+    return "h100-sxm"
+
+
+def predict(run: Run) -> dict[str, Any] | str:
+    """The planner's estimate for this run's exact layout, or the reason there is none."""
+    cfg = run.path / "config.toml"
+    if not cfg.is_file():
+        return "no config.toml in the run directory"
+    world = _event(run, "run_start").get("world_size") or 1
+    gpu = _gpu_for(run)
+    try:
+        pl = plan_from_args(parse_plan_args(["--config", str(cfg), "--gpus", str(world), "--gpu", gpu]))
+        best = pl.results[0] if pl.results else (pl.results.refused[0] if pl.results.refused else None)
+    except (MeshforgeError, ValueError, KeyError, ZeroDivisionError) as e:
+        return f"the planner could not estimate this run: {e}"
+    except SystemExit:
+        return "the planner could not read this run's config"
+    if best is None:
+        return "the planner found no layout for this run's config"
+    mem = best.memory["total"]
+    return {"gpu": gpu, "world": world, "step_time_s": best.step_time_s, "mfu": best.mfu, "mem_gib": mem}
+
+
+def status(run: Run) -> str:
+    """How the run ended, from its events."""
+    kinds = [e.get("event") for e in run.events]
+    if "failure" in kinds:
+        return "failed"
+    if "run_end" in kinds:
+        return "interrupted" if _event(run, "run_end").get("interrupted") else "finished"
+    if "interrupted" in kinds:
+        return "interrupted"
+    return "incomplete (no run_end: killed, or still running)"
+
+
+def _series(runs: list[Run], key: str) -> list[Series]:
+    return [
+        Series(r.name, COLORS[i % len(COLORS)], [(m["step"], m[key]) for m in r.metrics if "step" in m and key in m])
+        for i, r in enumerate(runs)
+    ]
+
+
+def _loss_series(runs: list[Run]) -> list[Series]:
+    out = []
+    for i, r in enumerate(runs):
+        c = COLORS[i % len(COLORS)]
+        out.append(Series(f"{r.name} loss", c, [(m["step"], m["loss"]) for m in r.metrics if "loss" in m]))
+        evals = [(e["step"], e["val_loss"]) for e in r.events if e.get("event") == "eval" and "val_loss" in e]
+        out.append(Series(f"{r.name} val loss", c, evals, dashed=True))
+    return out
+
+
+def _comm_series(runs: list[Run]) -> list[Series]:
+    out, n = [], 0
+    for r in runs:
+        axes = sorted({a for m in r.metrics for a in (m.get("comm_bytes") or {})})
+        for axis in axes:
+            pts = [(m["step"], m["comm_bytes"][axis]) for m in r.metrics if axis in (m.get("comm_bytes") or {})]
+            out.append(Series(f"{r.name} {axis}", COLORS[n % len(COLORS)], pts))
+            n += 1
+    return out
+
+
+def charts(runs: list[Run]) -> list[str]:
+    """Every metric's chart, all runs overlaid."""
+    out = [line_chart("loss", "loss (solid) and validation loss (dashed)", _loss_series(runs))]
+    out += [line_chart(key, title, _series(runs, key)) for key, title in CHARTS]
+    out.append(line_chart("comm_bytes", "communication bytes per step, by mesh axis", _comm_series(runs)))
+    return out
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return format(v, spec) if isinstance(v, (int, float)) else "—"
+
+
+def _measured(run: Run) -> dict[str, Any]:
+    """Steady-state figures: medians past the first logged step (compile, caches)."""
+    steady = run.metrics[1:] or run.metrics
+
+    def med(key: str) -> float | None:
+        vals = [m[key] for m in steady if isinstance(m.get(key), (int, float))]
+        return statistics.median(vals) if vals else None
+
+    mems = [m["peak_mem_gib"] for m in run.metrics if isinstance(m.get("peak_mem_gib"), (int, float))]
+    last = run.metrics[-1]["loss"] if run.metrics and "loss" in run.metrics[-1] else None
+    return {"step_time_s": med("step_time_s"), "mfu": med("mfu"), "mem_gib": max(mems) if mems else None, "loss": last}
+
+
+def overview(runs: list[Run]) -> str:
+    """One row per run: how it ended, final loss, measured against predicted."""
+    rows = []
+    for i, r in enumerate(runs):
+        m, p = _measured(r), predict(r)
+        steps = r.metrics[-1].get("step") if r.metrics else None
+        swatch = f'<span class="swatch" style="background:{COLORS[i % len(COLORS)]}"></span>'
+        pred = (
+            [_fmt(p["step_time_s"], ".4f"), _fmt(100 * p["mfu"], ".2f") + "%", _fmt(p["mem_gib"], ".3f")]
+            if isinstance(p, dict)
+            else [f'<span class="err">{escape(p)}</span>', "", ""]
+        )
+        hw = escape(f"{p['world']} x {p['gpu']}") if isinstance(p, dict) else ""
+        cells = [
+            f"{swatch}{escape(r.name)}<br><small>{escape(str(r.path))}</small>",
+            escape(status(r)),
+            escape(str(steps if steps is not None else "—")),
+            _fmt(m["loss"], ".4f"),
+            _fmt(r.summary.get("final_loss"), ".4f"),
+            _fmt(r.summary.get("val_loss"), ".4f"),
+            _fmt(m["step_time_s"], ".4f"),
+            pred[0],
+            _fmt(100 * m["mfu"], ".2f") + "%" if m["mfu"] is not None else "—",
+            pred[1],
+            _fmt(m["mem_gib"], ".3f"),
+            pred[2],
+            hw,
+        ]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    head = (
+        "run,status,last step,last loss,final loss (mean of last steps),val loss,step time s (measured),"
+        "step time s (planner),MFU (measured),MFU (planner),peak mem GiB (measured),mem GiB/GPU (planner),"
+        "planner hardware"
+    ).split(",")
+    return (
+        '<table class="overview"><tr>' + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr>" + "".join(rows)
+    ) + "</table>"
+
+
+EVENT_KINDS = ("run_start", "checkpoint_saved", "resumed", "restart", "interrupted", "failure", "run_end", "eval")
+
+
+def events_table(run: Run) -> str:
+    """The run's events in order, times relative to the first; the listed kinds are highlighted."""
+    if not run.events:
+        return "<p>no events.jsonl</p>"
+    t0 = next((e["time"] for e in run.events if isinstance(e.get("time"), (int, float))), 0.0)
+    rows = []
+    for e in run.events:
+        kind = str(e.get("event", "?"))
+        t = e.get("time")
+        details = {k: v for k, v in e.items() if k not in ("time", "event")}
+        text = json.dumps(details, default=str)
+        if len(text) > 600:
+            text = text[:600] + " …"
+        cls = ' class="key-event"' if kind in EVENT_KINDS else ""
+        rows.append(
+            f"<tr{cls}><td>{_fmt(t - t0 if isinstance(t, (int, float)) else None, '.2f')}</td>"
+            f'<td class="event">{escape(kind)}</td><td><code>{escape(text)}</code></td></tr>'
+        )
+    return '<table class="events"><tr><th>t (s)</th><th>event</th><th>details</th></tr>' + "".join(rows) + "</table>"
+
+
+CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
+h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}h3{font-size:.95em;margin:.3em 0}
+table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ddd;padding:3px 6px;vertical-align:top}
+th{background:#f4f4f4}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart{border:1px solid #eee;padding:6px}
+.tick{font-size:10px;fill:#555}.legend{font-size:.8em}.key{margin-right:1em;white-space:nowrap}
+.swatch{display:inline-block;width:10px;height:10px;margin-right:4px}.err{color:#b00}
+tr.key-event td.event{font-weight:bold}pre{background:#f8f8f8;padding:8px;font-size:.8em;overflow:auto}
+.nodata{color:#888}code{font-size:.9em;word-break:break-all}
+"""
+
+
+def build_html(runs: list[Run]) -> str:
+    """The whole page for one or more runs (their curves overlaid, one colour per run)."""
+    names = ", ".join(r.name for r in runs)
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>meshforge report: {escape(names)}</title>",
+        f"<style>{CSS}</style></head><body><h1>meshforge run report: {escape(names)}</h1>",
+        "<h2>Overview: measured and predicted</h2>",
+        overview(runs),
+        "<p><small>Measured: medians past the first logged step; planner: <code>meshforge plan --config "
+        "RUN_DIR/config.toml --gpus WORLD</code> for that exact layout.</small></p>",
+        '<h2>Curves</h2><div class="charts">',
+        *charts(runs),
+        "</div>",
+    ]
+    for r in runs:
+        if r.timeline:
+            title = f"{r.name}: pipeline timeline (one measured step; F forward, B backward, W weight gradient)"
+            parts += ["<h2>Pipeline timeline</h2>", pipeline_timeline(r.timeline, title)]
+    for r in runs:
+        parts += [f"<h2>Events: {escape(r.name)}</h2>", events_table(r)]
+    for r in runs:
+        body = escape(r.config_text) if r.config_text else "(no config.toml)"
+        parts.append(f"<h2>Config: {escape(r.name)}</h2><details open><summary>config.toml</summary>")
+        parts.append(f'<pre class="config">{body}</pre></details>')
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Write the report of ``run_dirs`` to ``out`` (default: the first run's report.html)."""
+    if not run_dirs:
+        raise MeshforgeError("give at least one run directory")
+    runs = [load_run(d) for d in run_dirs]
+    path = Path(out) if out else runs[0].path / "report.html"
+    path.write_text(build_html(runs))
+    return path
