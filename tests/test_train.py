@@ -66,6 +66,7 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
     assert final.args.hidden == 64
     text = out.getvalue()
     assert "step 30/30" in text and "done: 30 steps" in text and "MFU" in text
+    assert f"meshforge train --config {run / 'config.toml'} --model.init_from {run / 'final'}" in text  # goes on
 
 
 def test_deterministic_mode_gives_bit_identical_losses(tmp_path, corpus):

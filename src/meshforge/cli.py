@@ -16,21 +16,31 @@ from typing import Any
 from meshforge import __version__, launch_env
 from meshforge.errors import ConfigError, MeshforgeError, suggest
 
-TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--section.key=value ...]
+TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
+                       [--section.key=value ...]
 
 Train a model. Any config key can be overridden as --section.key=value or --section.key value,
-e.g. --train.steps=100 --model.preset llama3.2-1b --optim.lr 3e-4. Sections: model, parallel,
-train, optim, data, checkpoint, metrics, run. See README.md and configs/ for examples."""
+e.g. --train.steps=100 --model.preset llama3.2-1b --optim.lr 3e-4. See README.md, configs/ for
+examples and docs/configuration.md for what each key means.
 
-_TRAIN_FLAGS = ("--config", "--nproc", "--max-restarts", "--help")
+  --config FILE      a TOML config (a run's config.toml reproduces that run)
+  --nproc N          local ranks to start (default 1; under torchrun leave it out)
+  --max-restarts K   restart the ranks up to K times after a failure, resuming from the last checkpoint
+  --dry-run          resolve the config for --nproc ranks, print it and the planner's estimate, and exit
+
+config keys (type, default):"""
+
+_TRAIN_FLAGS = ("--config", "--nproc", "--max-restarts", "--dry-run", "--help")
 
 
 def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, Any]]:
-    """Split ``train`` arguments into (config file, nproc, max restarts, {section.key: value})."""
-    from meshforge.config import parse_value
+    """Split ``train`` arguments into (config file, nproc, max restarts, {section.key: value});
+    ``--dry-run`` is read by ``cmd_train`` itself."""
+    from meshforge.config import key_type, parse_value
 
     config, nproc, restarts = None, 1, 0
     overrides: dict[str, Any] = {}
+    argv = [a for a in argv if a != "--dry-run"]
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -42,6 +52,8 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
             if nxt is not None and not nxt.startswith("--"):
                 value, i = nxt, i + 1
             elif "." in name:
+                if key_type(name) not in (None, bool):
+                    raise ConfigError(f"--{name} needs a value, e.g. --{name}=VALUE (only boolean keys stand alone)")
                 value = "true"  # a bare --section.flag turns a boolean on
             elif name not in ("help",):
                 raise ConfigError(f"--{name} needs a value")
@@ -69,7 +81,10 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 
 def cmd_train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
+        from meshforge.config import describe_keys
+
         print(TRAIN_USAGE)
+        print(describe_keys())
         return 0
     from meshforge.config import load_config
     from meshforge.launch import check_nproc, launch_local
@@ -77,6 +92,8 @@ def cmd_train(argv: list[str]) -> int:
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
+    if "--dry-run" in argv:
+        return dry_run(cfg, nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
     if restarts and (cfg.checkpoint.interval == 0 or cfg.checkpoint.load == "none"):
         raise ConfigError(
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
@@ -103,6 +120,44 @@ def cmd_train(argv: list[str]) -> int:
     ]
     child.append(f"--run.dir={cfg.run.dir}")
     return launch_local(nproc, child, restarts)
+
+
+def dry_run(cfg: Any, world: int) -> int:
+    """Print the config resolved for ``world`` ranks and the planner's estimate of exactly that
+    layout; start nothing and write nothing (run.dir is not touched)."""
+    import tempfile
+
+    import torch
+
+    from meshforge.config import to_toml
+    from meshforge.planner.hardware import preset_for_device
+    from meshforge.planner.plan import parse_plan_args, plan_from_args
+    from meshforge.resolve import resolve
+
+    cfg = resolve(cfg, world)
+    text = to_toml(cfg)
+    print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{text}")
+    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    gpu = preset_for_device(torch.cuda.get_device_name(0) if use_cuda and torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.toml"
+        path.write_text(text)
+        try:
+            pl = plan_from_args(parse_plan_args(["--config", str(path), "--gpus", str(world), "--gpu", gpu]))
+        except MeshforgeError as e:
+            print(f"planner: no estimate for this layout ({e})")
+            return 0
+    e = pl.results[0] if pl.results else (pl.results.refused[0] if pl.results.refused else None)
+    if e is None:
+        print("planner: no estimate for this layout")
+        return 0
+    fits = "fits" if e.fits else f"does NOT fit: {e.overflow}"
+    print(
+        f"planner estimate on {world} x {pl.hw.name}: memory {e.memory['total']:.2f} GiB per device ({fits}) | "
+        f"step time {e.step_time_s:.4f} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
+    )
+    print("dry run: no ranks started, nothing written")
+    return 0
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -140,6 +195,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"converted checkpoint {path} -> Hugging Face checkpoint {out} (loads with from_pretrained)")
         return 0
     if args.from_hf:
+        if not Path(args.from_hf).is_dir():
+            raise MeshforgeError(
+                f"--from-hf {args.from_hf}: not a directory. meshforge reads local Hugging Face directories only "
+                f"(no hub downloads): fetch it first, e.g. `huggingface-cli download {args.from_hf} --local-dir DIR`, "
+                "then pass --from-hf DIR"
+            )
         model = load_hf_checkpoint(args.from_hf)
         save_model_weights(model, out)
         print(f"converted Hugging Face checkpoint {args.from_hf} -> meshforge weights {out}")

@@ -235,10 +235,51 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
     cls = SECTIONS[section]
     fields = _fields_by_key(cls)
     if key not in fields:
+        elsewhere = [s for s, c in SECTIONS.items() if key in _fields_by_key(c)]
+        if elsewhere:
+            dashed = where.startswith("--")
+            hint = " or ".join(f"--{s}.{key}" if dashed else f"[{s}] {key}" for s in elsewhere)
+            raise ConfigError(
+                f"unknown key {section}.{key} in {where}; {elsewhere[0]}.{key} exists: did you mean {hint}?"
+            )
         raise ConfigError(f"unknown key {section}.{key} in {where}; {suggest(key, fields)}")
     f = fields[key]
     hints = typing.get_type_hints(cls)
     setattr(getattr(cfg, section), f.name, _coerce(f"{section}.{key}", value, hints[f.name]))
+
+
+def key_type(dotted: str) -> Any:
+    """The annotation of config key ``section.key``, or None when there is no such key."""
+    section, _, key = dotted.partition(".")
+    f = _fields_by_key(SECTIONS[section]).get(key) if section in SECTIONS else None
+    return typing.get_type_hints(SECTIONS[section])[f.name] if f else None
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "|".join(str(c) for c in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return "|".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def describe_keys() -> str:
+    """Every config key with its type and default, generated from the dataclasses (so --help
+    can never miss a key); model shape fields default to the preset's value."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = "the preset's value" if f.default is None else _toml_value(f.default)
+            else:
+                default = _toml_value(f.default_factory())  # type: ignore[misc]
+            lines.append(f"  --{section}.{_key(f):<28} {_type_name(hints[f.name]):<24} default {default}")
+    return "\n".join(lines)
 
 
 def parse_value(text: str) -> Any:

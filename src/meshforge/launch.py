@@ -20,6 +20,11 @@ def check_nproc(nproc: int, device: str) -> None:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         n = torch.cuda.device_count()
+        if n == 0:
+            raise ConfigError(
+                "train.device = 'cuda' but no CUDA device is visible on this machine; "
+                "use --train.device cpu (or auto: CUDA when there is one, else CPU)"
+            )
         if nproc > n:
             raise ConfigError(f"--nproc {nproc} is more than the {n} visible GPUs; use --nproc {n} or fewer")
     else:

@@ -128,3 +128,18 @@ def get_hardware(name: str | None, path: str | None = None) -> Hardware:
 
 def to_json(hw: Hardware) -> str:
     return json.dumps(asdict(hw), indent=1)
+
+
+CUDA_FAMILIES = ("h200", "h100", "a100", "b200", "mi300x")
+
+
+def preset_for_device(device_name: str) -> str:
+    """The hardware preset for a device ("cpu", "cuda:0", or a name such as "NVIDIA H100 80GB
+    HBM3"); a CUDA device of no known family plans as an H100 SXM."""
+    name = device_name.lower()
+    if not name or name.startswith("cpu"):
+        return "cpu"
+    for family in CUDA_FAMILIES:
+        if family in name:
+            return next(k for k in PRESETS if k.startswith(family))
+    return "h100-sxm"

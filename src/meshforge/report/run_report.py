@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import MeshforgeError
-from meshforge.planner.hardware import PRESETS
+from meshforge.planner.hardware import PRESETS, preset_for_device
 from meshforge.planner.plan import parse_plan_args, plan_from_args
 from meshforge.report.svg import COLORS, Series, line_chart, pipeline_timeline
 
@@ -26,7 +26,6 @@ CHARTS = (
     ("peak_mem_gib", "peak memory (GiB)"),
     ("state_mem_gib", "model + optimizer state memory (GiB)"),
 )
-CUDA_NAMES = ("h200", "h100", "a100", "b200", "mi300x")
 
 
 @dataclass
@@ -83,20 +82,18 @@ def _event(run: Run, name: str) -> dict[str, Any]:
 
 
 def _gpu_for(run: Run) -> str:
-    """The planner's hardware preset for the run's device: cpu, a CUDA name in the device
-    string, else the preset whose peak matches the run's measured peak FLOPs."""
+    """The planner's hardware preset for the run's device: by its name, else the CUDA preset
+    whose peak matches the peak FLOPs the run measured with."""
     start = _event(run, "run_start")
-    device = str(start.get("device_name") or start.get("device") or "cpu").lower()
-    if device.startswith("cpu"):
-        return "cpu"
-    for name in CUDA_NAMES:
-        if name in device:
-            return next(k for k in PRESETS if k.startswith(name))
+    device = str(start.get("device_name") or start.get("device") or "cpu")
+    preset = preset_for_device(device)
+    if preset != "h100-sxm" or "h100" in device.lower():
+        return preset
     peak, precision = start.get("peak_flops"), start.get("precision", "bf16")
     for name, hw in PRESETS.items():
         if peak and name != "cpu" and abs(hw.peak_flops.get(precision, 0) - peak) < 1e-3 * peak:
             return name
-    return "h100-sxm"
+    return preset
 
 
 def predict(run: Run) -> dict[str, Any] | str:

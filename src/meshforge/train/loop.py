@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,7 +34,7 @@ from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
 from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
-from meshforge.train.metrics import StepMetrics, end_line, start_line
+from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
@@ -190,6 +191,7 @@ class Trainer:
         self.checkpoints.export_final(pipelined=self.pipeline is not None)
         self.event("run_end", **summary)
         self.say(end_line(summary, self.cfg.run.dir))
+        self.say(resume_hint(self.cfg, self.mesh.world_size, finished=not interrupted))
         return summary
 
     def _evaluate_and_log(self) -> float | None:
@@ -236,6 +238,8 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             return result
         except Exception as e:
             event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
+            if mesh.is_main:
+                print(f"meshforge: the run failed; {resume_hint(cfg, mesh.world_size, False)}", file=sys.stderr)
             raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)

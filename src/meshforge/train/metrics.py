@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,3 +133,22 @@ def end_line(summary: dict[str, Any], run_dir: str) -> str:
         f"{summary['final_loss']:.4f}{vl} | {summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
         f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
     )
+
+
+def resume_hint(cfg: Config, world: int, finished: bool) -> str:
+    """The command that goes on from this run: resume or extend it from its checkpoints, or
+    (with none) start a new run from its final weights. Printed whenever a run stops."""
+    run = Path(cfg.run.dir)
+    base = f"meshforge train --config {run / 'config.toml'}" + (f" --nproc {world}" if world > 1 else "")
+    ckpts = run / "checkpoints"
+    if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+        if finished:
+            return f"to train further (resumes from its newest checkpoint): {base} --train.steps={2 * cfg.train.steps}"
+        return f"to resume from its newest checkpoint: {base}"
+    how = "no checkpoints (checkpoint.interval = 0), so it cannot resume exactly"
+    if (run / "final").is_dir():
+        return (
+            f"{how}; to continue from its final weights (fresh optimizer and schedule): {base} "
+            f"--model.init_from {run / 'final'} --run.dir {run}-more"
+        )
+    return f"{how}; to run it again with checkpoints: {base} --run.overwrite=true --checkpoint.interval=100"
