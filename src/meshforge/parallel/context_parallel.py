@@ -67,8 +67,9 @@ class Ring:
         """Send each tensor to the next rank, receive the previous rank's (one batched exchange)."""
         nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         prv = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
+        tensors = [t.contiguous() for t in tensors]  # (k, v arrive as transposed views)
         out = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, self.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, o, prv, self.group) for o in out]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
@@ -76,8 +77,9 @@ class Ring:
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t``, indexed by cp rank."""
+        t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.cp)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
+        dist.all_gather(out, t, group=self.group)
         return out
 
 
@@ -232,7 +234,9 @@ def apply_cp(model: nn.Module, mesh: Mesh, cfg: Config) -> None:
     """Swap every block's attention core for ring attention over the ``cp`` mesh dimension."""
     p = cfg.parallel
     for block in model.layers.values():
-        block.attention.core = RingAttention(mesh.group("cp"), mesh.coordinate("cp"), mesh.dims.cp, p.cp_balance, p.cp_rotate)
+        block.attention.core = RingAttention(
+            mesh.group("cp"), mesh.coordinate("cp"), mesh.dims.cp, p.cp_balance, p.cp_rotate
+        )
 
 
 def cp_index(cfg: Config, mesh: Mesh) -> torch.Tensor | None:
