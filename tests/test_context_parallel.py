@@ -2,7 +2,6 @@
 full causal SDPA, in real gloo process groups), and whole runs under cp reproduce the
 single-process run (fp32, gloo, CPU) like the other axes do."""
 
-import os
 import socket
 
 import pytest
@@ -11,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import assert_run_matches, cli_args, layout_runner, run_cli, tiny_config, tiny_overrides
+from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.parallel.context_parallel import RingAttention, shard_index
@@ -39,13 +38,19 @@ def _worker(rank: int, cp: int, port: int, cases: list) -> None:
     try:
         for _, balance, rotate, h, hkv, d, seq in cases:
             gen = torch.Generator().manual_seed(seq * 100 + h * 10 + d)
-            q, k, v = (torch.randn(2, n, seq, d, generator=gen, dtype=torch.float64) for n in (h, hkv, hkv))
+            # (batch, seq, heads, dim) transposed, as the model's projections give them: non-contiguous views
+            q, k, v = (
+                torch.randn(2, seq, n, d, generator=gen, dtype=torch.float64).transpose(1, 2) for n in (h, hkv, hkv)
+            )
             dout = torch.randn(2, h, seq, d, generator=gen, dtype=torch.float64)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=h != hkv)
             ref.backward(dout)
             idx = shard_index(seq, cp, rank, balance)
-            local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+            local = [
+                t[:, idx].transpose(1, 2).requires_grad_()
+                for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            ]
             out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate)(*local)
             out.backward(dout[:, :, idx])
             case = (cp, balance, rotate, h, hkv, d)
@@ -91,6 +96,12 @@ def test_unknown_cp_balance_suggests_the_valid_one(tmp_path, corpus):
         _config(tmp_path, corpus, **{"parallel.cp_rotate": "all_gather"})
 
 
+def test_seq_len_under_cp_and_sequence_parallel_is_refused(tmp_path, corpus):
+    cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "parallel.tp": 4, "model.kv_heads": 4, "train.seq_len": 36})
+    with pytest.raises(ConfigError, match=r"train\.seq_len = 36 .*parallel\.cp x parallel\.tp = 8"):
+        resolve(cfg, 8)
+
+
 def test_cp_with_pipeline_is_refused(tmp_path, corpus):
     cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "parallel.pp": 2, "model.layers": 2})
     with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.pp = 2"):
@@ -117,6 +128,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "cp2-none-allgather": (2, {"parallel.cp": 2, "parallel.cp_balance": "none", "parallel.cp_rotate": "allgather"}),
     "cp2-dp_shard2-ddp": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 0}),
     "cp2-dp_shard2-zero3": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3}),
+    "cp2-tp2": (4, {"parallel.cp": 2, "parallel.tp": 2}),
 }
 
 
@@ -136,6 +148,3 @@ def layout_runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, layout_runs):
     assert_run_matches(reference, layout_runs(name), STEPS)
-
-
-__all__ = ["cli_args", "run_cli", "os"]

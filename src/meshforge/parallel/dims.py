@@ -364,6 +364,13 @@ def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterat
             f"train.seq_len = {t.seq_len} must be a multiple of {what} (context parallelism splits each sequence "
             f"into {why}); use e.g. {-(-t.seq_len // chunks) * chunks}",
         )
+    elif d.tp > 1 and t.sequence_parallel and t.seq_len % (d.cp * d.tp):
+        yield Problem(
+            "train.seq_len",
+            f"train.seq_len = {t.seq_len} must be a multiple of parallel.cp x parallel.tp = {d.cp * d.tp} (sequence "
+            f"parallelism splits each cp rank's seq_len / cp tokens over the tp ranks); use e.g. "
+            f"{-(-t.seq_len // (d.cp * d.tp * 2)) * d.cp * d.tp * 2} or set parallel.sequence_parallel = false",
+        )
     yield from _context_parallel_unsupported(d, t)
 
 
@@ -371,7 +378,6 @@ def _context_parallel_unsupported(d: ParallelDims, t: Training) -> Iterator[Prob
     """Compositions with cp that this version does not run (each is tested before it is allowed)."""
     others = [
         ("parallel.pp", d.pp > 1, f"parallel.pp = {d.pp}", "set parallel.pp = 1"),
-        ("parallel.tp", d.tp > 1, f"parallel.tp = {d.tp}", "set parallel.tp = 1"),
         (
             "parallel.dp_replicate",
             d.dp_replicate > 1,
