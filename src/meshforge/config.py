@@ -72,6 +72,10 @@ class ParallelConfig:
     # blocks per stage chunk, in pipeline order (pp x pp_virtual_stages entries); empty: balanced by cost
     pp_layers: list[int] = field(default_factory=list)
     num_microbatches: int = 0  # pipeline micro-batches per step and dp rank; 0: from train.micro_batch_size
+    # Context parallelism (cp > 1): zigzag gives rank r sequence chunks r and 2cp-1-r (equal causal work);
+    # none: contiguous 1/cp. ring: key/value blocks pass rank to rank; allgather: gathered once.
+    cp_balance: Literal["zigzag", "none"] = "zigzag"
+    cp_rotate: Literal["ring", "allgather"] = "ring"
 
 
 @dataclass

@@ -11,6 +11,11 @@ Per rank, for Ψ parameters and N data-parallel ranks (fp32 master weights, Adam
 
 HSDP (dp_replicate > 1, stages 2/3) shards over ``dp_shard`` inside a group and
 replicates across groups: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh.
+
+Under context parallelism (cp > 1) the cp ranks hold the same parameters and see other
+tokens of the same sequences, so they join the reduction: DDP runs over ``dp_cp`` and
+FSDP2 shards over ``dp_shard_cp``; the mean over dp x cp equal-sized token sets is the
+global mean.
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from meshforge.parallel.mesh import Mesh
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Module:
-    """Stages 0 and 1: DDP over the flattened ``dp`` group; gradients arrive averaged.
+    """Stages 0 and 1: DDP over the flattened ``dp`` group (``dp_cp`` under cp > 1);
+    gradients arrive averaged.
 
     The default all-reduce comm hook is registered explicitly: it does what DDP does
     built in, but through torch.distributed's Python API, so the communication counter
     (comm_stats.py) sees the bytes.
     """
-    group = mesh.group("dp")
+    group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
     ddp = DistributedDataParallel(
         model,
         process_group=group,
@@ -85,7 +91,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
     elif mesh.degrees["dp_replicate"] > 1:
         dims = ("dp_replicate", "dp_shard")
     else:
-        dims = ("dp_shard",)
+        dims = ("dp_shard_cp",) if mesh.dims.cp > 1 else ("dp_shard",)
     fsdp_mesh = mesh.slice(dims)
     # Under TP the embedding unit returns a view; the model never changes it in place, which
     # is what FSDP2's warning is about.

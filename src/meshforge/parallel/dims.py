@@ -12,13 +12,14 @@ its own: expert parallelism will borrow ranks from ``dp_shard x cp``, as torchti
 Flattened sub-meshes give the axes the groups they need:
 
 - ``dp``          = dp_replicate x dp_shard: the data-parallel ranks (the sampler's slices)
-- ``dp_shard_cp`` = dp_shard x cp: what FSDP will shard parameters over once cp > 1 lands
-  (today FSDP shards over ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP)
-- ``dp_cp``       = dp_replicate x dp_shard x cp: the ranks that average the loss
+- ``dp_shard_cp`` = dp_shard x cp: what FSDP shards parameters over (cp ranks hold the same
+  parameters and see different tokens, so they shard and average like dp ranks)
+- ``dp_cp``       = dp_replicate x dp_shard x cp: the ranks that average the loss, and DDP's
+  group under cp > 1
 
 A rule answers with ``Problem``s: ``invalid`` layouts cannot exist (a degree that does not
 divide the heads), ``unsupported`` ones could, but this version of meshforge does not run
-them (context parallelism before it lands, ZeRO-1 under tp). Each problem names the key
+them (context parallelism under pipelining, ZeRO-1 under tp). Each problem names the key
 and the fix.
 """
 
@@ -84,6 +85,7 @@ class Training:
     pp_layers: tuple[int, ...] = ()
     ranks_per_node: int | None = None
     qk_norm: bool = False
+    cp_balance: str = "zigzag"  # "zigzag": 2 x cp chunks per sequence; "none": cp
 
 
 def schedule_name(name: str) -> str:
@@ -175,13 +177,18 @@ class ParallelDims:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and average gradients (cp ranks see other tokens)."""
+        return self.dp * self.cp
+
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The flattened sub-meshes this layout builds (see the module docstring)."""
         return dict(FLATTENED)
 
     def uses_fsdp(self, zero_stage: int) -> bool:
         """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp or pp (DDP takes no DTensors)."""
-        return self.dp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1)
+        return self.dp_cp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1)
 
     def bubble(self, schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
         return bubble_fraction(schedule_name(schedule), self.pp, num_microbatches, virtual_stages)
@@ -348,18 +355,45 @@ def _tensor_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterato
 def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
     if d.cp == 1:
         return
-    if t.seq_len % (2 * d.cp):
+    chunks = 2 * d.cp if t.cp_balance == "zigzag" else d.cp
+    if t.seq_len % chunks:
+        what = f"2 x parallel.cp = {chunks}" if t.cp_balance == "zigzag" else f"parallel.cp = {chunks}"
+        why = "2 x cp load-balanced chunks (cp_balance = zigzag)" if t.cp_balance == "zigzag" else "cp slices"
         yield Problem(
             "train.seq_len",
-            f"train.seq_len = {t.seq_len} must be a multiple of 2 x parallel.cp = {2 * d.cp} (context parallelism "
-            f"splits each sequence into 2 x cp load-balanced chunks); use e.g. "
-            f"{-(-t.seq_len // (2 * d.cp)) * 2 * d.cp}",
+            f"train.seq_len = {t.seq_len} must be a multiple of {what} (context parallelism splits each sequence "
+            f"into {why}); use e.g. {-(-t.seq_len // chunks) * chunks}",
         )
-    yield Problem(
-        "parallel.cp",
-        f"parallel.cp = {d.cp}: context parallelism is not available in this version of meshforge; set parallel.cp = 1",
-        "unsupported",
-    )
+    elif d.tp > 1 and t.sequence_parallel and t.seq_len % (d.cp * d.tp):
+        yield Problem(
+            "train.seq_len",
+            f"train.seq_len = {t.seq_len} must be a multiple of parallel.cp x parallel.tp = {d.cp * d.tp} (sequence "
+            f"parallelism splits each cp rank's seq_len / cp tokens over the tp ranks); use e.g. "
+            f"{-(-t.seq_len // (d.cp * d.tp * 2)) * d.cp * d.tp * 2} or set parallel.sequence_parallel = false",
+        )
+    yield from _context_parallel_unsupported(d, t)
+
+
+def _context_parallel_unsupported(d: ParallelDims, t: Training) -> Iterator[Problem]:
+    """Compositions with cp that this version does not run (each is tested before it is allowed)."""
+    others = [
+        ("parallel.pp", d.pp > 1, f"parallel.pp = {d.pp}", "set parallel.pp = 1"),
+        (
+            "parallel.dp_replicate",
+            d.dp_replicate > 1,
+            f"parallel.dp_replicate = {d.dp_replicate} (HSDP)",
+            f"use parallel.dp_shard = {d.dp} with dp_replicate = 1",
+        ),
+        ("parallel.zero_stage", t.zero_stage == 1, "parallel.zero_stage = 1", "use parallel.zero_stage = 0, 2 or 3"),
+    ]
+    for key, hit, what, fix in others:
+        if hit:
+            yield Problem(
+                key,
+                f"parallel.cp = {d.cp} with {what}: context parallelism does not yet compose with it in this "
+                f"version of meshforge; {fix}, or set parallel.cp = 1",
+                "unsupported",
+            )
 
 
 def _pipeline(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:

@@ -8,8 +8,10 @@ parameters. The model arrives on the meta device and is materialised here, after
 sharding, so a rank only ever allocates its own shards; every shard is filled from the
 seed-determined full values, so any layout starts from the single-process weights.
 With pp > 1 the model is first split into pipeline chunks (parallel/pipeline.py) and each
-chunk then goes through the same steps as a whole model. Context and expert parallelism
-are refused by the layout rules (parallel/dims.py) until they land.
+chunk then goes through the same steps as a whole model. Context parallelism swaps each
+block's attention core for ring attention (parallel/context_parallel.py); its parameters
+are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism is
+refused by the layout rules (parallel/dims.py) until it lands.
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
 data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
@@ -31,6 +33,7 @@ from torch import nn
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
+from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
 from meshforge.parallel.mesh import Mesh
@@ -74,11 +77,13 @@ def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.Abstract
 
 
 def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> bool:
-    """TP/SP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
+    """TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
+    if mesh.degrees["cp"] > 1:
+        apply_cp(model, mesh, cfg)
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
     if cfg.train.compile:
         for block in blocks:
@@ -100,7 +105,7 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
     mesh's device and initialise it from ``seed`` (None: leave it for a state-dict load).
     Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
     sharded = _apply(model, cfg, mesh, seed)
-    if mesh.dp_size > 1 and not sharded:
+    if mesh.dims.dp_cp > 1 and not sharded:
         return apply_ddp(model, mesh, cfg.parallel.ddp_bucket_mb)
     return model
 

@@ -19,6 +19,7 @@ from torch import nn
 from meshforge.config import Config
 from meshforge.data.dataset import TokenSplit
 from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.context_parallel import cp_index
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import Pipeline
 from meshforge.parallel.tensor_parallel import local_value
@@ -41,7 +42,8 @@ class Evaluator:
         self.val, self.cfg, self.mesh, self.model, self.loss = val, cfg, mesh, model, loss
         self.forward_context, self.pipeline = forward_context, pipeline
         self.local_batch, self.micro = batch_sizes  # per dp rank: the whole slice, one micro-batch
-        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device)
+        self.cp_index = cp_index(cfg, mesh)  # under cp: this rank's tokens of each sequence
+        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
 
     def _mine(self) -> tuple[np.ndarray, int]:
         """This dp rank's sequence indices, and the number of sequences over all ranks."""
@@ -71,11 +73,15 @@ class Evaluator:
         else:
             for s in range(0, len(mine), self.micro):
                 batch = self.val.get(mine[s : s + self.micro]).to(device)
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                if self.cp_index is not None:
+                    inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
                 with self.forward_context():
-                    logits = self.model(batch[:, :-1], self.positions)
+                    logits = self.model(inputs, self.positions)
                 with self.loss.context():
-                    loss = self.loss.token_sum(logits, batch[:, 1:], self.model)
+                    loss = self.loss.token_sum(logits, targets, self.model)
                 total += local_value(loss).double()
         if self.mesh.distributed:
-            dist.all_reduce(total, group=self.mesh.group("dp"))
+            # token sums: over dp x cp every token of the n sequences is counted once
+            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.dims.cp > 1 else "dp"))
         return float(total) / (n * self.cfg.train.seq_len)

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from meshforge.config import Config
 from meshforge.metrics.memory import gathered_param_bytes, state_bytes
 from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.context_parallel import cp_index
 from meshforge.parallel.data_parallel import gradient_sync
 from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh
@@ -63,12 +64,17 @@ class StepRunner:
         self.mesh, self.sharded = mesh, sharded
         self.max_norm = cfg.train.grad_clip or float("inf")
         self.match_layouts = mesh.degrees["tp"] > 1 and not sharded
-        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device)  # once per run
+        # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
+        self.cp_index = cp_index(cfg, mesh)
+        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
 
     def run(self, batch: torch.Tensor, measure: bool) -> StepResult:
         """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one update."""
         lr = current_lr(self.scheduler)
-        loss, gathered = self.forward_backward(batch[:, :-1], batch[:, 1:], measure)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self.cp_index is not None:
+            inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
+        loss, gathered = self.forward_backward(inputs, targets, measure)
         out = StepResult(loss, torch.zeros(()), lr, measure)
         if measure:
             out.global_loss = float(self.reduce_loss(loss))
@@ -93,9 +99,10 @@ class StepRunner:
         total = loss.detach().clone()
         for group in self.loss_groups:
             dist.all_reduce(total, group=group)
-        if self.mesh.dp_size > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp"))
-            total /= self.mesh.dp_size
+        n = self.mesh.dims.dp_cp  # cp ranks hold equal token counts: their mean losses average like dp's
+        if n > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.dims.cp > 1 else "dp"))
+            total /= n
         return total
 
 

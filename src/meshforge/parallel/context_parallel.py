@@ -1,0 +1,246 @@
+"""Context parallelism: each ``cp`` rank holds a slice of every sequence, and attention runs
+over a ring of key/value blocks (Liu et al. 2023, "Ring Attention"), exact, on any device.
+
+Sharding. With ``parallel.cp_balance = "zigzag"`` each sequence is cut into 2·cp chunks and
+rank r holds chunks r and 2·cp-1-r, so under the causal mask every rank does the same
+attention work (a contiguous split leaves the last rank with cp times the first's).
+``"none"`` gives rank r the r-th contiguous 1/cp. Inputs, targets and positions are taken
+with the same index (``shard_index``), so RoPE sees each token's true position.
+
+Attention. Queries stay put; key/value blocks travel. For each (query chunk, key chunk)
+pair the mask is known from the chunk ids alone: a later query chunk sees the whole key
+chunk, the same chunk sees its causal triangle, an earlier one sees nothing (skipped).
+Partial outputs are merged by their log-sum-exp in fp32. The backward is its own pass
+(``RingAttentionFn``): it recomputes each block's probabilities from the saved lse, and
+the key/value gradients travel the ring with their block, arriving back at their owner
+after cp hops. ``parallel.cp_rotate = "allgather"`` gathers all blocks once instead and
+all-reduces the key/value gradients (simpler, cp times the memory for K/V).
+
+The block kernel is the math implementation in fp32: PyTorch's own context-parallel
+attention (torch.distributed.tensor.experimental.context_parallel) needs CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshforge.parallel.mesh import Mesh
+
+if TYPE_CHECKING:
+    from meshforge.config import Config
+
+
+def chunk_ids(cp: int, rank: int, balance: str) -> tuple[int, ...]:
+    """The sequence chunks cp rank ``rank`` holds, in order (out of 2·cp for zigzag, cp for none)."""
+    return (rank, 2 * cp - 1 - rank) if balance == "zigzag" else (rank,)
+
+
+def shard_index(seq_len: int, cp: int, rank: int, balance: str, device: torch.device | None = None) -> torch.Tensor:
+    """The positions of this rank's tokens in a sequence of ``seq_len``: the index for its
+    inputs, targets and RoPE positions."""
+    n = 2 * cp if balance == "zigzag" else cp
+    size = seq_len // n
+    parts = [torch.arange(c * size, (c + 1) * size, device=device) for c in chunk_ids(cp, rank, balance)]
+    return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Where a rank sits in the cp group and how blocks move."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    cp: int
+    balance: str = "zigzag"
+    rotate: str = "ring"
+
+    def ids(self, rank: int) -> tuple[int, ...]:
+        return chunk_ids(self.cp, rank, self.balance)
+
+    def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send each tensor to the next rank, receive the previous rank's (one batched exchange)."""
+        nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
+        prv = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
+        tensors = [t.contiguous() for t in tensors]  # (k, v arrive as transposed views)
+        out = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, o, prv, self.group) for o in out]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        return out
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t``, indexed by cp rank."""
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.cp)]
+        dist.all_gather(out, t, group=self.group)
+        return out
+
+
+def _split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(t.chunk(n, dim=2))
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention: repeat each kv head for its query heads."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of _expand_kv: sum over each kv head's query heads."""
+    b, h, s, d = t.shape
+    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query chunk over one key chunk (kv heads expanded): fp32 output and lse."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (fp32, kv heads expanded) of one block, from the merged output's lse and
+    delta = rowsum(dout · out)."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale, dv
+
+
+def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, bo: torch.Tensor, bl: torch.Tensor) -> tuple:
+    if out is None:
+        return bo, bl
+    new = torch.logaddexp(lse, bl)
+    return out * torch.exp(lse - new).unsqueeze(-1) + bo * torch.exp(bl - new).unsqueeze(-1), new
+
+
+def _pairs(ring: Ring, src: int) -> list[tuple[int, int, bool]]:
+    """(local query chunk, source key chunk, causal) for every pair that is not masked out."""
+    out = []
+    for i, a in enumerate(ring.ids(ring.rank)):
+        for j, b in enumerate(ring.ids(src)):
+            if a >= b:
+                out.append((i, j, a == b))
+    return out
+
+
+def _blocks(ring: Ring, k: torch.Tensor, v: torch.Tensor) -> Any:
+    """Yield (source rank, its k, its v) for every cp rank: over the ring, or from one all-gather."""
+    if ring.rotate == "allgather":
+        kv = ring.gather(torch.stack([k, v]))
+        for src in range(ring.cp):
+            yield src, kv[src][0], kv[src][1]
+        return
+    for step in range(ring.cp):
+        yield (ring.rank - step) % ring.cp, k, v
+        if step < ring.cp - 1:
+            k, v = ring.shift([k, v])
+
+
+class RingAttentionFn(torch.autograd.Function):
+    """Causal attention of local q (b, h, s_local, d) over every rank's k, v (b, h_kv, s_local, d)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+        n, scale, heads = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1]), q.shape[1]
+        qs = _split(q, n)
+        outs: list[Any] = [None] * n
+        lses: list[Any] = [None] * n
+        for src, kb, vb in _blocks(ring, k, v):
+            ks, vs = _split(_expand_kv(kb, heads), n), _split(_expand_kv(vb, heads), n)
+            for i, j, causal in _pairs(ring, src):
+                bo, bl = block_forward(qs[i], ks[j], vs[j], causal, scale)
+                outs[i], lses[i] = _merge(outs[i], lses[i], bo, bl)
+        out = torch.cat(outs, dim=2)
+        lse = torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: Ring = ctx.ring
+        n, scale, heads, kv_heads = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
+        dout = dout.float()
+        delta = (dout * out).sum(-1)
+        qs, dos, ls, ds = _split(q, n), _split(dout, n), _split(lse, n), _split(delta, n)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqs = _split(dq, n)
+        grads = []  # allgather: every source's (dk, dv); ring: the running sum travelling with the block
+        for src, kb, vb in _blocks(ring, k, v):
+            ks, vs = _split(_expand_kv(kb, heads), n), _split(_expand_kv(vb, heads), n)
+            dk = torch.zeros(kb.shape[0], heads, kb.shape[2], kb.shape[3], dtype=torch.float32, device=q.device)
+            dv = torch.zeros_like(dk)
+            dks, dvs = _split(dk, n), _split(dv, n)
+            for i, j, causal in _pairs(ring, src):
+                gq, gk, gv = block_backward(qs[i], ks[j], vs[j], dos[i], ls[i], ds[i], causal, scale)
+                dqs[i].add_(gq)
+                dks[j].add_(gk)
+                dvs[j].add_(gv)
+            mine = torch.stack([_reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)])
+            if ring.rotate == "allgather":
+                grads.append(mine)
+            else:  # add this rank's part and pass the sum on: after cp hops it is back at its owner
+                grads = ring.shift([mine + grads[0] if grads else mine])
+        if ring.rotate == "allgather":  # sum every rank's contributions, keep this rank's block
+            full = torch.stack(grads)
+            dist.all_reduce(full, group=ring.group)
+            grads = [full[ring.rank]]
+        dkv = grads[0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class RingAttention(nn.Module):
+    """Drop-in for the model's attention core (``block.attention.core``) on a cp group."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, cp_rank: int, cp: int, balance: str = "zigzag", rotate: str = "ring"
+    ):
+        super().__init__()
+        self.ring = Ring(group, cp_rank, cp, balance, rotate)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return RingAttentionFn.apply(q, k, v, self.ring)
+
+
+def apply_cp(model: nn.Module, mesh: Mesh, cfg: Config) -> None:
+    """Swap every block's attention core for ring attention over the ``cp`` mesh dimension."""
+    p = cfg.parallel
+    for block in model.layers.values():
+        block.attention.core = RingAttention(
+            mesh.group("cp"), mesh.coordinate("cp"), mesh.dims.cp, p.cp_balance, p.cp_rotate
+        )
+
+
+def cp_index(cfg: Config, mesh: Mesh) -> torch.Tensor | None:
+    """This rank's token index into each sequence (None without context parallelism)."""
+    if mesh.dims.cp == 1:
+        return None
+    return shard_index(cfg.train.seq_len, mesh.dims.cp, mesh.coordinate("cp"), cfg.parallel.cp_balance, mesh.device)

@@ -1,0 +1,150 @@
+"""Context parallelism: ring attention is exact attention (outputs and input gradients against
+full causal SDPA, in real gloo process groups), and whole runs under cp reproduce the
+single-process run (fp32, gloo, CPU) like the other axes do."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
+from meshforge.config import load_config
+from meshforge.errors import ConfigError
+from meshforge.parallel.context_parallel import RingAttention, shard_index
+from meshforge.resolve import resolve
+from meshforge.train import train
+
+CASES = [  # (cp, balance, rotate, heads, kv_heads, head_dim, seq_len)
+    (2, "zigzag", "ring", 4, 2, 8, 16),
+    (2, "none", "allgather", 4, 4, 5, 12),
+    (4, "zigzag", "allgather", 4, 1, 7, 16),
+    (4, "none", "ring", 2, 2, 8, 16),
+    (4, "zigzag", "ring", 6, 2, 3, 24),
+    (2, "none", "ring", 4, 2, 9, 8),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, cp: int, port: int, cases: list) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    try:
+        for _, balance, rotate, h, hkv, d, seq in cases:
+            gen = torch.Generator().manual_seed(seq * 100 + h * 10 + d)
+            # (batch, seq, heads, dim) transposed, as the model's projections give them: non-contiguous views
+            q, k, v = (
+                torch.randn(2, seq, n, d, generator=gen, dtype=torch.float64).transpose(1, 2) for n in (h, hkv, hkv)
+            )
+            dout = torch.randn(2, h, seq, d, generator=gen, dtype=torch.float64)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=h != hkv)
+            ref.backward(dout)
+            idx = shard_index(seq, cp, rank, balance)
+            local = [
+                t[:, idx].transpose(1, 2).requires_grad_()
+                for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            ]
+            out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate)(*local)
+            out.backward(dout[:, :, idx])
+            case = (cp, balance, rotate, h, hkv, d)
+            torch.testing.assert_close(out, ref[:, :, idx].detach(), rtol=1e-6, atol=1e-6, msg=f"out {case}")
+            for name, got, want in zip("qkv", local, full, strict=True):
+                torch.testing.assert_close(got.grad, want.grad[:, :, idx], rtol=1e-6, atol=1e-6, msg=f"d{name} {case}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_matches_full_causal_attention(cp):
+    """Outputs and dq, dk, dv of every rank's slice equal full causal SDPA's (fp64 inputs;
+    the kernel computes in fp32), for both balances and rotations, GQA and odd head dims."""
+    mp.spawn(_worker, args=(cp, _free_port(), [c for c in CASES if c[0] == cp]), nprocs=cp, join=True)
+
+
+def test_shard_index_zigzag_and_contiguous():
+    assert shard_index(16, 2, 0, "zigzag").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert shard_index(16, 2, 1, "zigzag").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert shard_index(16, 2, 1, "none").tolist() == list(range(8, 16))
+    cover = torch.cat([shard_index(24, 3, r, "zigzag") for r in range(3)]).sort().values
+    assert cover.tolist() == list(range(24))
+
+
+def _config(tmp_path, corpus, **extra):
+    return load_config(None, tiny_overrides(tmp_path, corpus, **extra))
+
+
+def test_seq_len_not_divisible_is_refused_with_the_key(tmp_path, corpus):
+    cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "train.seq_len": 34})
+    with pytest.raises(ConfigError, match=r"train\.seq_len = 34 .*2 x parallel\.cp = 4"):
+        resolve(cfg, 2)
+    cfg = _config(tmp_path, corpus, **{"parallel.cp": 4, "parallel.cp_balance": "none", "train.seq_len": 34})
+    with pytest.raises(ConfigError, match=r"train\.seq_len = 34 .*parallel\.cp = 4"):
+        resolve(cfg, 4)
+
+
+def test_unknown_cp_balance_suggests_the_valid_one(tmp_path, corpus):
+    with pytest.raises(ConfigError, match="zigzag"):
+        _config(tmp_path, corpus, **{"parallel.cp_balance": "zigzg"})
+    with pytest.raises(ConfigError, match="allgather"):
+        _config(tmp_path, corpus, **{"parallel.cp_rotate": "all_gather"})
+
+
+def test_seq_len_under_cp_and_sequence_parallel_is_refused(tmp_path, corpus):
+    cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "parallel.tp": 4, "model.kv_heads": 4, "train.seq_len": 36})
+    with pytest.raises(ConfigError, match=r"train\.seq_len = 36 .*parallel\.cp x parallel\.tp = 8"):
+        resolve(cfg, 8)
+
+
+def test_cp_with_pipeline_is_refused(tmp_path, corpus):
+    cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "parallel.pp": 2, "model.layers": 2})
+    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.pp = 2"):
+        resolve(cfg, 4)
+
+
+STEPS = 4
+COMMON = {
+    "model.hidden": 64,
+    "model.heads": 4,
+    "model.kv_heads": 2,
+    "model.ffn_hidden": 128,
+    "model.layers": 2,
+    "train.steps": STEPS,
+    "train.seq_len": 64,
+    "train.global_batch_size": 4,
+    "train.micro_batch_size": 2,
+    "train.grad_clip": 0.5,
+    "train.eval_batches": 1,
+    "optim.lr": 1e-3,  # as in test_tensor_parallel.py: Adam turns fp32 round-off into ~lr weight error
+}
+LAYOUTS = {  # name: (ranks, overrides)
+    "cp2-zigzag-ring": (2, {"parallel.cp": 2}),
+    "cp2-none-allgather": (2, {"parallel.cp": 2, "parallel.cp_balance": "none", "parallel.cp_rotate": "allgather"}),
+    "cp2-dp_shard2-ddp": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 0}),
+    "cp2-dp_shard2-zero3": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3}),
+    "cp2-tp2": (4, {"parallel.cp": 2, "parallel.tp": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    d = tmp_path_factory.mktemp("ref") / "run"
+    train(tiny_config(d, corpus, **COMMON))
+    return d
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, corpus):
+    return layout_runner(tmp_path_factory, corpus, LAYOUTS, COMMON)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, reference, layout_runs):
+    assert_run_matches(reference, layout_runs(name), STEPS)
