@@ -12,6 +12,18 @@ from meshforge.config import load_config
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
+def pytest_collection_modifyitems(config, items):
+    """CUDA tests run on a GPU machine (bench/gpu/run.sh); elsewhere they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run bench/gpu/run.sh on one")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _cache_dir(tmp_path_factory):
     """Keep corpora and the CPU calibration out of the user's ~/.cache."""

@@ -85,7 +85,37 @@ def async_save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | Non
     traffic or hang."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
     no_dist = group is None and not dist.is_initialized()
-    return dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    stager = _stager()
+    extra = {} if stager is None else {"async_stager": stager}
+    return dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist, **extra)
+
+
+_STAGER: list[Any] = []
+
+
+def _stager() -> Any:
+    """One DCP stager per process, so its host copies are allocated once and reused by every
+    save: pinned (page-locked) on CUDA, where a pinned device-to-host copy runs at full PCIe
+    speed and the training step waits only for that copy; plain memory on a CPU-only torch.
+    None where the installed torch has no ``DefaultStager`` (DCP then copies per save)."""
+    if not _STAGER:
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:  # torch < 2.9
+            _STAGER.append(None)
+            return None
+        cuda = torch.cuda.is_available()
+        opts = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+        _STAGER.append(DefaultStager(opts))
+    return _STAGER[0]
+
+
+def staging_is_pinned() -> bool:
+    """Whether background saves stage into pinned host memory (CUDA runs report it)."""
+    s = _stager()
+    return bool(s is not None and s._config.use_pinned_memory)
 
 
 def load(

@@ -206,6 +206,7 @@ class Trainer:
             "run_start",
             world_size=self.mesh.world_size,
             device=str(self.device),
+            device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             precision=self.precision,
             params=params,
             peak_flops=self.peak,
