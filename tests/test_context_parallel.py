@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.parallel.attention_kernels import KERNELS
 from meshforge.parallel.context_parallel import RingAttention, shard_index
 from meshforge.resolve import resolve
 from meshforge.train import train
@@ -47,16 +48,18 @@ def _worker(rank: int, cp: int, port: int, cases: list) -> None:
             ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=h != hkv)
             ref.backward(dout)
             idx = shard_index(seq, cp, rank, balance)
-            local = [
-                t[:, idx].transpose(1, 2).requires_grad_()
-                for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            ]
-            out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate)(*local)
-            out.backward(dout[:, :, idx])
-            case = (cp, balance, rotate, h, hkv, d)
-            torch.testing.assert_close(out, ref[:, :, idx].detach(), rtol=1e-6, atol=1e-6, msg=f"out {case}")
-            for name, got, want in zip("qkv", local, full, strict=True):
-                torch.testing.assert_close(got.grad, want.grad[:, :, idx], rtol=1e-6, atol=1e-6, msg=f"d{name} {case}")
+            for kernel in KERNELS:  # the fused CPU op and the math fallback
+                local = [
+                    t[:, idx].transpose(1, 2).requires_grad_()
+                    for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                ]
+                out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate, kernel)(*local)
+                out.backward(dout[:, :, idx])
+                case = (cp, balance, rotate, h, hkv, d, kernel)
+                torch.testing.assert_close(out, ref[:, :, idx].detach(), rtol=1e-6, atol=1e-6, msg=f"out {case}")
+                for name, got, want in zip("qkv", local, full, strict=True):
+                    want_grad = want.grad[:, :, idx]
+                    torch.testing.assert_close(got.grad, want_grad, rtol=1e-6, atol=1e-6, msg=f"d{name} {case}")
     finally:
         dist.destroy_process_group()
 
