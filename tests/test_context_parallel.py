@@ -2,6 +2,7 @@
 full causal SDPA, in real gloo process groups), and whole runs under cp reproduce the
 single-process run (fp32, gloo, CPU) like the other axes do."""
 
+import json
 import socket
 
 import pytest
@@ -15,6 +16,7 @@ from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.parallel.attention_kernels import KERNELS
 from meshforge.parallel.context_parallel import RingAttention, shard_index
+from meshforge.parallel.context_parallel_cost import local_tokens, ring_bytes, ring_saved_bytes_per_token
 from meshforge.resolve import resolve
 from meshforge.train import train
 
@@ -53,9 +55,13 @@ def _worker(rank: int, cp: int, port: int, cases: list) -> None:
                     t[:, idx].transpose(1, 2).requires_grad_()
                     for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
                 ]
-                out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate, kernel)(*local)
-                out.backward(dout[:, :, idx])
                 case = (cp, balance, rotate, h, hkv, d, kernel)
+                saved = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t, _s=saved: _s.append(t) or t, lambda t: t):
+                    out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate, kernel)(*local)
+                kept = sum(t.numel() * t.element_size() for t in saved)
+                assert kept == 2 * len(idx) * ring_saved_bytes_per_token(h, hkv, d, 8), (kept, case)
+                out.backward(dout[:, :, idx])
                 torch.testing.assert_close(out, ref[:, :, idx].detach(), rtol=1e-6, atol=1e-6, msg=f"out {case}")
                 for name, got, want in zip("qkv", local, full, strict=True):
                     want_grad = want.grad[:, :, idx]
@@ -151,3 +157,31 @@ def layout_runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, layout_runs):
     assert_run_matches(reference, layout_runs(name), STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "rotate"), [("cp2-zigzag-ring", "ring"), ("cp2-none-allgather", "allgather")])
+def test_cp_bytes_match_the_ring_formula(name, rotate, layout_runs):
+    """The bytes counted on the cp axis per step are the ring figure of context_parallel_cost
+    (the planner's formula) for every layer and micro-batch: forward (cp-1)/cp of the
+    sequence's K and V, backward K and V again and their gradients."""
+    cp, heads, layers = 2, COMMON["model.heads"], COMMON["model.layers"]
+    micro, micro_batches = COMMON["train.micro_batch_size"], COMMON["train.global_batch_size"] // 2
+    tokens = micro * local_tokens(COMMON["train.seq_len"], cp)
+    kv_width = COMMON["model.kv_heads"] * COMMON["model.hidden"] // heads
+    want = {k: v * layers * micro_batches for k, v in ring_bytes(tokens, kv_width, cp, rotate, 4).items()}
+    got = [r["comm_bytes_by_kind"]["cp"] for r in _metrics(layout_runs(name))]
+    assert len(got) == STEPS
+    if rotate == "ring":
+        assert all(g["p2p"] == pytest.approx(sum(want.values()), rel=1e-12) for g in got)
+        return
+    # cp is the only axis > 1 here, so DDP's gradient all-reduce runs on the same group (dp_cp = cp):
+    # what allgather adds to it is the dK/dV all-reduce
+    grad_sync = _metrics(layout_runs("cp2-zigzag-ring"))[0]["comm_bytes_by_kind"]["cp"]["all_reduce"]
+    for g in got:
+        assert g["all_gather"] == pytest.approx(want["forward_kv"] + want["backward_kv"], rel=1e-12)
+        assert g["all_reduce"] - grad_sync == pytest.approx(want["backward_grads"], rel=1e-9)
+
+
+def _metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
