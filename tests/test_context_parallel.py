@@ -111,10 +111,10 @@ def test_seq_len_under_cp_and_sequence_parallel_is_refused(tmp_path, corpus):
         resolve(cfg, 8)
 
 
-def test_cp_with_pipeline_is_refused(tmp_path, corpus):
-    cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "parallel.pp": 2, "model.layers": 2})
-    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.pp = 2"):
-        resolve(cfg, 4)
+def test_cp_with_hsdp_is_refused_by_name(tmp_path, corpus):
+    over = {"parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 3}
+    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.dp_replicate = 2 \(HSDP\)"):
+        resolve(_config(tmp_path, corpus, **over), 4)
 
 
 STEPS = 4
@@ -138,6 +138,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "cp2-dp_shard2-ddp": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 0}),
     "cp2-dp_shard2-zero3": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3}),
     "cp2-tp2": (4, {"parallel.cp": 2, "parallel.tp": 2}),
+    "cp2-pp2": (4, {"parallel.cp": 2, "parallel.pp": 2}),
 }
 
 
