@@ -7,7 +7,8 @@ forward/backward of one sequence through the debug preset (max_seq_len raised) w
 block's attention core swapped for ring attention, exactly as ``apply_cp`` does; cp = 1 is
 the plain model (SDPA). Saved activation bytes are counted with
 ``torch.autograd.graph.saved_tensors_hooks`` during the forward: unique storages that are
-not parameters (deterministic). Tokens/s is the sequence over the slowest rank's step.
+not parameters (deterministic). Tokens/s is the sequence over the slowest rank's step,
+each rank on one thread (cp = 4 on a 2-core machine shares cores: its times are not scaling).
 
     python bench/bench_cp.py                       # seq 1K, 4K, 16K x cp 1, 2, 4 + comparisons at 4K
     python bench/bench_cp.py --seqs 1024,2048 --cps 1,2 --compare-seq 2048
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import resource
 import socket
 import tempfile
@@ -102,7 +102,7 @@ def worker(rank: int, cp: int, port: int, seq: int, balance: str, rotate: str, o
 
     from meshforge.parallel.context_parallel import shard_index
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
+    torch.set_num_threads(1)  # one core per rank, as one device per rank (and no spinning OpenMP on a busy machine)
     if cp > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
     model, args = _model(seq, cp, rank, balance, rotate)
