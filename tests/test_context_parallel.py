@@ -2,6 +2,7 @@
 full causal SDPA, in real gloo process groups), and whole runs under cp reproduce the
 single-process run (fp32, gloo, CPU) like the other axes do."""
 
+import json
 import socket
 
 import pytest
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.parallel.attention_kernels import KERNELS
 from meshforge.parallel.context_parallel import RingAttention, shard_index
+from meshforge.parallel.context_parallel_cost import local_tokens, ring_bytes, ring_saved_bytes_per_token
 from meshforge.resolve import resolve
 from meshforge.train import train
 
@@ -47,16 +50,22 @@ def _worker(rank: int, cp: int, port: int, cases: list) -> None:
             ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=h != hkv)
             ref.backward(dout)
             idx = shard_index(seq, cp, rank, balance)
-            local = [
-                t[:, idx].transpose(1, 2).requires_grad_()
-                for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            ]
-            out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate)(*local)
-            out.backward(dout[:, :, idx])
-            case = (cp, balance, rotate, h, hkv, d)
-            torch.testing.assert_close(out, ref[:, :, idx].detach(), rtol=1e-6, atol=1e-6, msg=f"out {case}")
-            for name, got, want in zip("qkv", local, full, strict=True):
-                torch.testing.assert_close(got.grad, want.grad[:, :, idx], rtol=1e-6, atol=1e-6, msg=f"d{name} {case}")
+            for kernel in KERNELS:  # the fused CPU op and the math fallback
+                local = [
+                    t[:, idx].transpose(1, 2).requires_grad_()
+                    for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                ]
+                case = (cp, balance, rotate, h, hkv, d, kernel)
+                saved = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t, _s=saved: _s.append(t) or t, lambda t: t):
+                    out = RingAttention(dist.group.WORLD, rank, cp, balance, rotate, kernel)(*local)
+                kept = sum(t.numel() * t.element_size() for t in saved)
+                assert kept == 2 * len(idx) * ring_saved_bytes_per_token(h, hkv, d, 8), (kept, case)
+                out.backward(dout[:, :, idx])
+                torch.testing.assert_close(out, ref[:, :, idx].detach(), rtol=1e-6, atol=1e-6, msg=f"out {case}")
+                for name, got, want in zip("qkv", local, full, strict=True):
+                    want_grad = want.grad[:, :, idx]
+                    torch.testing.assert_close(got.grad, want_grad, rtol=1e-6, atol=1e-6, msg=f"d{name} {case}")
     finally:
         dist.destroy_process_group()
 
@@ -102,10 +111,10 @@ def test_seq_len_under_cp_and_sequence_parallel_is_refused(tmp_path, corpus):
         resolve(cfg, 8)
 
 
-def test_cp_with_pipeline_is_refused(tmp_path, corpus):
-    cfg = _config(tmp_path, corpus, **{"parallel.cp": 2, "parallel.pp": 2, "model.layers": 2})
-    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.pp = 2"):
-        resolve(cfg, 4)
+def test_cp_with_hsdp_is_refused_by_name(tmp_path, corpus):
+    over = {"parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 3}
+    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.dp_replicate = 2 \(HSDP\)"):
+        resolve(_config(tmp_path, corpus, **over), 4)
 
 
 STEPS = 4
@@ -129,6 +138,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "cp2-dp_shard2-ddp": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 0}),
     "cp2-dp_shard2-zero3": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3}),
     "cp2-tp2": (4, {"parallel.cp": 2, "parallel.tp": 2}),
+    "cp2-pp2": (4, {"parallel.cp": 2, "parallel.pp": 2}),
 }
 
 
@@ -148,3 +158,31 @@ def layout_runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, layout_runs):
     assert_run_matches(reference, layout_runs(name), STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "rotate"), [("cp2-zigzag-ring", "ring"), ("cp2-none-allgather", "allgather")])
+def test_cp_bytes_match_the_ring_formula(name, rotate, layout_runs):
+    """The bytes counted on the cp axis per step are the ring figure of context_parallel_cost
+    (the planner's formula) for every layer and micro-batch: forward (cp-1)/cp of the
+    sequence's K and V, backward K and V again and their gradients."""
+    cp, heads, layers = 2, COMMON["model.heads"], COMMON["model.layers"]
+    micro, micro_batches = COMMON["train.micro_batch_size"], COMMON["train.global_batch_size"] // 2
+    tokens = micro * local_tokens(COMMON["train.seq_len"], cp)
+    kv_width = COMMON["model.kv_heads"] * COMMON["model.hidden"] // heads
+    want = {k: v * layers * micro_batches for k, v in ring_bytes(tokens, kv_width, cp, rotate, 4).items()}
+    got = [r["comm_bytes_by_kind"]["cp"] for r in _metrics(layout_runs(name))]
+    assert len(got) == STEPS
+    if rotate == "ring":
+        assert all(g["p2p"] == pytest.approx(sum(want.values()), rel=1e-12) for g in got)
+        return
+    # cp is the only axis > 1 here, so DDP's gradient all-reduce runs on the same group (dp_cp = cp):
+    # what allgather adds to it is the dK/dV all-reduce
+    grad_sync = _metrics(layout_runs("cp2-zigzag-ring"))[0]["comm_bytes_by_kind"]["cp"]["all_reduce"]
+    for g in got:
+        assert g["all_gather"] == pytest.approx(want["forward_kv"] + want["backward_kv"], rel=1e-12)
+        assert g["all_reduce"] - grad_sync == pytest.approx(want["backward_grads"], rel=1e-9)
+
+
+def _metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -34,6 +34,7 @@ _ISEND = dist.isend
 # function name -> (kind, argument holding the full-size payload, wire factor(n))
 _RING = {
     "all_reduce": ("all_reduce", "tensor", lambda n: 2 * (n - 1) / n),
+    "all_gather": ("all_gather", "tensor_list", lambda n: (n - 1) / n),  # ring attention's allgather mode
     "all_gather_single": ("all_gather", "output_tensor", lambda n: (n - 1) / n),
     "all_gather_into_tensor": ("all_gather", "output_tensor", lambda n: (n - 1) / n),
     "reduce_scatter_single": ("reduce_scatter", "input", lambda n: (n - 1) / n),

@@ -16,8 +16,10 @@ the key/value gradients travel the ring with their block, arriving back at their
 after cp hops. ``parallel.cp_rotate = "allgather"`` gathers all blocks once instead and
 all-reduces the key/value gradients (simpler, cp times the memory for K/V).
 
-The block kernel is the math implementation in fp32: PyTorch's own context-parallel
-attention (torch.distributed.tensor.experimental.context_parallel) needs CUDA kernels.
+Each block runs on a fused kernel that returns its log-sum-exp (``attention_kernels``: the
+CPU flash op, CUDA flash / memory-efficient), falling back to an fp32 math implementation.
+PyTorch's own context-parallel attention (torch.distributed.tensor.experimental) has no
+sharding rule for the CPU op, so it does not run on gloo; this one runs everywhere.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.parallel.attention_kernels import block_backward, block_forward, pick_kernel
 from meshforge.parallel.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -59,6 +62,7 @@ class Ring:
     cp: int
     balance: str = "zigzag"
     rotate: str = "ring"
+    kernel: str = "auto"  # attention_kernels.KERNELS: "math" forces the fallback (tests compare the two)
 
     def ids(self, rank: int) -> tuple[int, ...]:
         return chunk_ids(self.cp, rank, self.balance)
@@ -85,52 +89,6 @@ class Ring:
 
 def _split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(t.chunk(n, dim=2))
-
-
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Grouped-query attention: repeat each kv head for its query heads."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
-def _reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of _expand_kv: sum over each kv head's query heads."""
-    b, h, s, d = t.shape
-    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query chunk over one key chunk (kv heads expanded): fp32 output and lse."""
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
-
-
-def block_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (fp32, kv heads expanded) of one block, from the merged output's lse and
-    delta = rowsum(dout · out)."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta.unsqueeze(-1))
-    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale, dv
 
 
 def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, bo: torch.Tensor, bl: torch.Tensor) -> tuple:
@@ -168,47 +126,48 @@ class RingAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
-        n, scale, heads = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1]), q.shape[1]
+        n, scale = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1])
+        kernel = pick_kernel(q, ring.kernel)
         qs = _split(q, n)
         outs: list[Any] = [None] * n
         lses: list[Any] = [None] * n
+        aux = None  # a CUDA kernel's extra backward inputs (every block has the same shape)
         for src, kb, vb in _blocks(ring, k, v):
-            ks, vs = _split(_expand_kv(kb, heads), n), _split(_expand_kv(vb, heads), n)
+            ks, vs = _split(kb, n), _split(vb, n)
             for i, j, causal in _pairs(ring, src):
-                bo, bl = block_forward(qs[i], ks[j], vs[j], causal, scale)
+                bo, bl, aux = block_forward(qs[i], ks[j], vs[j], causal, scale, kernel)
                 outs[i], lses[i] = _merge(outs[i], lses[i], bo, bl)
         out = torch.cat(outs, dim=2)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.kernel, ctx.aux = ring, kernel, aux
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
-        n, scale, heads, kv_heads = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
-        dout = dout.float()
-        delta = (dout * out).sum(-1)
-        qs, dos, ls, ds = _split(q, n), _split(dout, n), _split(lse, n), _split(delta, n)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        n, scale = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1])
+        qs, dos, outs, ls = _split(q, n), _split(dout, n), _split(out, n), _split(lse, n)
+        acc = out.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dqs = _split(dq, n)
         grads = []  # allgather: every source's (dk, dv); ring: the running sum travelling with the block
         for src, kb, vb in _blocks(ring, k, v):
-            ks, vs = _split(_expand_kv(kb, heads), n), _split(_expand_kv(vb, heads), n)
-            dk = torch.zeros(kb.shape[0], heads, kb.shape[2], kb.shape[3], dtype=torch.float32, device=q.device)
-            dv = torch.zeros_like(dk)
-            dks, dvs = _split(dk, n), _split(dv, n)
+            ks, vs = _split(kb, n), _split(vb, n)
+            dkv = torch.zeros((2, *kb.shape), dtype=acc, device=q.device)
+            dks, dvs = _split(dkv[0], n), _split(dkv[1], n)
             for i, j, causal in _pairs(ring, src):
-                gq, gk, gv = block_backward(qs[i], ks[j], vs[j], dos[i], ls[i], ds[i], causal, scale)
+                gq, gk, gv = block_backward(
+                    dos[i], qs[i], ks[j], vs[j], outs[i], ls[i], causal, scale, ctx.kernel, ctx.aux
+                )
                 dqs[i].add_(gq)
                 dks[j].add_(gk)
                 dvs[j].add_(gv)
-            mine = torch.stack([_reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)])
             if ring.rotate == "allgather":
-                grads.append(mine)
+                grads.append(dkv)
             else:  # add this rank's part and pass the sum on: after cp hops it is back at its owner
-                grads = ring.shift([mine + grads[0] if grads else mine])
+                grads = ring.shift([dkv + grads[0] if grads else dkv])
         if ring.rotate == "allgather":  # sum every rank's contributions, keep this rank's block
             full = torch.stack(grads)
             dist.all_reduce(full, group=ring.group)
@@ -221,10 +180,16 @@ class RingAttention(nn.Module):
     """Drop-in for the model's attention core (``block.attention.core``) on a cp group."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None, cp_rank: int, cp: int, balance: str = "zigzag", rotate: str = "ring"
+        self,
+        group: dist.ProcessGroup | None,
+        cp_rank: int,
+        cp: int,
+        balance: str = "zigzag",
+        rotate: str = "ring",
+        kernel: str = "auto",
     ):
         super().__init__()
-        self.ring = Ring(group, cp_rank, cp, balance, rotate)
+        self.ring = Ring(group, cp_rank, cp, balance, rotate, kernel)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return RingAttentionFn.apply(q, k, v, self.ring)

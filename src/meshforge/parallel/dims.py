@@ -377,7 +377,6 @@ def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterat
 def _context_parallel_unsupported(d: ParallelDims, t: Training) -> Iterator[Problem]:
     """Compositions with cp that this version does not run (each is tested before it is allowed)."""
     others = [
-        ("parallel.pp", d.pp > 1, f"parallel.pp = {d.pp}", "set parallel.pp = 1"),
         (
             "parallel.dp_replicate",
             d.dp_replicate > 1,

@@ -41,6 +41,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshforge.models import flops
+from meshforge.parallel.context_parallel_cost import (
+    local_tokens,
+    ring_bytes,
+    ring_extra_saved_bytes_per_token,
+    ring_messages,
+)
 from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
@@ -177,8 +183,11 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
     states = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
     bpe = 4 if precision == "fp32" else 2
     act_layer = activation_bytes_per_layer(
-        shape, seq // lay.cp, lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
+        shape, local_tokens(seq, lay.cp), lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
     )
+    if lay.cp > 1 and lay.recompute != "full":  # ring attention's lse (and fp32 output under bf16)
+        extra = ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, bpe)
+        act_layer += lay.micro_batch_size * local_tokens(seq, lay.cp) * extra
     layers_per_stage = stage_layers(shape, lay.pp)
     acts = act_layer * layers_per_stage * in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
     tokens = lay.micro_batch_size * seq // lay.cp
@@ -301,11 +310,15 @@ def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     attention compute."""
     if lay.cp <= 1:
         return 0.0
-    tokens_mb = lay.micro_batch_size * seq / lay.cp
-    kv_bytes = tokens_mb * 2 * shape.kv_dim / lay.tp * _bytes_per_element(precision)
+    tokens_mb = lay.micro_batch_size * local_tokens(seq, lay.cp)
+    recompute = lay.recompute != "none"  # the block's forward, ring included, runs again in backward
+    sent = sum(
+        ring_bytes(tokens_mb, shape.kv_dim / lay.tp, lay.cp, "ring", _bytes_per_element(precision), recompute).values()
+    )
     cp_bw, cp_alpha = hw.link("send_recv", lay.tp * lay.cp <= gpus_per_node)
     layers_stage = stage_layers(shape, lay.pp)
-    return 0.5 * 3 * layers_stage * lay.num_microbatches * (lay.cp - 1) * (kv_bytes / cp_bw + cp_alpha)
+    per_layer = sent / cp_bw + ring_messages(lay.cp, "ring", recompute) * cp_alpha
+    return 0.5 * layers_stage * lay.num_microbatches * per_layer
 
 
 def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:

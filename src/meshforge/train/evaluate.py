@@ -68,7 +68,10 @@ class Evaluator:
             self.pipeline.positions = self.positions
             for s in range(0, len(mine), self.local_batch):
                 batch = self.val.get(mine[s : s + self.local_batch]).to(device)
-                total += self.pipeline.eval_loss(batch[:, :-1], batch[:, 1:])
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                if self.cp_index is not None:
+                    inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
+                total += self.pipeline.eval_loss(inputs, targets)
             dist.all_reduce(total, group=self.mesh.group("pp"))
         else:
             for s in range(0, len(mine), self.micro):
