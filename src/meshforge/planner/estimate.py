@@ -204,6 +204,22 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
     return out
 
 
+def overflow_reason(mem: dict[str, float], hbm_gib: float) -> str:
+    """What overflows: the total against the GPU, the largest parts, and whether the model
+    states or the activations alone exceed it (so the fix is more sharding or recomputation)."""
+    over = mem["total"] - hbm_gib
+    parts = sorted((k for k in mem if k != "total"), key=lambda k: -mem[k])[:3]
+    msg = f"needs {mem['total']:.1f} GiB of {hbm_gib:.0f} GiB ({over:.1f} over); largest: " + ", ".join(
+        f"{k} {mem[k]:.1f}" for k in parts
+    )
+    states = mem["params"] + mem["grads"] + mem["optimizer"]
+    if states > hbm_gib:
+        msg += f"; the model states alone ({states:.1f} GiB) exceed the GPU: shard them (higher zero, tp, pp)"
+    elif mem["activations"] > hbm_gib - states:
+        msg += "; the activations exceed what the model states leave: recompute, smaller micro-batch, or more tp/cp"
+    return msg
+
+
 # ----------------------------------------------------------------------------- time
 
 
@@ -390,7 +406,7 @@ def estimate(
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     mem = memory(shape, lay, seq, precision, hw)
     fits = mem["total"] <= hw.hbm_gib
-    overflow = "" if fits else f"needs {mem['total']:.1f} GiB of {hw.hbm_gib:.0f} GiB"
+    overflow = "" if fits else overflow_reason(mem, hw.hbm_gib)
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
     tp_s = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
     cp_s = _cp_time(shape, lay, seq, precision, hw, gpus_per_node)

@@ -12,7 +12,7 @@ from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
 from meshforge.planner import report
-from meshforge.planner.hardware import Hardware, get_hardware
+from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import Fixed, Ranked, search
 from meshforge.planner.shape import Shape, from_args, from_preset
 
@@ -26,11 +26,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu")
     m.add_argument("--tie-embeddings", action="store_true")
     t = p.add_argument_group("training")
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--global-batch", type=int, help="sequences per step")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --config's, else 4096)")
+    t.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per optimizer step (default: the --config's, else one per GPU, i.e. --gpus)",
+    )
     t.add_argument("--precision", choices=["bf16", "fp32", "fp8"])
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpu", default="h100-sxm", help="hardware preset (see --help of meshforge plan)")
+    c.add_argument(
+        "--gpu",
+        default="h100-sxm",
+        metavar="PRESET",
+        help=f"hardware preset, one of: {', '.join(PRESETS)} (default: h100-sxm)",
+    )
     c.add_argument("--hardware", help="a profile written by meshforge calibrate (overrides --gpu)")
     c.add_argument("--gpus", type=int)
     c.add_argument("--gpus-per-node", type=int, default=8)
@@ -177,11 +186,16 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
-            f"{considered} layouts considered, {len(results)} fit, searched in {elapsed:.2f} s\n"
+            f"{considered} layouts considered, {0 if results.fits_nothing else len(results)} fit, "
+            f"searched in {elapsed:.2f} s\n"
         )
+        if results.fits_nothing:
+            print("fits: false -- the fixed layout does not fit; what it would need:\n")
         print(report.table(results, args.top, results.refused))
-        print("\nbest layout, explained:")
+        print("\nthe fixed layout, explained:" if results.fits_nothing else "\nbest layout, explained:")
         print(report.explain(results[0], hw.hbm_gib))
+    if args.emit_config and results.fits_nothing:
+        raise ConfigError(f"--emit-config: the fixed layout does not fit ({results[0].overflow})")
     if args.emit_config:
         chosen = next((e for e in results if report.runnable(e)), None)
         if chosen is None:
