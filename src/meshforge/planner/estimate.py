@@ -45,6 +45,7 @@ from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
+from meshforge.planner.zero1_partition import largest_share
 
 # the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
@@ -122,6 +123,24 @@ def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[st
     }
 
 
+def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
+    """What meshforge allocates for parameters, gradients and optimizer state on the most
+    loaded GPU (held equal to a run's ``state_mem_bytes`` by tests/test_planner_memory.py).
+    ZeRO-2/3 are FSDP2, which keeps fp32 shards of parameters and gradients (the sharded
+    parameter is the fp32 master; bf16 working copies are gathered per unit and counted under
+    buffers): 4Ψ/N + 4Ψ/N + 8Ψ/N in either precision — the ZeRO paper's 16Ψ/N for stage 3,
+    and stage 2 without its replicated 2Ψ (FSDP2 holds it gathered only from forward to
+    backward). DDP and ZeRO-1 follow the paper; ZeRO-1's optimizer state is split by whole
+    parameters (zero1_partition.py), so its most loaded rank holds more than 1/N."""
+    n = lay.dp * lay.cp
+    if lay.zero_stage >= 2 and n > 1:
+        return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
+    states = model_state_bytes(psi, n, lay.zero_stage, precision)
+    if lay.zero_stage == 1 and n > 1:
+        states["optimizer"] *= n * largest_share(shape, lay.tp, lay.pp, n)
+    return states
+
+
 def activation_bytes_per_layer(
     shape: Shape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
 ) -> float:
@@ -174,7 +193,7 @@ def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
 
 def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
-    states = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
+    states = allocated_state_bytes(shape, lay, psi, precision)
     bpe = 4 if precision == "fp32" else 2
     act_layer = activation_bytes_per_layer(
         shape, seq // lay.cp, lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
