@@ -18,7 +18,7 @@ from meshforge.planner.shape import Shape, from_preset
 
 H100 = get_hardware("h100-sxm")
 # GPT-3 175B: the model Korthikanti et al. 2022 work through (a = 96, h = 12288, s = 2048)
-GPT3 = Shape(96, 12288, 96, 96, 4 * 12288, 51200, "gelu", True, 2048, "gpt3-175b")
+GPT3 = Shape(96, 12288, 96, 96, 4 * 12288, 51200, "gelu", True, 2048, "gpt3-175b", attention="materialized")
 
 
 # ----------------------------------------------------------------------------- memory

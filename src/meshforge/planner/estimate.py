@@ -43,6 +43,7 @@ from typing import Any
 from meshforge.models import flops
 from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
+from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
 from meshforge.planner.zero1_partition import largest_share
@@ -149,7 +150,7 @@ def activation_bytes_per_layer(
     if shape.mlp == "gelu":  # Korthikanti et al. 2022, Table 2 (bf16, with dropout)
         if recompute == "full":
             return 2 * s * b * h / (tp if sp else 1)
-        attn_sq = 0.0 if recompute == "selective" else 5 * a * s * s * b / tp
+        attn_sq = 0.0 if recompute == "selective" or shape.attention == "flash" else 5 * a * s * s * b / tp
         if sp:
             return s * b * h * 34 / tp + attn_sq
         return s * b * h * (10 + 24 / tp) + attn_sq
@@ -269,39 +270,29 @@ def _bytes_per_element(precision: str) -> int:
 def _compute_time(
     shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
 ) -> dict[str, float]:
-    """This GPU's share of the hardware FLOPs, in seconds. GEMMs run at the efficiency of
-    their typical size; the attention core (scores, weighted sum) at hw.attention_efficiency;
-    norms, residuals, activations and RoPE are memory-bound passes over the activations.
-    The slowest (most loaded) pipeline stage sets the pace."""
+    """This GPU's share of the hardware FLOPs, in seconds (planner/kernel_costs.py): GEMMs at
+    the rate of their typical size, the attention core by kernel and sequence length, and the
+    block type's memory-bound element-wise work. The slowest (most loaded) pipeline stage
+    sets the pace."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
-    bpe = _bytes_per_element(precision)
     peak = hw.peak(precision)
     tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
     imbalance = stage_layers(shape, lay.pp) * lay.pp / shape.layers
     tokens_gpu = global_batch * seq / n_gpus
-    attn_per_token = 3.0 * flops.attention_flops_per_token(shape, seq)  # fwd + bwd of the attention core
+    attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
     if lay.recompute in ("full", "selective"):
-        attn_per_token *= 4 / 3
+        attn_flops *= 4 / 3
     flops_step = shape.hardware_flops_per_token(seq, lay.recompute) * tokens_gpu
-    attn_flops = attn_per_token * tokens_gpu
     typical_gemm = 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp
-    eff = gemm_efficiency(hw, typical_gemm)
-    gemm_s = imbalance * ((flops_step - attn_flops) / (peak * eff) + attn_flops / (peak * hw.attention_efficiency))
-    passes = 3 if lay.recompute == "none" else 4  # forward, backward (2x), recomputed forward
-    other_s = (
-        imbalance
-        * hw.elementwise_bytes_per_hidden
-        * shape.hidden
-        * bpe
-        * passes
-        * shape.layers
-        * tokens_gpu
-        / hw.hbm_bw
+    rate = kernel_costs.gemm_rate(hw, typical_gemm, precision)
+    attn_s = kernel_costs.attention_seconds(shape, hw, seq, tokens_gpu, shape.layers, lay.recompute, precision, rate)
+    gemm_s = imbalance * ((flops_step - attn_flops) / rate + attn_s)
+    bpe = _bytes_per_element(precision)
+    other_s = imbalance * kernel_costs.elementwise_seconds(
+        shape, hw, tokens_gpu, shape.layers, lay.recompute, bpe, 1 if lay.sequence_parallel else lay.tp
     )
     recompute_s = (
-        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq))
-        * tokens_gpu
-        / (peak * eff)
+        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq)) * tokens_gpu / rate
     )
     return {
         "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,

@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         m.add_argument(f"--{k}", type=int)
     m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu")
     m.add_argument("--tie-embeddings", action="store_true")
+    m.add_argument(
+        "--attention",
+        choices=["flash", "materialized"],
+        default="flash",
+        help="attention kernel: fused (flash, meshforge's) or scores written out (Megatron-LM 2021/22)",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --config's, else 4096)")
     t.add_argument(
@@ -44,11 +50,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus", type=int)
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--inter-node-bw", type=float, help="network bandwidth per GPU in GB/s")
+    c.add_argument(
+        "--comm-overlap",
+        type=float,
+        help="share of data-parallel traffic that hides under compute (default: the hardware's; 0 for a framework "
+        "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
+    )
     f = p.add_argument_group("fixed choices (the rest is searched)")
     for k in ("tp", "pp", "dp", "cp", "ep", "zero", "micro-batch", "virtual-stages"):
         f.add_argument(f"--{k}", type=int)
     f.add_argument("--recompute", choices=["none", "selective", "full"])
     f.add_argument("--schedule")
+    f.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
@@ -112,6 +129,7 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
         args.mlp,
         args.tie_embeddings,
         args.max_positions or 0,
+        attention=args.attention,
     )
     return shape, from_cfg, None
 
@@ -141,6 +159,8 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     hw = get_hardware(args.gpu, args.hardware)
     if args.inter_node_bw:
         hw.inter_bw = args.inter_node_bw * 1e9
+    if args.comm_overlap is not None:
+        hw.comm_overlap = min(1.0, max(0.0, args.comm_overlap))
     if args.gpus is None or args.gpus < 1:
         raise ConfigError("--gpus N (the cluster size, >= 1) is required")
     seq = args.seq_len or dflt.get("seq_len") or 4096
@@ -162,6 +182,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         recompute=pick("recompute"),
         virtual_stages=pick("virtual_stages"),
         schedule=pick("schedule"),
+        sequence_parallel=not args.no_sequence_parallel,
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)

@@ -33,6 +33,7 @@ class Fixed:
     recompute: str | None = None
     virtual_stages: int | None = None
     schedule: str | None = None
+    sequence_parallel: bool = True
 
 
 def _divisors(n: int) -> list[int]:
@@ -133,7 +134,7 @@ def _per_rank_choices(tp: int, pp: int, dp: int, cp: int, local: int, f: Fixed, 
         for zero in [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0]):
             for rc in [f.recompute] if f.recompute else RECOMPUTE:
                 for sched, v in _schedules(pp, f):
-                    yield Layout(tp, pp, dp, cp, f.ep or 1, zero, mb, local // mb, rc, v, sched)
+                    yield Layout(tp, pp, dp, cp, f.ep or 1, zero, mb, local // mb, rc, v, sched, f.sequence_parallel)
 
 
 def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
