@@ -375,15 +375,28 @@ def _dp_time(shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_n
     )
 
 
-def _dp_exposed(dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware) -> float:
+def _dp_exposed(
+    dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
+) -> float:
     """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
     reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
     window (forward and backward) or backward, as far as the hardware runs communication
-    beside compute (hw.comm_overlap)."""
+    beside compute (hw.comm_overlap). Hidden traffic is not free: the collective kernels
+    take SMs and memory bandwidth from the compute they run beside (hw.comm_interference), in
+    proportion to the bytes they move per second (``interference_scale``: the link's share of
+    the in-node bandwidth)."""
     layers_stage = stage_layers(shape, lay.pp)
     window = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)
     last_bucket = dp_s / max(1.0, layers_stage) if lay.dp * lay.cp > 1 else 0.0
-    return dp_s - min((dp_s - last_bucket) * hw.comm_overlap, window)
+    hidden = min((dp_s - last_bucket) * hw.comm_overlap, window)
+    return dp_s - hidden + hidden * hw.comm_interference * interference_scale
+
+
+def _dp_link_share(lay: Layout, hw: Hardware, gpus_per_node: int) -> float:
+    """The data-parallel link's bandwidth as a share of the in-node one (1 inside a node)."""
+    if lay.tp * lay.dp * lay.cp <= gpus_per_node:
+        return 1.0
+    return min(1.0, hw.inter_bw / hw.intra_bw)
 
 
 def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> float:
@@ -423,7 +436,7 @@ def estimate(
     pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
     dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
-    dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw)
+    dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw, _dp_link_share(lay, hw, gpus_per_node))
     bubble = bubble_fraction(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
     pipelined = compute_s + tp_s + cp_s + pp_s  # the bubble is over the per-micro-batch work
     bubble_s = pipelined * bubble / (1 - bubble)

@@ -44,6 +44,9 @@ class Hardware:
     collectives: dict = field(default_factory=dict)
     # share of data-parallel traffic that hides under concurrent compute (1: its own engine)
     comm_overlap: float = 1.0
+    # share of the hidden traffic's time the compute beside it loses (NCCL kernels occupy SMs and
+    # memory bandwidth); 0 where communication has its own engine and memory path
+    comm_interference: float = 0.7
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
@@ -84,7 +87,7 @@ def _tf(kind: str) -> dict[str, float]:
     return {k: v * 1e12 for k, v in PEAK_TFLOPS[kind].items()}
 
 
-AMPERE_GEMM, HOPPER_GEMM = 0.75, 0.55
+AMPERE_GEMM, HOPPER_GEMM = 0.78, 0.55
 
 PRESETS: dict[str, Hardware] = {
     # achievable GEMM shares of peak in published training runs (bench/bench_planner_published.py):
@@ -110,6 +113,7 @@ PRESETS: dict[str, Hardware] = {
         gemm_half_flop=2e7,
         attention_efficiency=0.3,
         reserve_gib=0.5,
+        comm_interference=0.0,
     ),
 }
 
