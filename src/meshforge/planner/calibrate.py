@@ -138,7 +138,14 @@ def elementwise_bytes_per_hidden(device: torch.device, bw: float, repeat: int) -
 
 
 def block_elementwise(
-    device: torch.device, dtype: torch.dtype, peak: float, half: float, attn: float, bw: float, repeat: int
+    device: torch.device,
+    dtype: torch.dtype,
+    peak: float,
+    half: float,
+    attn: float,
+    bw: float,
+    repeat: int,
+    fixed: float = 0.0,
 ) -> float:
     """Bytes per (token x hidden x element) of a Llama block's work outside GEMMs and the
     attention core (norms, RoPE, residuals, SwiGLU, layout copies, the dispatch of each):
@@ -160,9 +167,24 @@ def block_elementwise(
     tokens, kv_dim = b * s, kv * (h // heads)
     gemm_flops = 6.0 * tokens * (2 * h * h + 2 * h * kv_dim + 3 * h * f)
     typical = 2.0 * tokens * h * max(f, h)
-    predicted = gemm_flops / (peak * typical / (typical + half)) + 12.0 * s * h * tokens / (peak * attn)
+    predicted = gemm_flops / (peak * typical / (typical + half)) + 12.0 * s * h * tokens / (peak * attn) + fixed
     bpe = torch.finfo(dtype).bits // 8
     return max(t - predicted, 0.0) * bw / (tokens * h * bpe * 3)
+
+
+def block_fixed_costs(device: torch.device, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
+    """Seconds a Llama block costs whatever its size: its forward + backward and its AdamW
+    (foreach) step on a few tokens of a tiny block, where the work is nothing and per-op
+    dispatch (Python, autograd, the dispatcher, allocation) is everything. On a CPU these
+    per-step costs dominate small models; a GPU hides them behind asynchronous launches."""
+    args = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=1, ffn_hidden=128, vocab_size=256, max_seq_len=8)
+    block = Block(args, 0).to(device, dtype)
+    x = torch.randn(1, 4, 64, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device), torch.arange(4, device=device))
+    t_block = _timed(lambda: block(x, cos, sin).sum().backward(), repeat, MIN_S)
+    opt = torch.optim.AdamW(block.parameters(), lr=1e-4, foreach=device.type == "cpu")
+    t_opt = _timed(opt.step, repeat, MIN_S)
+    return t_block, t_opt
 
 
 def compute_profile(device: torch.device, quick: bool) -> dict:
@@ -183,12 +205,13 @@ def compute_profile(device: torch.device, quick: bool) -> dict:
     attn = attention_fraction(device, torch.bfloat16 if cuda else torch.float32, peaks[main], repeat)
     bw = bandwidth(device, repeat)
     dtype = torch.bfloat16 if cuda else torch.float32
-    # a whole block's non-GEMM work; the bare elementwise passes are its floor (noise)
+    fixed, opt_fixed = (0.0, 0.0) if cuda else block_fixed_costs(device, dtype, repeat)
+    # a whole block's non-GEMM work less its fixed cost; the bare elementwise passes are its floor (noise)
     elem = max(
-        block_elementwise(device, dtype, peaks[main], half, attn, bw, repeat),
+        block_elementwise(device, dtype, peaks[main], half, attn, bw, repeat, fixed),
         elementwise_bytes_per_hidden(device, bw, repeat),
     )
-    return {"peaks": peaks, "half": half, "attn": attn, "bw": bw, "elem": elem}
+    return {"peaks": peaks, "half": half, "attn": attn, "bw": bw, "elem": elem, "fixed": fixed, "opt": opt_fixed}
 
 
 # collectives the way training issues them: DDP all-reduces, ZeRO-1 all-gathers, FSDP2
@@ -423,7 +446,10 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         gemm_efficiency=1.0,  # the peak is the best measured matmul
         gemm_half_flop=c["half"],
         attention_efficiency=c["attn"],
+        attention_half_seq=0.0,  # measured at one length
         elementwise_bytes_per_hidden=c["elem"],
+        block_fixed_s=c.get("fixed", 0.0),
+        optimizer_fixed_s=c.get("opt", 0.0),
         reserve_gib=base.reserve_gib,
         collectives=fits,
         comm_overlap=res["overlap"],
@@ -448,6 +474,7 @@ def run(args: argparse.Namespace) -> int:
         + ", "
         f"GEMM half-efficiency at {hw.gemm_half_flop / 1e6:.1f} MFLOP, attention {100 * hw.attention_efficiency:.0f}% "
         f"of peak, memory {hw.hbm_bw / 1e9:.1f} GB/s, elementwise {hw.elementwise_bytes_per_hidden:.1f} B/h, "
+        f"per block fixed {hw.block_fixed_s * 1e3:.2f} ms (fwd+bwd) + {hw.optimizer_fixed_s * 1e3:.2f} ms (AdamW), "
         f"between {args.nproc} ranks: "
         + ", ".join(f"{k} α {a * 1e6:.0f} us B {b / 1e9:.2f} GB/s" for k, (a, b) in hw.collectives.items())
         + (f"; {100 * hw.comm_overlap:.0f}% of an all-reduce hides under compute" if args.nproc > 1 else "")

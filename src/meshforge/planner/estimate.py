@@ -294,12 +294,21 @@ def _compute_time(
     recompute_s = (
         (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq)) * tokens_gpu / rate
     )
+    other_s += _dispatch_time(shape, lay, hw)
     return {
         "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,
         "gemm": gemm_s,
         "non_gemm": other_s,
         "recompute": recompute_s,
     }
+
+
+def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
+    """Per-op costs whatever the size (hw.block_fixed_s, measured on a CPU): every block on
+    the stage, every micro-batch, forward + backward (+ the recomputed forward), plus the
+    embedding, head and loss as about one block more."""
+    passes = 4 / 3 if lay.recompute != "none" else 1.0
+    return hw.block_fixed_s * lay.num_microbatches * (stage_layers(shape, lay.pp) * passes + 1)
 
 
 def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
@@ -403,7 +412,8 @@ def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> 
     """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
-    return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw
+    fixed = hw.optimizer_fixed_s * (stage_layers(shape, lay.pp) + 1)  # per-tensor costs, per block's tensors
+    return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw + fixed
 
 
 def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str, float]:

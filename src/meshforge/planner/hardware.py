@@ -34,11 +34,18 @@ class Hardware:
     # fraction of peak a fused attention core reaches at long sequences, fwd + bwd (kernel_costs.py
     # lowers it for short ones)
     attention_efficiency: float = 0.50
+    # sequence length at which a fused attention kernel reaches half that (0: no dependence, as
+    # for a calibrated profile, which measures the attention core at one length; GPU presets: 1024)
+    attention_half_seq: float = 0.0
     # bytes/(hidden x element size) that norms, residual adds, RoPE and activations read and write
     # per token and layer in one pass, as measured by `meshforge calibrate`; 0: from the block
     # type's arithmetic (planner/kernel_costs.py)
     elementwise_bytes_per_hidden: float = 0.0
     reserve_gib: float = 2.0  # CUDA context, allocator fragmentation, workspaces
+    # seconds a block costs whatever its size, per forward + backward pass and per optimizer step
+    # (per-op dispatch, measured by `meshforge calibrate` on a CPU; ~0 behind a GPU's async launches)
+    block_fixed_s: float = 0.0
+    optimizer_fixed_s: float = 0.0
     # measured inside one node by `meshforge calibrate`, per collective as training issues it:
     # kind -> [α seconds per ring step, bandwidth bytes/s]; kinds not listed use intra_*
     collectives: dict = field(default_factory=dict)
@@ -116,6 +123,11 @@ PRESETS: dict[str, Hardware] = {
         comm_interference=0.0,
     ),
 }
+
+
+GPU_ATTENTION_HALF_SEQ = 1024.0  # FlashAttention-2 reaches half its rate around 1K-token sequences
+for _name in [k for k in PRESETS if k != "cpu"]:
+    PRESETS[_name] = replace(PRESETS[_name], attention_half_seq=GPU_ATTENTION_HALF_SEQ)
 
 
 def get_hardware(name: str | None, path: str | None = None) -> Hardware:

@@ -10,10 +10,6 @@ from meshforge.models import flops
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.shape import Shape
 
-# A fused attention kernel reaches half of its best rate at this sequence length (short
-# sequences give each thread block too little work along the keys).
-ATTENTION_HALF_SEQ = 1024
-
 
 def gemm_rate(hw: Hardware, flop: float, precision: str) -> float:
     """FLOP/s of one GEMM of ``flop`` (2mnk): the generation's best share of peak, less for small ones."""
@@ -21,8 +17,10 @@ def gemm_rate(hw: Hardware, flop: float, precision: str) -> float:
 
 
 def flash_attention_rate(hw: Hardware, seq: int, precision: str) -> float:
-    """FLOP/s of a fused (FlashAttention-style) attention core, forward and backward."""
-    return hw.peak(precision) * hw.attention_efficiency * seq / (seq + ATTENTION_HALF_SEQ)
+    """FLOP/s of a fused (FlashAttention-style) attention core, forward and backward; a GPU
+    kernel reaches half of its best rate at ``hw.attention_half_seq`` (short sequences give
+    each thread block too little work along the keys)."""
+    return hw.peak(precision) * hw.attention_efficiency * seq / (seq + hw.attention_half_seq)
 
 
 def scores_bytes_per_element(recompute: str) -> float:
