@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeat", type=int, default=1, help="calibrate and measure again, N rounds in all")
     p.add_argument("--debug", action="store_true", help="the debug preset with issue 18's settings")
+    p.add_argument("--quick", action="store_true", help="meshforge calibrate --quick (fewer sizes and repeats)")
     args = p.parse_args()
     if args.debug:  # the debug preset's shape, for the printout
         args.hidden, args.layers, args.seq_len, args.batch = 128, 4, 128, 8
@@ -71,7 +72,9 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
     profiles = {}
     for n in (2,) if args.debug else (1, 2):
         out = tmp / f"hw{n}.json"
-        cmd = [sys.executable, "-m", "meshforge", "calibrate", "--nproc", str(n), "--out", str(out)]
+        cmd = [sys.executable, "-m", "meshforge", "calibrate", "--nproc", str(n), "--out", str(out)] + (
+            ["--quick"] if args.quick else []
+        )
         subprocess.run(cmd, check=True, capture_output=True)
         profiles[n] = get_hardware(None, str(out))
     if args.debug:  # one 2-rank profile for every layout, as the issue measures it

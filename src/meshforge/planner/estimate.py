@@ -308,7 +308,8 @@ def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
     the stage, every micro-batch, forward + backward (+ the recomputed forward), plus the
     embedding, head and loss as about one block more."""
     passes = 4 / 3 if lay.recompute != "none" else 1.0
-    return hw.block_fixed_s * lay.num_microbatches * (stage_layers(shape, lay.pp) * passes + 1)
+    per_block = hw.tp_block_fixed_s if lay.tp > 1 and hw.tp_block_fixed_s else hw.block_fixed_s
+    return per_block * lay.num_microbatches * (stage_layers(shape, lay.pp) * passes + 1)
 
 
 def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:

@@ -46,6 +46,7 @@ class Hardware:
     # (per-op dispatch, measured by `meshforge calibrate` on a CPU; ~0 behind a GPU's async launches)
     block_fixed_s: float = 0.0
     optimizer_fixed_s: float = 0.0
+    tp_block_fixed_s: float = 0.0  # the block's fixed cost sharded over tp (DTensor dispatch), less its collectives' α
     # measured inside one node by `meshforge calibrate`, per collective as training issues it:
     # kind -> [α seconds per ring step, bandwidth bytes/s]; kinds not listed use intra_*
     collectives: dict = field(default_factory=dict)
