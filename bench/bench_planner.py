@@ -9,6 +9,11 @@ constant is fitted to these runs: the profile comes from micro-benchmarks alone.
 Target (issue 7): within 25%.
 
     python bench/bench_planner.py
+    python bench/bench_planner.py --debug --repeat 2   # issue 18's protocol
+
+``--debug``: the debug preset, seq_len 128, global batch 8, micro-batch 2, fp32, 12 steps,
+every layout planned with one fresh ``meshforge calibrate --nproc 2`` profile per round;
+each round prints the machine's load (``uptime``), since the machine may be shared.
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeat", type=int, default=1, help="calibrate and measure again, N rounds in all")
+    p.add_argument("--debug", action="store_true", help="the debug preset with issue 18's settings")
+    p.add_argument("--quick", action="store_true", help="meshforge calibrate --quick (fewer sizes and repeats)")
     args = p.parse_args()
+    if args.debug:  # the debug preset's shape, for the printout
+        args.hidden, args.layers, args.seq_len, args.batch = 128, 4, 128, 8
     ratios: dict[str, list[float]] = {}
     for i in range(args.repeat):
         if args.repeat > 1:
@@ -59,15 +68,21 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
     from meshforge.planner.hardware import get_hardware
 
     tmp = Path(tempfile.mkdtemp())
+    print(f"load before calibrating: {_load()}")
     profiles = {}
-    for n in (1, 2):
+    for n in (2,) if args.debug else (1, 2):
         out = tmp / f"hw{n}.json"
-        cmd = [sys.executable, "-m", "meshforge", "calibrate", "--nproc", str(n), "--out", str(out)]
+        cmd = [sys.executable, "-m", "meshforge", "calibrate", "--nproc", str(n), "--out", str(out)] + (
+            ["--quick"] if args.quick else []
+        )
         subprocess.run(cmd, check=True, capture_output=True)
         profiles[n] = get_hardware(None, str(out))
+    if args.debug:  # one 2-rank profile for every layout, as the issue measures it
+        (tmp / "hw1.json").write_text((tmp / "hw2.json").read_text())
+    model = {"model.preset": "debug", "train.seq_len": 128, "train.micro_batch_size": 2} if args.debug else None
     shape_over = {
-        **small_model(args.hidden, args.layers, args.seq_len),
-        "train.global_batch_size": args.batch,
+        **(model or small_model(args.hidden, args.layers, args.seq_len)),
+        "train.global_batch_size": 8 if args.debug else args.batch,
         "train.steps": args.steps,
         "train.precision": "fp32",
         "train.eval_batches": 0,
@@ -98,8 +113,10 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
         assert len(layouts) == 1, "the resolved config fixes every choice"
         e = layouts[0]
         rows.append((name, measured, e["step_time_s"], e))
+    print(f"load after training: {_load()}")
     print(
-        f"model: hidden {args.hidden}, {args.layers} layers ({rows[0][3]['num_params'] / 1e6:.2f}M parameters), "
+        f"model: {'debug preset: ' if args.debug else ''}hidden {args.hidden}, {args.layers} layers "
+        f"({rows[0][3]['num_params'] / 1e6:.2f}M parameters), "
         f"batch {args.batch} x {args.seq_len}, fp32; profiles: "
         + "; ".join(
             f"{n} rank(s): {p.peak_flops['fp32'] / 1e9:.0f} GFLOP/s/rank, all-reduce {p.intra_bw / 1e9:.2f} GB/s"
@@ -117,6 +134,11 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
         top = ", ".join(f"{k} {v:.3f}" for k, v in parts[:3])
         print(f"{name:<16} {meas:>11.3f} {pred:>12.3f} {pred / meas:>18.2f}x  {top}")
     return {name: pred / meas for name, meas, pred, _ in rows}
+
+
+def _load() -> str:
+    """The 1/5/15-minute load averages (the machine may be shared: timings are noisy)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -138,7 +138,14 @@ def elementwise_bytes_per_hidden(device: torch.device, bw: float, repeat: int) -
 
 
 def block_elementwise(
-    device: torch.device, dtype: torch.dtype, peak: float, half: float, attn: float, bw: float, repeat: int
+    device: torch.device,
+    dtype: torch.dtype,
+    peak: float,
+    half: float,
+    attn: float,
+    bw: float,
+    repeat: int,
+    fixed: float = 0.0,
 ) -> float:
     """Bytes per (token x hidden x element) of a Llama block's work outside GEMMs and the
     attention core (norms, RoPE, residuals, SwiGLU, layout copies, the dispatch of each):
@@ -160,9 +167,42 @@ def block_elementwise(
     tokens, kv_dim = b * s, kv * (h // heads)
     gemm_flops = 6.0 * tokens * (2 * h * h + 2 * h * kv_dim + 3 * h * f)
     typical = 2.0 * tokens * h * max(f, h)
-    predicted = gemm_flops / (peak * typical / (typical + half)) + 12.0 * s * h * tokens / (peak * attn)
+    predicted = gemm_flops / (peak * typical / (typical + half)) + 12.0 * s * h * tokens / (peak * attn) + fixed
     bpe = torch.finfo(dtype).bits // 8
     return max(t - predicted, 0.0) * bw / (tokens * h * bpe * 3)
+
+
+def block_fixed_costs(device: torch.device, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
+    """Seconds a Llama block costs whatever its size: its forward + backward and its AdamW
+    (foreach) step on a few tokens of a tiny block, where the work is nothing and per-op
+    dispatch (Python, autograd, the dispatcher, allocation) is everything. On a CPU these
+    per-step costs dominate small models; a GPU hides them behind asynchronous launches."""
+    args = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=1, ffn_hidden=128, vocab_size=256, max_seq_len=8)
+    block = Block(args, 0).to(device, dtype)
+    x = torch.randn(1, 4, 64, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device), torch.arange(4, device=device))
+    t_block = _timed(lambda: block(x, cos, sin).sum().backward(), repeat, MIN_S)
+    opt = torch.optim.AdamW(block.parameters(), lr=1e-4, foreach=device.type == "cpu")
+    t_opt = _timed(opt.step, repeat, MIN_S)
+    return t_block, t_opt
+
+
+def tp_block_fixed(device: torch.device, mesh, repeat: int) -> float:
+    """Seconds a tensor-parallel (+SP) Llama block costs whatever its size, forward + backward,
+    over ``mesh`` (every rank calls this): the block of ``block_fixed_costs`` sharded as
+    training shards it, on a few tokens, so DTensor's dispatch (sharding propagation,
+    redistributes, wrapping) and the collectives' latency are everything."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshforge.parallel.tensor_parallel import block_plan
+
+    n = mesh.size()
+    args = ModelArgs(hidden=64, layers=1, heads=2 * n, kv_heads=n, ffn_hidden=128, vocab_size=256, max_seq_len=8)
+    block = Block(args, 0).to(device)
+    parallelize_module(block, mesh, block_plan(True))
+    x = torch.randn(1, 4 // n if 4 % n == 0 else 1, 64, device=device, requires_grad=True)
+    cos, sin = rope_cos_sin(rope_inv_freq(args, device), torch.arange(4, device=device))
+    return _timed(lambda: block(x, cos, sin).sum().backward(), repeat, calls=10)
 
 
 def compute_profile(device: torch.device, quick: bool) -> dict:
@@ -183,12 +223,13 @@ def compute_profile(device: torch.device, quick: bool) -> dict:
     attn = attention_fraction(device, torch.bfloat16 if cuda else torch.float32, peaks[main], repeat)
     bw = bandwidth(device, repeat)
     dtype = torch.bfloat16 if cuda else torch.float32
-    # a whole block's non-GEMM work; the bare elementwise passes are its floor (noise)
+    fixed, opt_fixed = (0.0, 0.0) if cuda else block_fixed_costs(device, dtype, repeat)
+    # a whole block's non-GEMM work less its fixed cost; the bare elementwise passes are its floor (noise)
     elem = max(
-        block_elementwise(device, dtype, peaks[main], half, attn, bw, repeat),
+        block_elementwise(device, dtype, peaks[main], half, attn, bw, repeat, fixed),
         elementwise_bytes_per_hidden(device, bw, repeat),
     )
-    return {"peaks": peaks, "half": half, "attn": attn, "bw": bw, "elem": elem}
+    return {"peaks": peaks, "half": half, "attn": attn, "bw": bw, "elem": elem, "fixed": fixed, "opt": opt_fixed}
 
 
 # collectives the way training issues them: DDP all-reduces, ZeRO-1 all-gathers, FSDP2
@@ -370,8 +411,10 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh) for kind in COLLECTIVES}
         _SYNC_COMPUTE[0] = True
         overlap = comm_overlap(dev, 3 if quick else 5)
+        tp_fixed = 0.0 if cuda else tp_block_fixed(dev, mesh, 3 if quick else 5)
         if rank == 0:
-            Path(out).write_text(json.dumps({"compute": slowest, "points": points, "overlap": overlap}))
+            res = {"compute": slowest, "points": points, "overlap": overlap, "tp_fixed": tp_fixed}
+            Path(out).write_text(json.dumps(res))
         dist.destroy_process_group()
     else:
         Path(out).write_text(json.dumps({"compute": mine, "points": {}, "overlap": 1.0}))
@@ -410,6 +453,9 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
     c, points = res["compute"], res["points"]
     fits = {kind: list(fit_alpha_beta(pts, nproc, kind)) for kind, pts in points.items()}
     alpha, link = fits.get("all_reduce", (10e-6, 1e10))
+    # the tp block's collectives are priced apart (their fitted α): its fixed cost is the rest
+    tp_latency = 4 * sum(fits.get(k, (0.0, 1.0))[0] for k in ("dtensor_all_gather", "dtensor_reduce_scatter"))
+    tp_fixed = max(res.get("tp_fixed", 0.0) - tp_latency, c.get("fixed", 0.0)) if res.get("tp_fixed") else 0.0
     base = PRESETS["cpu"] if not cuda else PRESETS["h100-sxm"]
     return Hardware(
         name=("cuda:" + torch.cuda.get_device_name()) if cuda else f"cpu/{nproc}",
@@ -423,7 +469,11 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         gemm_efficiency=1.0,  # the peak is the best measured matmul
         gemm_half_flop=c["half"],
         attention_efficiency=c["attn"],
+        attention_half_seq=0.0,  # measured at one length
         elementwise_bytes_per_hidden=c["elem"],
+        block_fixed_s=c.get("fixed", 0.0),
+        optimizer_fixed_s=c.get("opt", 0.0),
+        tp_block_fixed_s=tp_fixed,
         reserve_gib=base.reserve_gib,
         collectives=fits,
         comm_overlap=res["overlap"],
@@ -448,6 +498,8 @@ def run(args: argparse.Namespace) -> int:
         + ", "
         f"GEMM half-efficiency at {hw.gemm_half_flop / 1e6:.1f} MFLOP, attention {100 * hw.attention_efficiency:.0f}% "
         f"of peak, memory {hw.hbm_bw / 1e9:.1f} GB/s, elementwise {hw.elementwise_bytes_per_hidden:.1f} B/h, "
+        f"per block fixed {hw.block_fixed_s * 1e3:.2f} ms (fwd+bwd; {hw.tp_block_fixed_s * 1e3:.2f} ms under tp) + "
+        f"{hw.optimizer_fixed_s * 1e3:.2f} ms (AdamW), "
         f"between {args.nproc} ranks: "
         + ", ".join(f"{k} α {a * 1e6:.0f} us B {b / 1e9:.2f} GB/s" for k, (a, b) in hw.collectives.items())
         + (f"; {100 * hw.comm_overlap:.0f}% of an all-reduce hides under compute" if args.nproc > 1 else "")

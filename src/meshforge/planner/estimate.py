@@ -49,8 +49,10 @@ from meshforge.parallel.context_parallel_cost import (
 )
 from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
+from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
+from meshforge.planner.zero1_partition import largest_share
 
 # the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
@@ -128,6 +130,24 @@ def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[st
     }
 
 
+def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
+    """What meshforge allocates for parameters, gradients and optimizer state on the most
+    loaded GPU (held equal to a run's ``state_mem_bytes`` by tests/test_planner_memory.py).
+    ZeRO-2/3 are FSDP2, which keeps fp32 shards of parameters and gradients (the sharded
+    parameter is the fp32 master; bf16 working copies are gathered per unit and counted under
+    buffers): 4Ψ/N + 4Ψ/N + 8Ψ/N in either precision — the ZeRO paper's 16Ψ/N for stage 3,
+    and stage 2 without its replicated 2Ψ (FSDP2 holds it gathered only from forward to
+    backward). DDP and ZeRO-1 follow the paper; ZeRO-1's optimizer state is split by whole
+    parameters (zero1_partition.py), so its most loaded rank holds more than 1/N."""
+    n = lay.dp * lay.cp
+    if lay.zero_stage >= 2 and n > 1:
+        return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
+    states = model_state_bytes(psi, n, lay.zero_stage, precision)
+    if lay.zero_stage == 1 and n > 1:
+        states["optimizer"] *= n * largest_share(shape, lay.tp, lay.pp, n)
+    return states
+
+
 def activation_bytes_per_layer(
     shape: Shape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
 ) -> float:
@@ -136,7 +156,7 @@ def activation_bytes_per_layer(
     if shape.mlp == "gelu":  # Korthikanti et al. 2022, Table 2 (bf16, with dropout)
         if recompute == "full":
             return 2 * s * b * h / (tp if sp else 1)
-        attn_sq = 0.0 if recompute == "selective" else 5 * a * s * s * b / tp
+        attn_sq = 0.0 if recompute == "selective" or shape.attention == "flash" else 5 * a * s * s * b / tp
         if sp:
             return s * b * h * 34 / tp + attn_sq
         return s * b * h * (10 + 24 / tp) + attn_sq
@@ -180,7 +200,7 @@ def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
 
 def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
-    states = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
+    states = allocated_state_bytes(shape, lay, psi, precision)
     bpe = 4 if precision == "fp32" else 2
     act_layer = activation_bytes_per_layer(
         shape, local_tokens(seq, lay.cp), lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
@@ -213,6 +233,22 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
     return out
 
 
+def overflow_reason(mem: dict[str, float], hbm_gib: float) -> str:
+    """What overflows: the total against the GPU, the largest parts, and whether the model
+    states or the activations alone exceed it (so the fix is more sharding or recomputation)."""
+    over = mem["total"] - hbm_gib
+    parts = sorted((k for k in mem if k != "total"), key=lambda k: -mem[k])[:3]
+    msg = f"needs {mem['total']:.1f} GiB of {hbm_gib:.0f} GiB ({over:.1f} over); largest: " + ", ".join(
+        f"{k} {mem[k]:.1f}" for k in parts
+    )
+    states = mem["params"] + mem["grads"] + mem["optimizer"]
+    if states > hbm_gib:
+        msg += f"; the model states alone ({states:.1f} GiB) exceed the GPU: shard them (higher zero, tp, pp)"
+    elif mem["activations"] > hbm_gib - states:
+        msg += "; the activations exceed what the model states leave: recompute, smaller micro-batch, or more tp/cp"
+    return msg
+
+
 # ----------------------------------------------------------------------------- time
 
 
@@ -243,46 +279,46 @@ def _bytes_per_element(precision: str) -> int:
 def _compute_time(
     shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
 ) -> dict[str, float]:
-    """This GPU's share of the hardware FLOPs, in seconds. GEMMs run at the efficiency of
-    their typical size; the attention core (scores, weighted sum) at hw.attention_efficiency;
-    norms, residuals, activations and RoPE are memory-bound passes over the activations.
-    The slowest (most loaded) pipeline stage sets the pace."""
+    """This GPU's share of the hardware FLOPs, in seconds (planner/kernel_costs.py): GEMMs at
+    the rate of their typical size, the attention core by kernel and sequence length, and the
+    block type's memory-bound element-wise work. The slowest (most loaded) pipeline stage
+    sets the pace."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
-    bpe = _bytes_per_element(precision)
     peak = hw.peak(precision)
     tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
     imbalance = stage_layers(shape, lay.pp) * lay.pp / shape.layers
     tokens_gpu = global_batch * seq / n_gpus
-    attn_per_token = 3.0 * flops.attention_flops_per_token(shape, seq)  # fwd + bwd of the attention core
+    attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
     if lay.recompute in ("full", "selective"):
-        attn_per_token *= 4 / 3
+        attn_flops *= 4 / 3
     flops_step = shape.hardware_flops_per_token(seq, lay.recompute) * tokens_gpu
-    attn_flops = attn_per_token * tokens_gpu
     typical_gemm = 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp
-    eff = gemm_efficiency(hw, typical_gemm)
-    gemm_s = imbalance * ((flops_step - attn_flops) / (peak * eff) + attn_flops / (peak * hw.attention_efficiency))
-    passes = 3 if lay.recompute == "none" else 4  # forward, backward (2x), recomputed forward
-    other_s = (
-        imbalance
-        * hw.elementwise_bytes_per_hidden
-        * shape.hidden
-        * bpe
-        * passes
-        * shape.layers
-        * tokens_gpu
-        / hw.hbm_bw
+    rate = kernel_costs.gemm_rate(hw, typical_gemm, precision)
+    attn_s = kernel_costs.attention_seconds(shape, hw, seq, tokens_gpu, shape.layers, lay.recompute, precision, rate)
+    gemm_s = imbalance * ((flops_step - attn_flops) / rate + attn_s)
+    bpe = _bytes_per_element(precision)
+    other_s = imbalance * kernel_costs.elementwise_seconds(
+        shape, hw, tokens_gpu, shape.layers, lay.recompute, bpe, 1 if lay.sequence_parallel else lay.tp
     )
     recompute_s = (
-        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq))
-        * tokens_gpu
-        / (peak * eff)
+        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq)) * tokens_gpu / rate
     )
+    other_s += _dispatch_time(shape, lay, hw)
     return {
         "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,
         "gemm": gemm_s,
         "non_gemm": other_s,
         "recompute": recompute_s,
     }
+
+
+def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
+    """Per-op costs whatever the size (hw.block_fixed_s, measured on a CPU): every block on
+    the stage, every micro-batch, forward + backward (+ the recomputed forward), plus the
+    embedding, head and loss as about one block more."""
+    passes = 4 / 3 if lay.recompute != "none" else 1.0
+    per_block = hw.tp_block_fixed_s if lay.tp > 1 and hw.tp_block_fixed_s else hw.block_fixed_s
+    return per_block * lay.num_microbatches * (stage_layers(shape, lay.pp) * passes + 1)
 
 
 def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
@@ -362,22 +398,36 @@ def _dp_time(shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_n
     )
 
 
-def _dp_exposed(dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware) -> float:
+def _dp_exposed(
+    dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
+) -> float:
     """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
     reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
     window (forward and backward) or backward, as far as the hardware runs communication
-    beside compute (hw.comm_overlap)."""
+    beside compute (hw.comm_overlap). Hidden traffic is not free: the collective kernels
+    take SMs and memory bandwidth from the compute they run beside (hw.comm_interference), in
+    proportion to the bytes they move per second (``interference_scale``: the link's share of
+    the in-node bandwidth)."""
     layers_stage = stage_layers(shape, lay.pp)
     window = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)
     last_bucket = dp_s / max(1.0, layers_stage) if lay.dp * lay.cp > 1 else 0.0
-    return dp_s - min((dp_s - last_bucket) * hw.comm_overlap, window)
+    hidden = min((dp_s - last_bucket) * hw.comm_overlap, window)
+    return dp_s - hidden + hidden * hw.comm_interference * interference_scale
+
+
+def _dp_link_share(lay: Layout, hw: Hardware, gpus_per_node: int) -> float:
+    """The data-parallel link's bandwidth as a share of the in-node one (1 inside a node)."""
+    if lay.tp * lay.dp * lay.cp <= gpus_per_node:
+        return 1.0
+    return min(1.0, hw.inter_bw / hw.intra_bw)
 
 
 def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> float:
     """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
-    return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw
+    fixed = hw.optimizer_fixed_s * (stage_layers(shape, lay.pp) + 1)  # per-tensor costs, per block's tensors
+    return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw + fixed
 
 
 def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str, float]:
@@ -403,14 +453,14 @@ def estimate(
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     mem = memory(shape, lay, seq, precision, hw)
     fits = mem["total"] <= hw.hbm_gib
-    overflow = "" if fits else f"needs {mem['total']:.1f} GiB of {hw.hbm_gib:.0f} GiB"
+    overflow = "" if fits else overflow_reason(mem, hw.hbm_gib)
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
     tp_s = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
     cp_s = _cp_time(shape, lay, seq, precision, hw, gpus_per_node)
     pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
     dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
-    dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw)
+    dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw, _dp_link_share(lay, hw, gpus_per_node))
     bubble = bubble_fraction(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
     pipelined = compute_s + tp_s + cp_s + pp_s  # the bubble is over the per-micro-batch work
     bubble_s = pipelined * bubble / (1 - bubble)

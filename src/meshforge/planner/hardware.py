@@ -31,16 +31,30 @@ class Hardware:
     inter_latency: float = 20e-6
     gemm_efficiency: float = 0.72  # fraction of peak a large GEMM reaches (cuBLAS bf16 on H100: ~700 of 989)
     gemm_half_flop: float = 2e9  # GEMM size (2mnk) reaching half of that
-    attention_efficiency: float = 0.40  # fraction of peak the attention core reaches (FlashAttention-2 fwd+bwd)
+    # fraction of peak a fused attention core reaches at long sequences, fwd + bwd (kernel_costs.py
+    # lowers it for short ones)
+    attention_efficiency: float = 0.50
+    # sequence length at which a fused attention kernel reaches half that (0: no dependence, as
+    # for a calibrated profile, which measures the attention core at one length; GPU presets: 1024)
+    attention_half_seq: float = 0.0
     # bytes/(hidden x element size) that norms, residual adds, RoPE and activations read and write
-    # per token and layer in one pass
-    elementwise_bytes_per_hidden: float = 30.0
+    # per token and layer in one pass, as measured by `meshforge calibrate`; 0: from the block
+    # type's arithmetic (planner/kernel_costs.py)
+    elementwise_bytes_per_hidden: float = 0.0
     reserve_gib: float = 2.0  # CUDA context, allocator fragmentation, workspaces
+    # seconds a block costs whatever its size, per forward + backward pass and per optimizer step
+    # (per-op dispatch, measured by `meshforge calibrate` on a CPU; ~0 behind a GPU's async launches)
+    block_fixed_s: float = 0.0
+    optimizer_fixed_s: float = 0.0
+    tp_block_fixed_s: float = 0.0  # the block's fixed cost sharded over tp (DTensor dispatch), less its collectives' α
     # measured inside one node by `meshforge calibrate`, per collective as training issues it:
     # kind -> [α seconds per ring step, bandwidth bytes/s]; kinds not listed use intra_*
     collectives: dict = field(default_factory=dict)
     # share of data-parallel traffic that hides under concurrent compute (1: its own engine)
     comm_overlap: float = 1.0
+    # share of the hidden traffic's time the compute beside it loses (NCCL kernels occupy SMs and
+    # memory bandwidth); 0 where communication has its own engine and memory path
+    comm_interference: float = 0.7
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
@@ -81,12 +95,16 @@ def _tf(kind: str) -> dict[str, float]:
     return {k: v * 1e12 for k, v in PEAK_TFLOPS[kind].items()}
 
 
+AMPERE_GEMM, HOPPER_GEMM = 0.78, 0.55
+
 PRESETS: dict[str, Hardware] = {
-    "a100-40g": Hardware("a100-40g", _tf("a100"), 40, 1.555e12, 230e9, 23e9),
-    "a100-80g": Hardware("a100-80g", _tf("a100"), 80, 2.039e12, 230e9, 23e9),
-    "h100-sxm": Hardware("h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9),
-    "h100-pcie": Hardware("h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9),
-    "h200": Hardware("h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9),
+    # achievable GEMM shares of peak in published training runs (bench/bench_planner_published.py):
+    # Ampere reaches a larger share of its (lower) peak than Hopper does of its own
+    "a100-40g": Hardware("a100-40g", _tf("a100"), 40, 1.555e12, 230e9, 23e9, gemm_efficiency=AMPERE_GEMM),
+    "a100-80g": Hardware("a100-80g", _tf("a100"), 80, 2.039e12, 230e9, 23e9, gemm_efficiency=AMPERE_GEMM),
+    "h100-sxm": Hardware("h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9, gemm_efficiency=HOPPER_GEMM),
+    "h100-pcie": Hardware("h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9, gemm_efficiency=HOPPER_GEMM),
+    "h200": Hardware("h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9, gemm_efficiency=HOPPER_GEMM),
     "b200": Hardware("b200", _tf("b200"), 180, 8.0e12, 720e9, 45e9),
     "mi300x": Hardware("mi300x", _tf("mi300x"), 192, 5.3e12, 300e9, 45e9, gemm_efficiency=0.6),
     # a generic server CPU; `meshforge calibrate` replaces every number with measured ones
@@ -103,8 +121,14 @@ PRESETS: dict[str, Hardware] = {
         gemm_half_flop=2e7,
         attention_efficiency=0.3,
         reserve_gib=0.5,
+        comm_interference=0.0,
     ),
 }
+
+
+GPU_ATTENTION_HALF_SEQ = 1024.0  # FlashAttention-2 reaches half its rate around 1K-token sequences
+for _name in [k for k in PRESETS if k != "cpu"]:
+    PRESETS[_name] = replace(PRESETS[_name], attention_half_seq=GPU_ATTENTION_HALF_SEQ)
 
 
 def get_hardware(name: str | None, path: str | None = None) -> Hardware:

@@ -12,7 +12,7 @@ from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
 from meshforge.planner import report
-from meshforge.planner.hardware import Hardware, get_hardware
+from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import Fixed, Ranked, search
 from meshforge.planner.shape import Shape, from_args, from_preset
 
@@ -25,21 +25,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         m.add_argument(f"--{k}", type=int)
     m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu")
     m.add_argument("--tie-embeddings", action="store_true")
+    m.add_argument(
+        "--attention",
+        choices=["flash", "materialized"],
+        default="flash",
+        help="attention kernel: fused (flash, meshforge's) or scores written out (Megatron-LM 2021/22)",
+    )
     t = p.add_argument_group("training")
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--global-batch", type=int, help="sequences per step")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --config's, else 4096)")
+    t.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per optimizer step (default: the --config's, else one per GPU, i.e. --gpus)",
+    )
     t.add_argument("--precision", choices=["bf16", "fp32", "fp8"])
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpu", default="h100-sxm", help="hardware preset (see --help of meshforge plan)")
+    c.add_argument(
+        "--gpu",
+        default="h100-sxm",
+        metavar="PRESET",
+        help=f"hardware preset, one of: {', '.join(PRESETS)} (default: h100-sxm)",
+    )
     c.add_argument("--hardware", help="a profile written by meshforge calibrate (overrides --gpu)")
     c.add_argument("--gpus", type=int)
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--inter-node-bw", type=float, help="network bandwidth per GPU in GB/s")
+    c.add_argument(
+        "--comm-overlap",
+        type=float,
+        help="share of data-parallel traffic that hides under compute (default: the hardware's; 0 for a framework "
+        "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
+    )
     f = p.add_argument_group("fixed choices (the rest is searched)")
     for k in ("tp", "pp", "dp", "cp", "ep", "zero", "micro-batch", "virtual-stages"):
         f.add_argument(f"--{k}", type=int)
     f.add_argument("--recompute", choices=["none", "selective", "full"])
     f.add_argument("--schedule")
+    f.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
@@ -103,6 +129,7 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
         args.mlp,
         args.tie_embeddings,
         args.max_positions or 0,
+        attention=args.attention,
     )
     return shape, from_cfg, None
 
@@ -132,6 +159,8 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     hw = get_hardware(args.gpu, args.hardware)
     if args.inter_node_bw:
         hw.inter_bw = args.inter_node_bw * 1e9
+    if args.comm_overlap is not None:
+        hw.comm_overlap = min(1.0, max(0.0, args.comm_overlap))
     if args.gpus is None or args.gpus < 1:
         raise ConfigError("--gpus N (the cluster size, >= 1) is required")
     seq = args.seq_len or dflt.get("seq_len") or 4096
@@ -153,6 +182,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         recompute=pick("recompute"),
         virtual_stages=pick("virtual_stages"),
         schedule=pick("schedule"),
+        sequence_parallel=not args.no_sequence_parallel,
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)
@@ -177,11 +207,16 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
-            f"{considered} layouts considered, {len(results)} fit, searched in {elapsed:.2f} s\n"
+            f"{considered} layouts considered, {0 if results.fits_nothing else len(results)} fit, "
+            f"searched in {elapsed:.2f} s\n"
         )
+        if results.fits_nothing:
+            print("fits: false -- the fixed layout does not fit; what it would need:\n")
         print(report.table(results, args.top, results.refused))
-        print("\nbest layout, explained:")
+        print("\nthe fixed layout, explained:" if results.fits_nothing else "\nbest layout, explained:")
         print(report.explain(results[0], hw.hbm_gib))
+    if args.emit_config and results.fits_nothing:
+        raise ConfigError(f"--emit-config: the fixed layout does not fit ({results[0].overflow})")
     if args.emit_config:
         chosen = next((e for e in results if report.runnable(e)), None)
         if chosen is None:

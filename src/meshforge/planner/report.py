@@ -8,6 +8,15 @@ import json
 from meshforge.planner.estimate import Estimate
 from meshforge.planner.shape import Shape
 
+COLUMNS = (
+    "columns: tp, pp, dp, cp: tensor-, pipeline-, data- and context-parallel degrees; zero: ZeRO stage (0: DDP, "
+    "3: fully sharded); mb: micro-batch size (sequences per forward pass); m: micro-batches per step on each "
+    "data-parallel rank (gradient accumulation, or the pipeline's micro-batches); recompute: activation "
+    "recomputation; schedule: pipeline schedule (v: model chunks per rank); mem GiB: predicted peak memory per GPU; "
+    "step s: predicted time per optimizer step; MFU: model FLOPs (6N + attention) per second over the peak; HFU: the "
+    "same counting recomputed FLOPs; *: not runnable by meshforge train; !: does not fit"
+)
+
 
 def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
     """The ranking; then the faster layouts meshforge train does not run yet, with the reason."""
@@ -24,7 +33,10 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
             f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f} "
             f"{e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
             + ("  *" if e.not_runnable else "")
+            + ("  !" if not e.fits else "")
         )
+        if not e.fits:
+            notes.append(f"  ! #{i} fits: false -- {e.overflow}")
         if e.not_runnable:
             notes.append(f"  * #{i} is not runnable by meshforge train: {e.not_runnable}")
     best = results[0].tokens_per_s_per_gpu if results else 0.0
@@ -37,7 +49,7 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
             f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} zero {L.zero_stage} {L.schedule}: "
             f"{e.tokens_per_s_per_gpu:.0f} tok/s/gpu -- {e.not_runnable}"
         )
-    return "\n".join(rows + notes)
+    return "\n".join(rows + notes + [COLUMNS])
 
 
 def explain(e: Estimate, hbm_gib: float) -> str:
@@ -45,7 +57,8 @@ def explain(e: Estimate, hbm_gib: float) -> str:
     lines = [
         "memory per GPU (GiB): "
         + ", ".join(f"{k} {m[k]:.2f}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
-        + f" = {m['total']:.2f} of {hbm_gib:.0f}",
+        + f" = {m['total']:.2f} of {hbm_gib:.0f}"
+        + (" (fits)" if e.fits else f" -- fits: false, {e.overflow}"),
         "time per step (s): "
         + ", ".join(
             f"{k} {t[k]:.4f}"
@@ -63,6 +76,7 @@ def as_json(results: list[Estimate], top: int, shape: Shape, considered: int, re
             "model": shape.name,
             "num_params": shape.num_params(),
             "considered": considered,
+            "fits": any(e.fits for e in results),
             "layouts": [e.as_json() for e in results[:top]],
             "not_runnable": [e.as_json() for e in refused[:top]],
         },

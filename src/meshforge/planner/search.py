@@ -33,6 +33,7 @@ class Fixed:
     recompute: str | None = None
     virtual_stages: int | None = None
     schedule: str | None = None
+    sequence_parallel: bool = True
 
 
 def _divisors(n: int) -> list[int]:
@@ -133,7 +134,7 @@ def _per_rank_choices(tp: int, pp: int, dp: int, cp: int, local: int, f: Fixed, 
         for zero in [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0]):
             for rc in [f.recompute] if f.recompute else RECOMPUTE:
                 for sched, v in _schedules(pp, f):
-                    yield Layout(tp, pp, dp, cp, f.ep or 1, zero, mb, local // mb, rc, v, sched)
+                    yield Layout(tp, pp, dp, cp, f.ep or 1, zero, mb, local // mb, rc, v, sched, f.sequence_parallel)
 
 
 def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
@@ -160,9 +161,26 @@ def _schedules(pp: int, f: Fixed) -> Iterator[tuple[str, int]]:
 
 
 class Ranked(list):
-    """The ranking, plus the fitting layouts the layout rules say train does not run."""
+    """The ranking, plus the fitting layouts the layout rules say train does not run.
+    ``fits_nothing``: every degree was fixed and that layout overflows; the ranking is then
+    the overflowing layout(s), smallest first, so the caller can show what they would need."""
 
     refused: list[Estimate] = []
+    fits_nothing: bool = False
+
+
+def fully_fixed(f: Fixed) -> bool:
+    """Every degree fixed (tp, pp, dp, ZeRO stage, micro-batch): the question is then "what would
+    this layout need?", answered even when it overflows (the ZeRO paper's Table 1 question)."""
+    return all(x is not None for x in (f.tp, f.pp, f.dp, f.zero, f.micro_batch))
+
+
+def _overflowing(found: list[Estimate]) -> Ranked:
+    """The fixed layout(s) that do not fit, the smallest first, marked ``fits_nothing``."""
+    found.sort(key=lambda e: (e.memory["total"], -e.tokens_per_s_per_gpu))
+    ranked = Ranked(found)
+    ranked.fits_nothing = True
+    return ranked
 
 
 def search(
@@ -177,17 +195,25 @@ def search(
 ) -> tuple[Ranked, int]:
     """Fitting layouts that meshforge train runs, fastest first (``.refused``: fitting ones it
     does not run, with the reason), and how many were considered. When only refused layouts
-    fit (e.g. every degree fixed to one train cannot run yet), they are the ranking, marked."""
+    fit (e.g. every degree fixed to one train cannot run yet), they are the ranking, marked.
+    With every degree fixed and nothing fitting, the overflowing layouts are the answer
+    (``fits_nothing``); an open search that fits nothing is refused with what would fit."""
     check_fixed(shape, gpus, fixed, gpus_per_node)
-    fitting, considered, smallest = [], 0, None
+    fitting, considered, smallest, keep_all = [], 0, None, fully_fixed(fixed)
+    overflowing: list[Estimate] = []
     for lay, reason in layouts(shape, gpus, global_batch, seq, fixed, gpus_per_node):
         considered += 1
         e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
         e.not_runnable = reason
         if e.fits:
             fitting.append(e)
-        elif smallest is None or e.memory["total"] < smallest.memory["total"]:
-            smallest = e
+        else:
+            if keep_all:
+                overflowing.append(e)
+            if smallest is None or e.memory["total"] < smallest.memory["total"]:
+                smallest = e
+    if not fitting and overflowing:
+        return _overflowing(overflowing), considered
     if not fitting:
         bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed)
         raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger))

@@ -28,8 +28,13 @@ class Shape:
     name: str = "custom"
     head_dim: int = 0  # 0: hidden // heads
     qk_norm: bool = False
+    # "flash": a fused attention kernel (no s x s scores kept); "materialized": scores,
+    # softmax and dropout written out (Megatron-LM before FlashAttention)
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        if self.attention not in ("flash", "materialized"):
+            raise ConfigError(f"--attention {self.attention!r} must be flash or materialized")
         if self.mlp not in ("swiglu", "gelu"):
             raise ConfigError(f"--mlp {self.mlp!r} must be swiglu or gelu")
         for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):

@@ -1,0 +1,80 @@
+"""What one GPU's kernels cost beyond the ideal FLOP count: the achievable GEMM rate by GEMM
+size, the attention core by sequence length and kernel (fused or scores written out), and
+the memory-bound element-wise work of each block type (norms, residual adds, bias, GeLU or
+SwiGLU, dropout, RoPE). Per GPU generation the figures are the presets' (hardware.py), the
+block arithmetic is here; nothing is fitted to a particular run."""
+
+from __future__ import annotations
+
+from meshforge.models import flops
+from meshforge.planner.hardware import Hardware
+from meshforge.planner.shape import Shape
+
+
+def gemm_rate(hw: Hardware, flop: float, precision: str) -> float:
+    """FLOP/s of one GEMM of ``flop`` (2mnk): the generation's best share of peak, less for small ones."""
+    return hw.peak(precision) * hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
+
+
+def flash_attention_rate(hw: Hardware, seq: int, precision: str) -> float:
+    """FLOP/s of a fused (FlashAttention-style) attention core, forward and backward; a GPU
+    kernel reaches half of its best rate at ``hw.attention_half_seq`` (short sequences give
+    each thread block too little work along the keys)."""
+    return hw.peak(precision) * hw.attention_efficiency * seq / (seq + hw.attention_half_seq)
+
+
+def scores_bytes_per_element(recompute: str) -> float:
+    """Bytes moved per attention-score element (heads x s x s) when the scores are written
+    out (Megatron-LM's fused scale-mask-softmax, then dropout): forward writes the scores (2),
+    softmax reads and writes them (4), dropout reads them and writes output and mask (5), the
+    weighted sum reads them (2); backward about 17; recomputation repeats the forward."""
+    forward, backward = 13.0, 17.0
+    return forward + backward + (forward if recompute in ("full", "selective") else 0.0)
+
+
+def elementwise_elements(shape: Shape) -> tuple[float, float]:
+    """Elements read and written per token and layer by one forward's memory-bound kernels
+    (backward moves about twice as many), as (residual-stream part, tp-sharded part). GPT
+    block: two LayerNorms (2h each), bias + dropout + residual twice (3.5h each, the mask at
+    one byte), bias + GeLU over the 4h MLP (2·ffn). Llama block: two RMSNorms (2h each), two
+    residual adds (3h each), RoPE on q and k (2·(h + kv)), SwiGLU (3·ffn)."""
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
+    if shape.mlp == "gelu":
+        dropout = 0.5 if shape.attention == "materialized" else 0.0  # Megatron's GPT trains with dropout
+        return 4 * h + 2 * (3 + dropout) * h, 2.0 * f
+    return 10.0 * h, 2.0 * (h + kv) + 3 * f
+
+
+def elementwise_seconds(
+    shape: Shape, hw: Hardware, tokens: float, layers: float, recompute: str, bytes_per: int, replicated: int = 1
+) -> float:
+    """Memory-bound work of ``layers`` blocks over ``tokens`` tokens (this GPU's share):
+    forward, backward (2x) and the recomputed forward; the residual-stream part runs
+    ``replicated`` times over (tp without sequence parallelism repeats it on every tp rank).
+    A calibrated profile's measured per-pass figure (a real block's work outside GEMMs and
+    attention, in units of hidden) replaces the block formula."""
+    passes = 3 if recompute == "none" else 4
+    if hw.elementwise_bytes_per_hidden:
+        per_pass = hw.elementwise_bytes_per_hidden * shape.hidden
+    else:
+        stream, sharded = elementwise_elements(shape)
+        per_pass = stream * replicated + sharded
+    return per_pass * bytes_per * passes * layers * tokens / hw.hbm_bw
+
+
+def attention_seconds(
+    shape: Shape, hw: Hardware, seq: int, tokens: float, layers: float, recompute: str, precision: str, gemm: float
+) -> float:
+    """The attention core (scores and weighted sum) of ``layers`` blocks over ``tokens``
+    tokens, forward + backward (+ the recomputed forward): a fused kernel at its rate for this
+    sequence length; written-out scores as batched GEMMs at ``gemm`` FLOP/s plus their memory
+    traffic."""
+    per_token = 3.0 * flops.attention_flops_per_token(shape, seq) / shape.layers
+    if recompute in ("full", "selective"):
+        per_token *= 4 / 3
+    flop = per_token * tokens * layers
+    if shape.attention == "flash":
+        return flop / flash_attention_rate(hw, seq, precision)
+    scores = shape.heads * seq * tokens * layers  # heads x s x s per sequence of s tokens
+    bytes_per = scores_bytes_per_element(recompute) * (2 if precision == "fp32" else 1)
+    return flop / gemm + scores * bytes_per / hw.hbm_bw
