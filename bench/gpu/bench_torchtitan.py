@@ -164,13 +164,12 @@ def set_single_process_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def define_components() -> tuple[type, type, type]:
-    """Our data and tokenizer as torchtitan components, and a Trainer that times its steps.
+def define_components() -> tuple[type, type]:
+    """Our data and tokenizer as torchtitan components.
 
     Defined after torchtitan is importable (and, on CPU, after the device rebinding)."""
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.tokenizer import BaseTokenizer
-    from torchtitan.trainer import Trainer
 
     class NoTokenizer(BaseTokenizer):
         @dataclass(kw_only=True, slots=True)
@@ -210,6 +209,13 @@ def define_components() -> tuple[type, type, type]:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             pass
 
+    return NoTokenizer, RandomTokens
+
+
+def define_timed_trainer() -> type:
+    """torchtitan's Trainer with a clock around the timed steps."""
+    from torchtitan.trainer import Trainer
+
     class TimedTrainer(Trainer):
         """torchtitan's Trainer; only syncs before the first timed step and after the last."""
 
@@ -227,7 +233,7 @@ def define_components() -> tuple[type, type, type]:
                 _sync(self.device)
                 self.t1 = time.perf_counter()
 
-    return NoTokenizer, RandomTokens, TimedTrainer
+    return TimedTrainer
 
 
 def _sync(device: torch.device) -> None:
@@ -297,7 +303,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         point_torchtitan_at_cpu()
         cpu_attention_stand_in()
     set_single_process_env()
-    tok_cls, data_cls, trainer_cls = define_components()
+    (tok_cls, data_cls), trainer_cls = define_components(), define_timed_trainer()
     with tempfile.TemporaryDirectory(prefix="bench_torchtitan_") as dump:
         trainer = trainer_cls(build_config(a, tok_cls, data_cls, dump))
         trainer.warmup = a.warmup
