@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", choices=["flex", "flex_flash", "varlen"], default="flex")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="torchtitan's default; --no-cuda-graphs to run forward+backward eagerly")
-    p.add_argument("--smoke", action="store_true", help="debug flavor, seq 128, batch 2, 4 steps; runs on CPU")
+    p.add_argument("--smoke", action="store_true", help="debug flavor, seq 128, batch 2, 4 steps; runs on CPU too")
     a = p.parse_args(argv)
     if a.smoke:
         a.model, a.seq_len, a.micro_batch, a.steps, a.warmup = "debug", 128, 2, 4, 2
@@ -115,8 +115,8 @@ class _CpuDevice:
     device_count = staticmethod(lambda: 1)
     current_device = staticmethod(lambda: 0)
     get_device_name = staticmethod(lambda *a: "cpu")
-    get_device_properties = staticmethod(lambda *a: types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE")
-                                                                           * os.sysconf("SC_PHYS_PAGES")))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    get_device_properties = staticmethod(lambda *a: types.SimpleNamespace(total_memory=_CpuDevice.ram))
     memory_stats = staticmethod(lambda *a: {})
     memory = types.SimpleNamespace()
 
