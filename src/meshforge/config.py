@@ -76,6 +76,10 @@ class ParallelConfig:
     # none: contiguous 1/cp. ring: key/value blocks pass rank to rank; allgather: gathered once.
     cp_balance: Literal["zigzag", "none"] = "zigzag"
     cp_rotate: Literal["ring", "allgather"] = "ring"
+    # bf16 ZeRO-1: the dtype gradients are reduce-scattered in (bf16 halves the traffic)
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # cpu: FSDP2 keeps sharded parameters, gradients and the optimizer step in host memory (CUDA, ZeRO-2/3)
+    offload: Literal["none", "cpu"] = "none"
 
 
 @dataclass
@@ -86,6 +90,10 @@ class TrainConfig:
     micro_batch_size: int = 0  # sequences per forward pass per rank; 0: no accumulation
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # fp8 (torchao float8 training): scaling per tensor or per row; module-name patterns kept out of fp8
+    # (linears whose dimensions are not multiples of 16 are always kept out)
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    fp8_exclude: list[str] = field(default_factory=lambda: ["output", "*router*"])
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
     compile: bool = False

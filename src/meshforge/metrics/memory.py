@@ -36,6 +36,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     params = list(_unique(model.parameters()))
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's state inside
     opt = sum(_local_bytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    opt += sum(_local_bytes(t) for t in getattr(optimizer, "master_shards", ()))  # bf16 ZeRO-1's fp32 shard
     return {
         "params": sum(_local_bytes(p) for p in params),
         "grads": sum(_local_bytes(p.grad) for p in params),

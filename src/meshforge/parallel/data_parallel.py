@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.zero1 import FlatZero1, uses_flat_zero1
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Module:
@@ -119,9 +120,19 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
 
 
 def make_optimizer(
-    groups: list[dict], cls: type[torch.optim.Optimizer], kwargs: dict, mesh: Mesh, zero_stage: int
+    groups: list[dict],
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict,
+    mesh: Mesh,
+    zero_stage: int,
+    precision: str = "fp32",
+    grad_reduce_dtype: str = "fp32",
 ) -> torch.optim.Optimizer:
-    """Stage 1 shards the optimizer over the ``dp`` group; sharded stages shard it through their params."""
+    """Stage 1 shards the optimizer over the ``dp`` group; sharded stages shard it through their params.
+    bf16 stage 1 holds bf16 working state and shards fp32 master + Adam (parallel/zero1.py)."""
+    if uses_flat_zero1(precision, zero_stage, mesh.dp_size):
+        group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+        return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype)
     if zero_stage == 1 and mesh.dp_size > 1:
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],

@@ -47,6 +47,7 @@ from meshforge.parallel.pipeline import (
 )
 from meshforge.parallel.precision import autocast, resolve_precision
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
+from meshforge.parallel.zero1 import uses_flat_zero1
 
 if TYPE_CHECKING:
     from meshforge.config import Config
@@ -105,7 +106,9 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
     mesh's device and initialise it from ``seed`` (None: leave it for a state-dict load).
     Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
     sharded = _apply(model, cfg, mesh, seed)
-    if mesh.dims.dp_cp > 1 and not sharded:
+    precision = resolve_precision(cfg.train.precision, mesh.device)
+    flat_zero1 = uses_flat_zero1(precision, cfg.parallel.zero_stage, mesh.dp_size)
+    if mesh.dims.dp_cp > 1 and not sharded and not flat_zero1:  # (bf16 ZeRO-1 reduces in its optimizer)
         return apply_ddp(model, mesh, cfg.parallel.ddp_bucket_mb)
     return model
 

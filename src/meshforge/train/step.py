@@ -80,7 +80,11 @@ class StepRunner:
             out.global_loss = float(self.reduce_loss(loss))
         if self.match_layouts:
             match_grad_layouts(self.model)
-        out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
+        own_clip = getattr(self.optimizer, "clip_grad_norm", None)  # bf16 ZeRO-1 clips its reduced shard
+        if own_clip is not None:
+            out.grad_norm = own_clip(self.max_norm)
+        else:
+            out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
         self.optimizer.step()
         if measure:
             out.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
