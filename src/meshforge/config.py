@@ -419,10 +419,6 @@ def _check_train(cfg: Config) -> None:
     _need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
     _need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
     _need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
-    _need(
-        t.precision != "fp8",
-        "train.precision = 'fp8' is not available in this version of meshforge; use 'bf16' (or 'fp32')",
-    )
 
 
 def _check_optim(cfg: Config) -> None:

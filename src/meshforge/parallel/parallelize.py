@@ -1,6 +1,6 @@
 """The one place that composes parallelism, in a fixed order:
 
-PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/DDP.
+PP split -> TP/SP -> EP -> CP -> fp8 -> activation checkpointing -> compile -> FSDP/DDP.
 
 The order matters: checkpointing must wrap the (possibly sharded) block, compile must
 see the checkpointed block, and data parallelism goes last so its hooks see the final
@@ -36,6 +36,7 @@ from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
+from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import (
     Pipeline,
@@ -61,7 +62,7 @@ def is_sharded(cfg: Config, mesh: Mesh) -> bool:
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
     """bf16 comes from autocast, except under FSDP2, whose mixed-precision policy casts the
     gathered parameters to bf16 (and reduces gradients in fp32) instead."""
-    return cfg.train.precision == "bf16" and not is_sharded(cfg, mesh)
+    return cfg.train.precision in ("bf16", "fp8") and not is_sharded(cfg, mesh)
 
 
 def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
@@ -78,20 +79,22 @@ def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.Abstract
 
 
 def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> bool:
-    """TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
+    """TP/SP -> CP -> fp8 -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     if mesh.degrees["cp"] > 1:
         apply_cp(model, mesh, cfg)
+    if cfg.train.precision == "fp8":
+        apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
     if cfg.train.compile:
         for block in blocks:
             block.compile()
     sharded = is_sharded(cfg, mesh)
     if sharded:
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None
         apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype)
     model.to_empty(device=mesh.device)
     if not sharded:
