@@ -44,6 +44,24 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     }
 
 
+def host_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The part of ``state_bytes`` held in host memory (CPU offload on a GPU run)."""
+    params = [p for p in _unique(model.parameters()) if _on_host(p)]
+    inner = getattr(optimizer, "optim", optimizer)
+    tensors = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in _unique(model.parameters()) if _on_host(p.grad)),
+        "optimizer": sum(_local_bytes(t) for t in tensors if _on_host(t)),
+    }
+
+
+def _on_host(t: torch.Tensor | None) -> bool:
+    if t is None:
+        return False
+    return (t.to_local() if isinstance(t, DTensor) else t).device.type == "cpu"
+
+
 def gathered_param_bytes(model: nn.Module) -> int:
     """Bytes of full (unsharded) parameters a sharded model holds right now, e.g. between
     forward and backward under ZeRO-2. Only meaningful for a model whose parameters are

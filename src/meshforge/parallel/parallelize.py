@@ -1,8 +1,10 @@
 """The one place that composes parallelism, in a fixed order:
 
-PP split -> TP/SP -> EP -> CP -> fp8 -> activation checkpointing -> compile -> FSDP/DDP.
+PP split -> fp8 -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/DDP.
 
-The order matters: checkpointing must wrap the (possibly sharded) block, compile must
+The order matters: fp8 swaps linears for torchao's Float8Linear before TP shards their
+weights (as torchtitan converts before parallelizing; converted after TP, its casts meet
+DTensor weights with plain-tensor scales and fail), checkpointing must wrap the (possibly sharded) block, compile must
 see the checkpointed block, and data parallelism goes last so its hooks see the final
 parameters. The model arrives on the meta device and is materialised here, after
 sharding, so a rank only ever allocates its own shards; every shard is filled from the
@@ -79,15 +81,15 @@ def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.Abstract
 
 
 def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> bool:
-    """TP/SP -> CP -> fp8 -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
+    """fp8 -> TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
+    if cfg.train.precision == "fp8":
+        apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     if mesh.degrees["cp"] > 1:
         apply_cp(model, mesh, cfg)
-    if cfg.train.precision == "fp8":
-        apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
     if cfg.train.compile:
         for block in blocks:
@@ -95,12 +97,17 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     sharded = is_sharded(cfg, mesh)
     if sharded:
         param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None
-        apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype)
-    model.to_empty(device=mesh.device)
+        apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype, offload=cfg.parallel.offload == "cpu")
+    offload = sharded and cfg.parallel.offload == "cpu"  # sharded state in host memory, buffers on the device
+    model.to_empty(device="cpu" if offload else mesh.device)
     if not sharded:
         model.tie_weights()
     if seed is not None:
         init_weights(model, seed, fill=fill_param)
+    if offload:
+        for mod in model.modules():
+            for name, buf in mod.named_buffers(recurse=False):
+                mod.register_buffer(name, buf.to(mesh.device), persistent=name not in mod._non_persistent_buffers_set)
     return sharded
 
 

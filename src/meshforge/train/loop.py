@@ -242,7 +242,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = resolve(cfg, world)
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
-    mesh = build_mesh(layout(cfg, world), cfg.train.device)
+    mesh = build_mesh(layout(cfg, world), cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")
     try:
         cfg, resume = agree_on_start(cfg, mesh)
         try:

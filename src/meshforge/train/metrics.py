@@ -65,7 +65,7 @@ class StepMetrics:
         per_device = tps / self.world_size
         state_mem = result.state_mem or {}
         comm = extra.get("comm_bytes_by_kind", {})
-        return {
+        rec = {
             "step": step,
             "loss": result.global_loss,
             "lr": result.lr,
@@ -82,6 +82,11 @@ class StepMetrics:
             "comm_bytes_by_kind": comm,
             **extra.get("pp_stats", {}),
         }
+        if result.state_mem_host is not None:  # CPU offload: where the state lives
+            host = result.state_mem_host
+            rec["state_mem_host_bytes"] = dict(host)
+            rec["state_mem_device_bytes"] = {k: v - host.get(k, 0) for k, v in state_mem.items()}
+        return rec
 
     def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
         """The run's summary. ``reduce_loss`` turns the kept per-rank losses into global ones in
