@@ -140,7 +140,8 @@ def module_errors(args: argparse.Namespace, device: torch.device) -> list[tuple[
             y.backward(g.to(y.dtype))
             outs[recipe] = (y.detach(), lin.weight.grad.detach())
         (yb, gb), (yt, gt), (yr, gr) = outs["bf16"], outs["tensorwise"], outs["rowwise"]
-        rows.append((name + (" (excluded*)" if name in default_out else ""), _rel(yt, yb), _rel(gt, gb), _rel(yr, yb), _rel(gr, gb)))
+        label = name + (" *" if name in default_out else "")
+        rows.append((label, _rel(yt, yb), _rel(gt, gb), _rel(yr, yb), _rel(gr, gb)))
     return rows
 
 
