@@ -1,4 +1,4 @@
-"""ZeRO-1 at the ZeRO paper's bytes, for bf16 runs: 4Ψ + 12Ψ/N per rank.
+"""ZeRO-1 at the ZeRO paper's bytes, for bf16 and fp8 runs: 4Ψ + 12Ψ/N per rank.
 
 Every rank holds bf16 working parameters (2Ψ) and bf16 gradients (2Ψ); the fp32 master
 weights and Adam's two moments (12Ψ/N) exist only for this rank's 1/N of the parameters.
@@ -49,8 +49,9 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) 
 
 
 def uses_flat_zero1(precision: str, zero_stage: int, dp: int) -> bool:
-    """bf16 ZeRO-1 with more than one data-parallel rank runs on FlatZero1 (fp32 keeps ZeroRedundancyOptimizer)."""
-    return precision == "bf16" and zero_stage == 1 and dp > 1
+    """bf16 (and fp8: bf16 around fp8 matmuls) ZeRO-1 over more than one data-parallel rank runs on
+    FlatZero1; fp32 ZeRO-1 keeps ZeroRedundancyOptimizer."""
+    return precision in ("bf16", "fp8") and zero_stage == 1 and dp > 1
 
 
 class _FlatGroup:
