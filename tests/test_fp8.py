@@ -25,12 +25,12 @@ DEBUG = {  # the debug preset's shape, short sequences
     "model.heads": None,
     "model.kv_heads": None,
     "model.ffn_hidden": None,
-    "train.steps": 12,
+    "train.steps": 8,
     "train.seq_len": 32,
     "train.global_batch_size": 4,
     "train.eval_batches": 1,
     "optim.warmup_steps": 2,
-    "optim.decay_steps": 12,  # runs cut short follow the same schedule
+    "optim.decay_steps": 8,  # runs cut short follow the same schedule
     "checkpoint.save_final": False,
 }
 
@@ -101,7 +101,7 @@ def single(tmp_path_factory, corpus):
 def test_fp8_trains_within_a_few_percent_of_bf16_and_says_emulated(single):
     bf16, fp8 = metrics(single["bf16"]), metrics(single["fp8"])
     assert len(fp8) == DEBUG["train.steps"]
-    assert fp8[-1]["loss"] < fp8[0]["loss"] - 0.5  # it learns
+    assert fp8[-1]["loss"] < fp8[0]["loss"] - 0.3  # it learns
     assert [f["loss"] for f in fp8] == pytest.approx([b["loss"] for b in bf16], rel=0.03)
     assert [f["loss"] for f in fp8] != [b["loss"] for b in bf16]  # fp8 really ran
     ev = {e["event"]: e for e in events(single["fp8"])}
@@ -111,21 +111,21 @@ def test_fp8_trains_within_a_few_percent_of_bf16_and_says_emulated(single):
 
 @pytest.mark.slow
 def test_fp8_under_fsdp_tp_and_pp(single, tmp_path, corpus):
-    """FSDP2 (ZeRO-3) saves at step 6; tp 2 resumes it (resharded) to the end; pp 2 runs rowwise."""
+    """FSDP2 (ZeRO-3) saves at step 4; tp 2 resumes it (resharded) to the end; pp 2 runs rowwise."""
     ref = [m["loss"] for m in metrics(single["fp8"])]
     fsdp = tmp_path / "fsdp"
-    o = debug_overrides(fsdp, corpus, **{"train.precision": "fp8", "parallel.zero_stage": 3, "checkpoint.interval": 6})
-    r = run_cli("train", "--nproc", "2", *cli_args({**o, "train.steps": 6}))
+    o = debug_overrides(fsdp, corpus, **{"train.precision": "fp8", "parallel.zero_stage": 3, "checkpoint.interval": 4})
+    r = run_cli("train", "--nproc", "2", *cli_args({**o, "train.steps": 4}))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [m["loss"] for m in metrics(fsdp)] == pytest.approx(ref[:6], rel=0.01)
+    assert [m["loss"] for m in metrics(fsdp)] == pytest.approx(ref[:4], rel=0.01)
     tp = tmp_path / "tp"
     o = debug_overrides(tp, corpus, **{"train.precision": "fp8", "parallel.tp": 2})
     r = run_cli("train", "--nproc", "2", *cli_args({**o, "checkpoint.load": str(fsdp / "checkpoints")}))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [m["step"] for m in metrics(tp)] == list(range(7, 13))
-    assert [m["loss"] for m in metrics(tp)] == pytest.approx(ref[6:], rel=0.01)
+    assert [m["step"] for m in metrics(tp)] == list(range(5, 9))
+    assert [m["loss"] for m in metrics(tp)] == pytest.approx(ref[4:], rel=0.01)
     pp = tmp_path / "pp"
     o = debug_overrides(pp, corpus, **{"train.precision": "fp8", "train.fp8_recipe": "rowwise", "parallel.pp": 2})
-    r = run_cli("train", "--nproc", "2", *cli_args({**o, "train.steps": 4}))
+    r = run_cli("train", "--nproc", "2", *cli_args({**o, "train.steps": 3}))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [m["loss"] for m in metrics(pp)] == pytest.approx(ref[:4], rel=0.03)
+    assert [m["loss"] for m in metrics(pp)] == pytest.approx(ref[:3], rel=0.03)
