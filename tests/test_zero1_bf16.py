@@ -5,7 +5,7 @@ state bytes are 4Ψ + 12 Σ_g ceil(Ψ_g / N) (bf16 params and grads, fp32 master
 moments of each padded group shard, plus Adam's step counters); the gradients are
 reduce-scattered (fp32) and the parameters all-gathered (bf16): the elements of one
 all-reduce, DDP's volume. A second run resumes from its mid-run checkpoint and continues
-exactly; a third reduces in bf16 and moves exactly a bf16 all-reduce's bytes.
+exactly; a third (2 ranks) reduces in bf16 and moves exactly a bf16 all-reduce's bytes.
 """
 
 import json
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 N = 3
 COMMON = {
     "train.steps": 6,
-    "train.global_batch_size": 6,
+    "train.global_batch_size": 6,  # (2 ranks: 3 each)
     "train.micro_batch_size": 1,
     "train.grad_clip": 0.5,
     "train.eval_batches": 1,
@@ -102,11 +102,12 @@ def test_resume_continues_exactly(runs, tmp_path, corpus):
 
 
 def test_bf16_reduction_moves_a_bf16_all_reduce(runs, tmp_path, corpus):
+    n = 2
     d = tmp_path / "run"
     over = {**COMMON, **ZERO1, "train.steps": 2, "parallel.grad_reduce_dtype": "bf16", "checkpoint.interval": 0}
-    r = run_cli("train", "--nproc", str(N), *cli_args(tiny_overrides(d, corpus, **over)))
+    r = run_cli("train", "--nproc", str(n), *cli_args(tiny_overrides(d, corpus, **over)))
     assert r.returncode == 0, r.stderr[-4000:]
-    padded = sum(math.ceil(s / N) * N for s in group_sizes(d))
+    padded = sum(math.ceil(s / n) * n for s in group_sizes(d))
     comm = metrics(d)[-1]["comm_bytes_by_kind"]["dp_shard"]
-    assert comm["reduce_scatter"] + comm["all_gather"] == pytest.approx(2 * (N - 1) / N * 2 * padded)
+    assert comm["reduce_scatter"] + comm["all_gather"] == pytest.approx(2 * (n - 1) / n * 2 * padded)
     assert [g["loss"] for g in metrics(d)] == pytest.approx([g["loss"] for g in metrics(runs[0])[:2]], rel=5e-3)
