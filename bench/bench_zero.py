@@ -30,9 +30,13 @@ import time
 RESULT_TAG = "RESULT "
 
 
-def formulas(stage: int, n: int) -> tuple[float, float]:
-    """(meshforge fp32 accounting, ZeRO paper mixed precision) in bytes per parameter."""
+def formulas(stage: int, n: int, precision: str = "fp32") -> tuple[float, float]:
+    """(meshforge's accounting at ``precision``, ZeRO paper mixed precision) in bytes per parameter.
+    bf16: stage 0 is autocast over fp32 weights; stage 1 holds the paper's bytes (parallel/zero1.py);
+    stages 2/3 keep fp32 shards and gather bf16 copies (2Ψ kept gathered fwd -> bwd under stage 2)."""
     ours = {0: 16, 1: 8 + 8 / n, 2: 4 + 16 / n, 3: 16 / n}[stage]
+    if precision == "bf16":
+        ours = {0: 16, 1: 4 + 12 / n, 2: 2 + 16 / n, 3: 16 / n}[stage]
     paper = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
     return ours, paper
 
@@ -45,6 +49,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
+    from meshforge.resolve import layout
     from meshforge.train import Trainer, preflight, prepare_run_dir
 
     world = int(os.environ["WORLD_SIZE"])
@@ -59,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
         "train.seq_len": args.seq_len,
         "train.global_batch_size": args.micro * world,
         "train.steps": 10**6,
-        "train.precision": "fp32",
+        "train.precision": args.precision,
         "train.device": "cpu",
         "optim.warmup_steps": 0,
         "metrics.console": False,
@@ -70,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     for stage in range(4):
         o = {**base, "parallel.zero_stage": stage, "run.dir": f"{tmp}/s{stage}"}
         cfg = preflight(load_config(None, o), world)  # the corpus is cached after the first rank builds it
-        mesh = build_mesh(cfg)
+        mesh = build_mesh(layout(cfg, world), cfg.train.device)
         if rank == 0:
             prepare_run_dir(cfg)
         dist.barrier()
@@ -120,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(2):
             tr.step_once()
         mem = sum(tr.state_mem.values())
-        ours, paper = formulas(stage, world)
+        ours, paper = formulas(stage, world, args.precision)
         ds_step = None
         if stage in (2, 3) and not args.no_deepspeed:
             ds_step = ds_engine(stage)
@@ -162,6 +167,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -177,6 +183,7 @@ def main() -> None:
             f"--micro={args.micro}",
             f"--blocks={args.blocks}",
             f"--steps={args.steps}",
+            f"--precision={args.precision}",
         ]
         fwd += ["--no-deepspeed"] if args.no_deepspeed else []
         cmd = [
@@ -197,7 +204,7 @@ def main() -> None:
     psi = rows[0]["psi"]
     print(
         f"model: {psi / 1e6:.2f}M parameters (Ψ), hidden {args.hidden}, {args.layers} layers, "
-        f"{args.micro} x {args.seq_len} tokens per rank per step, fp32, gloo"
+        f"{args.micro} x {args.seq_len} tokens per rank per step, {args.precision}, gloo"
     )
     print(
         f"{'N':>2} {'stage':>5} | {'state MiB':>9} | {'formula':>11} {'ratio':>6} | {'ZeRO paper':>10} | "

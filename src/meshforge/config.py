@@ -76,6 +76,10 @@ class ParallelConfig:
     # none: contiguous 1/cp. ring: key/value blocks pass rank to rank; allgather: gathered once.
     cp_balance: Literal["zigzag", "none"] = "zigzag"
     cp_rotate: Literal["ring", "allgather"] = "ring"
+    # bf16 ZeRO-1: the dtype gradients are reduce-scattered in (bf16 halves the traffic)
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # cpu: FSDP2 keeps sharded parameters, gradients and the optimizer step in host memory (CUDA, ZeRO-2/3)
+    offload: Literal["none", "cpu"] = "none"
 
 
 @dataclass
@@ -86,6 +90,10 @@ class TrainConfig:
     micro_batch_size: int = 0  # sequences per forward pass per rank; 0: no accumulation
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # fp8 (torchao float8 training): scaling per tensor or per row; module-name patterns kept out of fp8
+    # (linears whose dimensions are not multiples of 16 are always kept out)
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    fp8_exclude: list[str] = field(default_factory=lambda: ["output", "*router*"])
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
     compile: bool = False
@@ -411,10 +419,6 @@ def _check_train(cfg: Config) -> None:
     _need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
     _need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
     _need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
-    _need(
-        t.precision != "fp8",
-        "train.precision = 'fp8' is not available in this version of meshforge; use 'bf16' (or 'fp32')",
-    )
 
 
 def _check_optim(cfg: Config) -> None:

@@ -33,6 +33,7 @@ def training_settings(cfg: Config, ranks_per_node: int | None = None) -> Trainin
         ranks_per_node=ranks_per_node,
         qk_norm=bool(getattr(cfg.model, "qk_norm", False)),
         cp_balance=p.cp_balance,
+        offload=p.offload,
     )
 
 

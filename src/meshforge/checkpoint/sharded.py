@@ -64,6 +64,8 @@ def _zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, init: bool) ->
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer tensors to save, by parameter name."""
+    if hasattr(optimizer, "full_training_state"):  # bf16 ZeRO-1 (parallel/zero1.py): full fp32 tensors
+        return optimizer.full_training_state(model)
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return {"model": msd, "optim": _zero1_state(model, optimizer, init=False)}
@@ -124,6 +126,11 @@ def load(
     """Load a checkpoint's model and optimizer state into this layout's shards (collective)."""
     reader = dcp.FileSystemReader(str(path))
     no_dist = not dist.is_initialized()
+    if hasattr(optimizer, "full_training_state"):
+        full = optimizer.full_training_state(model, init=True)
+        dcp.load(full, storage_reader=reader, process_group=group, no_dist=no_dist)
+        optimizer.load_full_training_state(model, full)
+        return
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         osd_state = _zero1_state(model, optimizer, init=True)

@@ -36,11 +36,30 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     params = list(_unique(model.parameters()))
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's state inside
     opt = sum(_local_bytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    opt += sum(_local_bytes(t) for t in getattr(optimizer, "master_shards", ()))  # bf16 ZeRO-1's fp32 shard
     return {
         "params": sum(_local_bytes(p) for p in params),
         "grads": sum(_local_bytes(p.grad) for p in params),
         "optimizer": opt,
     }
+
+
+def host_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The part of ``state_bytes`` held in host memory (CPU offload on a GPU run)."""
+    params = [p for p in _unique(model.parameters()) if _on_host(p)]
+    inner = getattr(optimizer, "optim", optimizer)
+    tensors = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in _unique(model.parameters()) if _on_host(p.grad)),
+        "optimizer": sum(_local_bytes(t) for t in tensors if _on_host(t)),
+    }
+
+
+def _on_host(t: torch.Tensor | None) -> bool:
+    if t is None:
+        return False
+    return (t.to_local() if isinstance(t, DTensor) else t).device.type == "cpu"
 
 
 def gathered_param_bytes(model: nn.Module) -> int:

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # private: used here only
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.zero1 import FlatZero1, uses_flat_zero1
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Module:
@@ -75,7 +76,9 @@ class AllReduceScatter(ReduceScatter):
         return None
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None, offload: bool = False
+) -> nn.Module:
     """Stages 2 and 3 (and HSDP): FSDP2 ``fully_shard`` per block, then the rest.
 
     The embedding and the final norm + head get units of their own (unless tied), so the
@@ -85,6 +88,10 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
     Stage 0 (only reached under tensor parallelism, where DDP cannot take DTensors) is
     FSDP2 on the 2-D mesh (dp, cp) with cp = 1: replicate over all of dp, "shard" over one
     rank, which is DDP's all-reduce of gradients.
+
+    ``offload``: FSDP2's CPUOffloadPolicy keeps the sharded parameters and gradients in
+    (pinned) host memory and the optimizer steps there; each unit's parameters are copied to
+    the device for its all-gather (ZeRO-Infinity's idea, host memory only).
     """
     if zero_stage < 2:
         dims: tuple[str, ...] = ("dp", "cp")
@@ -99,6 +106,8 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero_stage == 3  # (stage 0 on a one-rank shard has nothing to reshard)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
     blocks = list(model.layers.values())
     units: list[FSDPModule] = []
     tied = getattr(model.args, "tie_embeddings", False)
@@ -119,9 +128,19 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch
 
 
 def make_optimizer(
-    groups: list[dict], cls: type[torch.optim.Optimizer], kwargs: dict, mesh: Mesh, zero_stage: int
+    groups: list[dict],
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict,
+    mesh: Mesh,
+    zero_stage: int,
+    precision: str = "fp32",
+    grad_reduce_dtype: str = "fp32",
 ) -> torch.optim.Optimizer:
-    """Stage 1 shards the optimizer over the ``dp`` group; sharded stages shard it through their params."""
+    """Stage 1 shards the optimizer over the ``dp`` group; sharded stages shard it through their params.
+    bf16 stage 1 holds bf16 working state and shards fp32 master + Adam (parallel/zero1.py)."""
+    if uses_flat_zero1(precision, zero_stage, mesh.dp_size):
+        group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+        return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype)
     if zero_stage == 1 and mesh.dp_size > 1:
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],

@@ -86,6 +86,7 @@ class Training:
     ranks_per_node: int | None = None
     qk_norm: bool = False
     cp_balance: str = "zigzag"  # "zigzag": 2 x cp chunks per sequence; "none": cp
+    offload: str = "none"  # "cpu": FSDP2 keeps sharded state in host memory
 
 
 def schedule_name(name: str) -> str:
@@ -198,7 +199,7 @@ class ParallelDims:
     def problems(self, model: ModelShape, t: Training) -> list[Problem]:
         """Every reason this layout cannot run this model with these settings (empty: it runs)."""
         out: list[Problem] = []
-        for rule in (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline):
+        for rule in (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload):
             out.extend(rule(self, model, t))
         return out
 
@@ -274,6 +275,16 @@ def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[
             "parallel.zero_stage = 1 with parallel.pp > 1: data parallelism under pipelining runs on FSDP2; use "
             "parallel.zero_stage = 2 (the same communication as ZeRO-1, gradients sharded too), 3, or 0",
             "unsupported",
+        )
+
+
+def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    if t.offload == "cpu" and (t.zero_stage < 2 or not d.uses_fsdp(t.zero_stage)):
+        yield Problem(
+            "parallel.offload",
+            f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3 with more than one "
+            f"data-parallel rank; here zero_stage = {t.zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
+            "or parallel.offload = 'none'",
         )
 
 

@@ -113,8 +113,11 @@ def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     return mesh[dims]._flatten(name)
 
 
-def build_mesh(dims: ParallelDims, device_kind: str = "auto", timeout_s: float = 600.0) -> Mesh:
-    """Join the process group (gloo on CPU, NCCL on GPU) and build the named mesh of ``dims``."""
+def build_mesh(
+    dims: ParallelDims, device_kind: str = "auto", timeout_s: float = 600.0, cpu_backend: bool = False
+) -> Mesh:
+    """Join the process group (gloo on CPU, NCCL on GPU) and build the named mesh of ``dims``.
+    ``cpu_backend``: on GPU, also gloo for host tensors (CPU offload reduces its host-side figures)."""
     world, rank = launch_env.world_size(), launch_env.rank()
     if dims.world_size != world:
         raise ConfigError(f"the layout {dims.degrees()} needs {dims.world_size} ranks, but {world} were started")
@@ -123,6 +126,8 @@ def build_mesh(dims: ParallelDims, device_kind: str = "auto", timeout_s: float =
         return Mesh(0, 1, 0, device, dims)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if cpu_backend and device.type == "cuda":
+            backend = "cuda:nccl,cpu:gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend, timeout=timeout, store=_store(rank, world, timeout), rank=rank, world_size=world

@@ -1,8 +1,10 @@
 """The one place that composes parallelism, in a fixed order:
 
-PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/DDP.
+PP split -> fp8 -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/DDP.
 
-The order matters: checkpointing must wrap the (possibly sharded) block, compile must
+The order matters: fp8 swaps linears for torchao's Float8Linear before TP shards their
+weights (as torchtitan converts before parallelizing; converted after TP, its casts meet
+DTensor weights with plain-tensor scales and fail), checkpointing must wrap the (possibly sharded) block, compile must
 see the checkpointed block, and data parallelism goes last so its hooks see the final
 parameters. The model arrives on the meta device and is materialised here, after
 sharding, so a rank only ever allocates its own shards; every shard is filled from the
@@ -36,6 +38,7 @@ from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
+from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import (
     Pipeline,
@@ -47,6 +50,7 @@ from meshforge.parallel.pipeline import (
 )
 from meshforge.parallel.precision import autocast, resolve_precision
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
+from meshforge.parallel.zero1 import uses_flat_zero1
 
 if TYPE_CHECKING:
     from meshforge.config import Config
@@ -60,7 +64,7 @@ def is_sharded(cfg: Config, mesh: Mesh) -> bool:
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
     """bf16 comes from autocast, except under FSDP2, whose mixed-precision policy casts the
     gathered parameters to bf16 (and reduces gradients in fp32) instead."""
-    return cfg.train.precision == "bf16" and not is_sharded(cfg, mesh)
+    return cfg.train.precision in ("bf16", "fp8") and not is_sharded(cfg, mesh)
 
 
 def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
@@ -77,9 +81,11 @@ def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.Abstract
 
 
 def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> bool:
-    """TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
+    """fp8 -> TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
+    if cfg.train.precision == "fp8":
+        apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     if mesh.degrees["cp"] > 1:
@@ -90,13 +96,18 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
             block.compile()
     sharded = is_sharded(cfg, mesh)
     if sharded:
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype)
-    model.to_empty(device=mesh.device)
+        param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None
+        apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype, offload=cfg.parallel.offload == "cpu")
+    offload = sharded and cfg.parallel.offload == "cpu"  # sharded state in host memory, buffers on the device
+    model.to_empty(device="cpu" if offload else mesh.device)
     if not sharded:
         model.tie_weights()
     if seed is not None:
         init_weights(model, seed, fill=fill_param)
+    if offload:
+        for mod in model.modules():
+            for name, buf in mod.named_buffers(recurse=False):
+                mod.register_buffer(name, buf.to(mesh.device), persistent=name not in mod._non_persistent_buffers_set)
     return sharded
 
 
@@ -105,7 +116,9 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
     mesh's device and initialise it from ``seed`` (None: leave it for a state-dict load).
     Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
     sharded = _apply(model, cfg, mesh, seed)
-    if mesh.dims.dp_cp > 1 and not sharded:
+    precision = resolve_precision(cfg.train.precision, mesh.device)
+    flat_zero1 = uses_flat_zero1(precision, cfg.parallel.zero_stage, mesh.dp_size)
+    if mesh.dims.dp_cp > 1 and not sharded and not flat_zero1:  # (bf16 ZeRO-1 reduces in its optimizer)
         return apply_ddp(model, mesh, cfg.parallel.ddp_bucket_mb)
     return model
 

@@ -1,4 +1,5 @@
-"""Mixed precision: bf16 autocast over fp32 master weights; the loss stays in fp32."""
+"""Mixed precision: bf16 autocast over fp32 master weights; the loss stays in fp32. fp8 runs are bf16 runs
+whose chosen linear layers compute in fp8 (parallel/fp8.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,6 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):  # fp8: bf16 around the fp8 linears (parallel/fp8.py)
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -176,6 +176,8 @@ class CheckpointManager:
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
+        if hasattr(self.optimizer, "full_training_state"):  # bf16 ZeRO-1: the fp32 master, not the bf16 copy
+            return {k: v.cpu() for k, v in self.optimizer.full_training_state(self.model)["model"].items()}
         return get_model_state_dict(self.model, options=opts)
 
     def _pipeline_full_state(self) -> dict[str, torch.Tensor] | None:

@@ -28,6 +28,7 @@ from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.models.flops import num_params
 from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
 from meshforge.parallel.precision import resolve_precision
@@ -216,6 +217,18 @@ class Trainer:
                 self.cfg, params, self.mesh.world_size, self.device, self.precision, self.accum, self.micro, self.data
             )
         )
+        if self.precision == "fp8":
+            self._announce_fp8()
+
+    def _announce_fp8(self) -> None:
+        """The fp8 boundary as an event (every converted and excluded module, and why), and
+        exclude patterns that match nothing as warnings."""
+        plan = model_fp8_plan(self.args, self.cfg.train.fp8_exclude)
+        emulated = fp8_emulated(self.device)
+        self.event("fp8_modules", recipe=self.cfg.train.fp8_recipe, emulated=emulated, **plan.as_event())
+        for line in unmatched_warnings(plan):
+            self.event("warning", key="train.fp8_exclude", message=line)
+            self.say(f"warning: {line}")
 
 
 def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
@@ -230,7 +243,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = resolve(cfg, world)
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
-    mesh = build_mesh(layout(cfg, world), cfg.train.device)
+    mesh = build_mesh(layout(cfg, world), cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")
     try:
         cfg, resume = agree_on_start(cfg, mesh)
         try:

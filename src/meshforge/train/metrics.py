@@ -23,6 +23,7 @@ from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.llama import ModelArgs
+from meshforge.parallel.fp8 import fp8_emulated
 from meshforge.train.step import StepResult
 
 SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
@@ -64,7 +65,7 @@ class StepMetrics:
         per_device = tps / self.world_size
         state_mem = result.state_mem or {}
         comm = extra.get("comm_bytes_by_kind", {})
-        return {
+        rec = {
             "step": step,
             "loss": result.global_loss,
             "lr": result.lr,
@@ -81,6 +82,11 @@ class StepMetrics:
             "comm_bytes_by_kind": comm,
             **extra.get("pp_stats", {}),
         }
+        if result.state_mem_host is not None:  # CPU offload: where the state lives
+            host = result.state_mem_host
+            rec["state_mem_host_bytes"] = dict(host)
+            rec["state_mem_device_bytes"] = {k: v - host.get(k, 0) for k, v in state_mem.items()}
+        return rec
 
     def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
         """The run's summary. ``reduce_loss`` turns the kept per-rank losses into global ones in
@@ -120,7 +126,18 @@ def start_line(
         f"steps on {world} x {device.type} ({precision}) | batch "
         f"{t.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es) of {micro} per rank "
         f"| data {data.root} ({len(data.train)} sequences) | run dir {cfg.run.dir}"
+        + (f" | {fp8_note(cfg, device)}" if precision == "fp8" else "")
     )
+
+
+def fp8_note(cfg: Config, device: torch.device) -> str:
+    """Says whether fp8 is real or emulated (numerics only) on this device."""
+    recipe = cfg.train.fp8_recipe
+    if device.type != "cuda":
+        return f"fp8 ({recipe}) emulated on CPU: numerics only, no speedup"
+    if fp8_emulated(device):
+        return f"fp8 ({recipe}) emulated: this GPU has no fp8 tensor cores (compute capability < 8.9): numerics only"
+    return f"fp8 ({recipe}): real fp8 matmuls"
 
 
 def end_line(summary: dict[str, Any], run_dir: str) -> str:

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from meshforge.config import Config
 from meshforge.parallel.data_parallel import make_optimizer
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.precision import resolve_precision
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -51,7 +52,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, mesh: Mesh) -> torch.op
     kw: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw.update(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, cfg.parallel.zero_stage)
+    precision = resolve_precision(cfg.train.precision, mesh.device)
+    p = cfg.parallel
+    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, p.zero_stage, precision, p.grad_reduce_dtype)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, step: int = 0) -> LambdaLR:

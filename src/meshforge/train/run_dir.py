@@ -27,6 +27,7 @@ from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError, DataError
 from meshforge.launch_env import restart_count
 from meshforge.models.presets import model_args_from_config
+from meshforge.parallel.fp8 import model_fp8_plan
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import resolve_precision
 from meshforge.report import write_report
@@ -93,12 +94,26 @@ def open_data(cfg: Config) -> TokenDataset:
     return ds
 
 
+def check_precision_and_offload(cfg: Config) -> None:
+    """Before launch: fp8 needs torchao and a boundary that leaves some linear in fp8; CPU
+    offload needs a GPU to offload from."""
+    if cfg.train.precision == "fp8":
+        model_fp8_plan(model_args_from_config(cfg.model), cfg.train.fp8_exclude)
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cfg.parallel.offload == "cpu" and not cuda:
+        raise ConfigError(
+            "parallel.offload = 'cpu' on a CPU run: the state already lives in host memory; "
+            "use parallel.offload = 'none'"
+        )
+
+
 def preflight(cfg: Config, world_size: int) -> Config:
     """Resolve and validate the config, pick the run dir, and make sure the data is usable."""
     cfg = resolve(cfg, world_size)
     if cfg.train.precision == "auto":
         cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
         cfg.train.precision = resolve_precision("auto", torch.device("cuda" if cuda else "cpu"))
+    check_precision_and_offload(cfg)
     if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from = {cfg.model.init_from} is not a directory of weights")
     if not cfg.run.dir:

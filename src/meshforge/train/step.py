@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshforge.config import Config
-from meshforge.metrics.memory import gathered_param_bytes, state_bytes
+from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.context_parallel import cp_index
 from meshforge.parallel.data_parallel import gradient_sync
@@ -42,6 +42,7 @@ class StepResult:
     measured: bool
     global_loss: float | None = None  # measured: the loss over the whole global batch
     state_mem: dict[str, int] | None = None  # measured: bytes of params, grads, optimizer state, gathered params
+    state_mem_host: dict[str, int] | None = None  # measured, under CPU offload: the part of state_mem in host memory
 
 
 class StepRunner:
@@ -63,6 +64,7 @@ class StepRunner:
         self.model, self.optimizer, self.scheduler, self.loss = model, optimizer, scheduler, loss
         self.mesh, self.sharded = mesh, sharded
         self.max_norm = cfg.train.grad_clip or float("inf")
+        self.offload = cfg.parallel.offload == "cpu"
         self.match_layouts = mesh.degrees["tp"] > 1 and not sharded
         # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
         self.cp_index = cp_index(cfg, mesh)
@@ -80,10 +82,16 @@ class StepRunner:
             out.global_loss = float(self.reduce_loss(loss))
         if self.match_layouts:
             match_grad_layouts(self.model)
-        out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
+        own_clip = getattr(self.optimizer, "clip_grad_norm", None)  # bf16 ZeRO-1 clips its reduced shard
+        if own_clip is not None:
+            out.grad_norm = own_clip(self.max_norm)
+        else:
+            out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
         self.optimizer.step()
         if measure:
             out.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
+            if self.offload:
+                out.state_mem_host = host_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return out
