@@ -34,6 +34,7 @@ from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
 from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
+from meshforge.train.health import HealthKeeper
 from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.optimizer import build_optimizer, build_scheduler
@@ -103,6 +104,7 @@ class Trainer:
             self.runner = PlainStep(train_model, forward, self.micro, self.accum, sync_all, **common)
         batches = (self.local_batch, self.micro)
         self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
+        self.health = HealthKeeper(self)
 
     def event(self, name: str, **fields: Any) -> None:
         if self.logger:
@@ -158,8 +160,10 @@ class Trainer:
             n = st.step + 1
             logged = n % self.cfg.metrics.log_interval == 0 or n == t.steps
             last = n == t.steps or stop.stop_after(n, logged)
-            t0 = time.perf_counter()
+            t0 = self.health.before_step(n)
             result = self.step_once(measure=logged or last or n == self.gantt_step)
+            if self.health.after_step(n):  # went back to a checkpoint
+                continue
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
             self.metrics.add(time.perf_counter() - t0, result)
             if logged or last:

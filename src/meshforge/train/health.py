@@ -1,0 +1,104 @@
+"""The trainer's health part: wires the step guard into the runner, reports what it found
+(one event and one console warning on rank 0), and acts on it: skip (already done by the
+guard), stop, or roll back to the last complete checkpoint and skip the batches since.
+The detectors themselves live in meshforge/health/.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from meshforge import faults
+from meshforge.checkpoint import store
+from meshforge.checkpoint.manager import resolve_load
+from meshforge.errors import MeshforgeError
+from meshforge.health.guard import StepGuard
+from meshforge.train.optimizer import build_scheduler
+from meshforge.train.run_dir import trim_metrics
+
+if TYPE_CHECKING:
+    from meshforge.train.loop import Trainer
+
+
+class HealthStop(MeshforgeError):
+    """The run was stopped by a health check (health.on_nonfinite = stop, or too many bad steps)."""
+
+
+def describe(v: dict[str, Any]) -> str:
+    """The one console line for a health event: what happened and what was done."""
+    done = {"skip": "skipped the update", "stop": "stopping the run", "rollback": "rolling back", "log": "logged"}
+    if v["event"] == "nonfinite":
+        what = f"non-finite {' and '.join(v['where'])} at step {v['step']} on rank(s) {v['ranks']}"
+        if v.get("param"):
+            what += f" (first in {v['param']} on rank {v['param_rank']})"
+    elif v["event"] == "loss_spike":
+        what = f"loss spike at step {v['step']}: {v['loss']:.4g} is {v['score']} deviations above {v['median']:.4g}"
+    else:
+        what = v["event"]
+    return f"warning: {what}; {done.get(v.get('action', ''), v.get('action', ''))}" + (
+        f" ({v['reason']})" if v.get("reason") else ""
+    )
+
+
+class HealthKeeper:
+    """One per rank: before_step / after_step around every step."""
+
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+        mesh = trainer.mesh
+        self.guard = StepGuard(trainer.cfg.health, trainer.model, mesh.rank, mesh.distributed, mesh.device)
+        self.guard.reduce_loss = trainer.runner.reduce_loss
+        trainer.runner.guard = self.guard
+
+    def before_step(self, n: int) -> float:
+        """Note that step ``n`` starts; returns its start time (perf_counter)."""
+        self.guard.step = n
+        faults.maybe_hang(self.t.mesh.rank, n)
+        return time.perf_counter()
+
+    def after_step(self, n: int) -> bool:
+        """Report and act on the guard's verdict for step ``n``; True when the run went back
+        to a checkpoint (the loop goes on from there)."""
+        v, self.guard.verdict = self.guard.verdict, None
+        if v is None:
+            return False
+        if v["event"] == "loss_spike":
+            sampler = self.t.state.sampler
+            v["samples"] = sampler.indices(sampler.consumed - sampler.batch, sampler.batch).tolist()
+        self.report(v)
+        if v["action"] == "stop":
+            events = Path(self.t.cfg.run.dir) / "events.jsonl"
+            raise HealthStop(describe(v).removeprefix("warning: ") + f"; see {events}")
+        if v["action"] == "rollback":
+            self.roll_back(n)
+            return True
+        return False
+
+    def report(self, v: dict[str, Any]) -> None:
+        self.t.event(v["event"], **{k: x for k, x in v.items() if k != "event"})
+        self.t.say(describe(v))
+
+    def roll_back(self, bad_step: int) -> None:
+        """Load the newest complete checkpoint (every rank: a collective), then move the data
+        order past the bad step's batch: the batches in between are skipped (PaLM's recipe)."""
+        t = self.t
+        t.checkpoints.checkpointer.wait()
+        consumed = t.state.sampler.consumed  # just past the bad batch
+        root = Path(t.cfg.run.dir) / "checkpoints"
+        found = [str(resolve_load("latest", root, t.event)[0] or "")] if t.mesh.is_main else [""]
+        if t.mesh.distributed:
+            dist.broadcast_object_list(found, src=0)
+        if not found[0]:
+            raise HealthStop(f"step {bad_step} asks for a rollback but {root} has no complete checkpoint yet")
+        path = Path(found[0])
+        meta = store.read_meta(path)
+        dropped = trim_metrics(Path(t.cfg.run.dir), meta["step"]) if t.mesh.is_main else 0
+        t.say(t.checkpoints.resume(path, meta, dropped))
+        skipped = consumed // t.state.sampler.batch - meta["sampler"]["consumed"] // t.state.sampler.batch
+        t.state.sampler.consumed = consumed
+        t.scheduler = t.runner.scheduler = build_scheduler(t.optimizer, t.cfg, t.state.step)
+        t.event("rollback", bad_step=bad_step, to_step=t.state.step, path=str(path), batches_skipped=skipped)
