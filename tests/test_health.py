@@ -126,3 +126,38 @@ def test_rollback_needs_checkpoints(tmp_path, corpus):
 
     with pytest.raises(ConfigError, match="health.on_spike = 'rollback' needs checkpoints.*checkpoint.interval"):
         fill(tiny_config(tmp_path, corpus, **{"health.on_spike": "rollback"}))
+
+
+@pytest.mark.slow
+def test_hang_is_reported_naming_the_rank_then_restarted(tmp_path, corpus):
+    """Rank 1 stops before step 5's work; the watchdog names it and the collective rank 0
+    waits in, then the ranks exit and the elastic agent restarts them from step 4."""
+    d = tmp_path / "run"
+    timeout = 5.0
+    extra = {"checkpoint.interval": 2, "health.hang_timeout_s": timeout}
+    r = train_2(d, corpus, "hang:rank=1:step=5", extra, args=("--max-restarts", "1"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    report = json.loads((d / "hang_report.json").read_text())
+    assert report["lagging_ranks"] == [1] and report["waiting_ranks"] == [0]
+    assert report["collective"] and report["axis"] == "dp_shard" and report["step"] == 5
+    (hang,) = events(d, "hang")
+    assert hang["lagging_ranks"] == [1] and hang["collective"] == report["collective"]
+    saved_4 = next(e for e in events(d, "checkpoint_saved") if e["step"] == 4)
+    assert hang["time"] - saved_4["time"] < timeout + 15
+    assert [e["step"] for e in events(d, "resumed")] == [4]
+    assert "lagging rank(s) [1]" in r.stderr
+    assert json.loads((d / "summary.json").read_text())["steps"] == STEPS
+
+
+def test_hang_report_names_the_rank_behind_or_silent():
+    from meshforge.health.hang_report import build_report
+
+    def post(step, entered, completed, op="all_reduce"):
+        last = {"entered": entered, "completed": completed, "op": op}
+        return {"step": step, "host": "h", "collectives": {"dp": last}}
+
+    rep = build_report({0: post(5, 9, 8), 1: post(5, 8, 8, "broadcast"), 2: post(5, 9, 8)}, world=4)
+    assert rep["lagging_ranks"] == [1, 3] and rep["silent_ranks"] == [3]
+    assert (rep["collective"], rep["axis"], rep["seq"], rep["waiting_ranks"]) == ("all_reduce", "dp", 9, [0, 2])
+    same = build_report({0: post(6, 9, 8), 1: post(5, 9, 8)}, world=2)  # nobody behind in order: oldest step
+    assert same["lagging_ranks"] == [1] and same["collective"] is None

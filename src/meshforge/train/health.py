@@ -17,6 +17,7 @@ from meshforge.checkpoint import store
 from meshforge.checkpoint.manager import resolve_load
 from meshforge.errors import MeshforgeError
 from meshforge.health.guard import StepGuard
+from meshforge.health.watchdog import HangWatchdog
 from meshforge.train.optimizer import build_scheduler
 from meshforge.train.run_dir import trim_metrics
 
@@ -53,10 +54,23 @@ class HealthKeeper:
         self.guard = StepGuard(trainer.cfg.health, trainer.model, mesh.rank, mesh.distributed, mesh.device)
         self.guard.reduce_loss = trainer.runner.reduce_loss
         trainer.runner.guard = self.guard
+        self.watchdog = None
+        if mesh.distributed and trainer.cfg.health.hang_timeout_s > 0:
+            axes = {g.group_name: axis for g, axis in mesh.groups_by_axis().items()}
+            run_dir = Path(trainer.cfg.run.dir)
+            self.watchdog = HangWatchdog(trainer.cfg.health.hang_timeout_s, mesh.rank, mesh.world_size, axes, run_dir)
+            self.watchdog.start()
+
+    def close(self) -> None:
+        """The loop is over: later phases (final evaluation, export) are not watched."""
+        if self.watchdog:
+            self.watchdog.stop()
 
     def before_step(self, n: int) -> float:
         """Note that step ``n`` starts; returns its start time (perf_counter)."""
         self.guard.step = n
+        if self.watchdog:
+            self.watchdog.beat(n)
         faults.maybe_hang(self.t.mesh.rank, n)
         return time.perf_counter()
 

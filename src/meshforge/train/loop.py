@@ -24,6 +24,7 @@ import torch.distributed as dist
 from meshforge import faults, launch_env
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
+from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.models.flops import num_params
@@ -179,6 +180,7 @@ class Trainer:
                 interrupted = True
                 self.event("interrupted", step=n)
                 break
+        self.health.close()
         self.checkpoints.checkpointer.wait()
         wall = time.perf_counter() - t_start
         val_loss = self._evaluate_and_log() if t.eval_batches else None
@@ -226,6 +228,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
     for k, v in DETERMINISTIC_ENV.items():
         if cfg.train.deterministic:
             os.environ.setdefault(k, v)
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
     world = launch_env.world_size()
     if world == 1 or launch_env.rank() == 0:
         cfg = preflight(cfg, world)
