@@ -89,15 +89,30 @@ def test_nonfinite_skip_equals_a_run_that_skipped_the_batch(skip_run, tmp_path, 
 
 
 @pytest.mark.slow
+def test_slow_rank_is_named_as_a_straggler(skip_run):
+    d, stdout = skip_run
+    slow = events(d, "straggler")
+    assert slow and {e["rank"] for e in slow} == {1}  # rank 0 waits for it, but is not named
+    assert slow[0]["ratio"] > 2 and slow[0]["host"]
+    assert "warning: straggler: rank 1" in stdout
+
+
+@pytest.mark.slow
 def test_rollback_resumes_from_the_checkpoint_and_finishes(tmp_path, corpus):
+    """A NaN at step 6 and a loss spike at step 8, both with rollback: each goes back to the
+    checkpoint of step 4 and skips the batches since; the run still ends at step 8."""
     d = tmp_path / "run"
     extra = {"health.on_nonfinite": "rollback", "checkpoint.interval": 4}
-    r = train_2(d, corpus, "nan:rank=1:step=6", extra)
+    extra.update({"health.spike_threshold": 6.0, "health.on_spike": "rollback"})
+    r = train_2(d, corpus, "nan:rank=1:step=6,spike:step=8", extra)
     assert r.returncode == 0, r.stderr[-4000:]
     (bad,) = events(d, "nonfinite")
     assert bad["step"] == 6 and bad["action"] == "rollback"
-    (back,) = events(d, "rollback")
-    assert back["bad_step"] == 6 and back["to_step"] == 4 and back["batches_skipped"] == 2
+    (spike,) = events(d, "loss_spike")
+    assert spike["step"] == 8 and spike["action"] == "rollback" and spike["score"] > 6
+    assert len(spike["samples"]) == 8 and spike["loss"] > 10 * spike["median"]
+    back = [(e["bad_step"], e["to_step"], e["batches_skipped"]) for e in events(d, "rollback")]
+    assert back == [(6, 4, 2), (8, 4, 6)]
     assert json.loads((d / "summary.json").read_text())["steps"] == STEPS
     steps = [json.loads(x)["step"] for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))  # the rolled-back records were dropped, then redone
@@ -161,3 +176,17 @@ def test_hang_report_names_the_rank_behind_or_silent():
     assert (rep["collective"], rep["axis"], rep["seq"], rep["waiting_ranks"]) == ("all_reduce", "dp", 9, [0, 2])
     same = build_report({0: post(6, 9, 8), 1: post(5, 9, 8)}, world=2)  # nobody behind in order: oldest step
     assert same["lagging_ranks"] == [1] and same["collective"] is None
+
+
+def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys):
+    from meshforge.health.text_check import not_text_files
+    from meshforge.train.run_dir import event_writer
+
+    (tmp_path / "prose.txt").write_text("plain text, ünïcödé too\n" * 100)
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 64)
+    ((path, share),) = not_text_files(str(tmp_path), 0.05)
+    assert path.name == "blob.txt" and 0.3 < share < 0.7
+    assert not_text_files(str(tmp_path / "prose.txt"), 0.05) == []
+    cfg = tiny_config(tmp_path, tmp_path)
+    event_writer(cfg)("checkpoint_skipped", path="ckpt/step-8", reason="shard hash does not match")
+    assert "warning: skipped checkpoint ckpt/step-8 (shard hash does not match)" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from meshforge import faults
@@ -17,6 +18,8 @@ from meshforge.checkpoint import store
 from meshforge.checkpoint.manager import resolve_load
 from meshforge.errors import MeshforgeError
 from meshforge.health.guard import StepGuard
+from meshforge.health.straggler import StragglerCheck
+from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
 from meshforge.train.optimizer import build_scheduler
 from meshforge.train.run_dir import trim_metrics
@@ -38,6 +41,8 @@ def describe(v: dict[str, Any]) -> str:
             what += f" (first in {v['param']} on rank {v['param_rank']})"
     elif v["event"] == "loss_spike":
         what = f"loss spike at step {v['step']}: {v['loss']:.4g} is {v['score']} deviations above {v['median']:.4g}"
+    elif v["event"] == "straggler":
+        what = f"straggler: rank {v['rank']} on {v['host']} computes {v['ratio']}x slower than the median rank"
     else:
         what = v["event"]
     return f"warning: {what}; {done.get(v.get('action', ''), v.get('action', ''))}" + (
@@ -60,6 +65,41 @@ class HealthKeeper:
             run_dir = Path(trainer.cfg.run.dir)
             self.watchdog = HangWatchdog(trainer.cfg.health.hang_timeout_s, mesh.rank, mesh.world_size, axes, run_dir)
             self.watchdog.start()
+        h = trainer.cfg.health
+        self.stragglers = None
+        if mesh.distributed and h.straggler_factor > 0:
+            self.stragglers = StragglerCheck(h.straggler_factor, mesh.rank, mesh.world_size, mesh.device)
+        self.logged, self.compute_s, self._t0 = False, 0.0, 0.0
+        self.slow = faults.slow_factor(mesh.rank)
+        trainer.model.register_forward_pre_hook(self._forward_starts)
+        trainer.model.register_forward_hook(self._forward_ends)
+        if mesh.is_main and trainer.cfg.data.tokenizer == "byte":
+            self._warn_if_not_text(h.text_warn_fraction)
+
+    def _forward_starts(self, *_: Any) -> None:
+        if self.logged and self.t.device.type == "cuda":
+            torch.cuda.synchronize(self.t.device)
+        self._t0 = time.perf_counter()
+
+    def _forward_ends(self, *_: Any) -> None:
+        if self.logged and self.t.device.type == "cuda":
+            torch.cuda.synchronize(self.t.device)
+        dt = time.perf_counter() - self._t0
+        if self.slow > 1:  # injected straggler (tests)
+            time.sleep(dt * (self.slow - 1))
+            dt *= self.slow
+        self.compute_s += dt
+
+    def _warn_if_not_text(self, threshold: float) -> None:
+        bad = not_text_files(self.t.cfg.data.path, threshold)
+        if bad:
+            f, share = bad[0]
+            more = f" and {len(bad) - 1} more file(s)" if len(bad) > 1 else ""
+            self.t.event("data_not_text", files={str(p): round(s, 4) for p, s in bad[:20]}, threshold=threshold)
+            self.t.say(
+                f"warning: data.path {f}{more} does not look like text: {share:.0%} of its bytes are not valid "
+                "UTF-8, yet the byte tokenizer trains on them; check data.path"
+            )
 
     def close(self) -> None:
         """The loop is over: later phases (final evaluation, export) are not watched."""
@@ -69,6 +109,9 @@ class HealthKeeper:
     def before_step(self, n: int) -> float:
         """Note that step ``n`` starts; returns its start time (perf_counter)."""
         self.guard.step = n
+        cfg = self.t.cfg
+        self.logged = n % cfg.metrics.log_interval == 0 or n == cfg.train.steps
+        self.compute_s = 0.0
         if self.watchdog:
             self.watchdog.beat(n)
         faults.maybe_hang(self.t.mesh.rank, n)
@@ -77,6 +120,9 @@ class HealthKeeper:
     def after_step(self, n: int) -> bool:
         """Report and act on the guard's verdict for step ``n``; True when the run went back
         to a checkpoint (the loop goes on from there)."""
+        if self.stragglers and self.logged:
+            for found in self.stragglers.check(self.compute_s, n):
+                self.report({"event": "straggler", "action": "log", **found})
         v, self.guard.verdict = self.guard.verdict, None
         if v is None:
             return False
