@@ -35,7 +35,6 @@ from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
 from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
-from meshforge.train.health import HealthKeeper
 from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.optimizer import build_optimizer, build_scheduler
@@ -43,6 +42,7 @@ from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
 from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
+from meshforge.train.step_watch import StepWatch
 from meshforge.train.stop import StopRequest
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -105,7 +105,7 @@ class Trainer:
             self.runner = PlainStep(train_model, forward, self.micro, self.accum, sync_all, **common)
         batches = (self.local_batch, self.micro)
         self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
-        self.health = HealthKeeper(self)
+        self.watch = StepWatch(self)  # health checks, profiler, time breakdown
 
     def event(self, name: str, **fields: Any) -> None:
         if self.logger:
@@ -161,9 +161,9 @@ class Trainer:
             n = st.step + 1
             logged = n % self.cfg.metrics.log_interval == 0 or n == t.steps
             last = n == t.steps or stop.stop_after(n, logged)
-            t0 = self.health.before_step(n)
+            t0 = self.watch.before_step(n)
             result = self.step_once(measure=logged or last or n == self.gantt_step)
-            if self.health.after_step(n):  # went back to a checkpoint
+            if self.watch.after_step(n):  # went back to a checkpoint
                 continue
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
             self.metrics.add(time.perf_counter() - t0, result)
@@ -180,7 +180,7 @@ class Trainer:
                 interrupted = True
                 self.event("interrupted", step=n)
                 break
-        self.health.close()
+        self.watch.close()
         self.checkpoints.checkpointer.wait()
         wall = time.perf_counter() - t_start
         val_loss = self._evaluate_and_log() if t.eval_batches else None
