@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshforge.config import to_dict
 from meshforge.metrics.profiler import StepProfiler
 from meshforge.metrics.time_breakdown import StepClock
+from meshforge.metrics.wandb_sink import WandbSink
 from meshforge.train.health import HealthKeeper
 
 if TYPE_CHECKING:
@@ -24,6 +26,8 @@ class StepWatch:
         self.profiler = StepProfiler(cfg.profile, mesh.rank, mesh.device, Path(cfg.run.dir), cfg.train.steps)
         self.clock = StepClock(trainer.model, trainer.optimizer, trainer.comm, mesh.device)
         trainer.metrics.breakdown = self.breakdown
+        if cfg.metrics.wandb and trainer.logger:
+            trainer.logger.add_sink(WandbSink(Path(cfg.run.dir), to_dict(cfg)))
 
     def before_step(self, n: int) -> float:
         """Step ``n`` (1-based) starts; returns its start time."""
