@@ -1,15 +1,16 @@
 """The step guard: asked by the step runner between clipping and the optimizer step.
 
-Good path: one all-reduce of a one-element flag over the world (is this rank's loss or the
-global gradient norm non-finite?) and one host read of it; with spike detection on, the
-global loss as well (the runner's own loss reduction; free on logged steps, which have it).
+Good path: one all-reduce over the world of two numbers -- a flag (is this rank's loss or
+the global gradient norm non-finite?) and this rank's loss (their sum x pp / world is the
+global batch's mean loss: tensor-parallel ranks hold the same loss, only the last pipeline
+stage a non-zero one) -- and one host read of it. Logged steps use the runner's exact
+reduced loss for spike detection instead.
 Only when something is wrong does it gather the details (nonfinite.py). Every rank reaches
 the same verdict from the same reduced values, so all skip (or none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,10 +26,12 @@ from meshforge.health.spike import SpikeDetector
 class StepGuard:
     """One per rank; ``step`` is set by the loop to the (1-based) step about to run."""
 
-    def __init__(self, cfg: HealthConfig, model: nn.Module, rank: int, distributed: bool, device: torch.device):
+    def __init__(
+        self, cfg: HealthConfig, model: nn.Module, rank: int, distributed: bool, device: torch.device, loss_scale: float
+    ):
         self.cfg, self.model, self.rank, self.distributed, self.device = cfg, model, rank, distributed, device
+        self.loss_scale = loss_scale  # pp / world: the world's summed losses -> the global mean loss
         self.spikes = SpikeDetector(cfg.spike_threshold, cfg.spike_window) if cfg.spike_threshold > 0 else None
-        self.reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by the runner
         self.step = 0
         self.skipped = 0
         self.verdict: dict[str, Any] | None = None  # what the loop reports after the step
@@ -48,12 +51,13 @@ class StepGuard:
         """Whether the optimizer may step; a refusal leaves its reason in ``verdict``."""
         self.verdict = None
         bad = ~torch.isfinite(grad_norm.to(self.device)).all() | ~torch.isfinite(loss.detach()).all()
-        flag = bad.float().reshape(1)
+        both = torch.stack([bad.float(), loss.detach().float().sum()])
         if self.distributed:
-            dist.all_reduce(flag)
-        if self.spikes is not None and global_loss is None and self.reduce_loss is not None:
-            global_loss = float(self.reduce_loss(loss).sum())
-        if float(flag[0]) > 0:
+            dist.all_reduce(both)
+        flag, summed = both.tolist()
+        if global_loss is None:
+            global_loss = summed * self.loss_scale
+        if flag > 0:
             found = diagnose(self.model, loss, grad_norm, self.rank, self.distributed)
             return self._refuse("nonfinite", self.cfg.on_nonfinite, found)
         if self.spikes is not None and global_loss is not None:

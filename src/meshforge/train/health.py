@@ -56,8 +56,8 @@ class HealthKeeper:
     def __init__(self, trainer: Trainer):
         self.t = trainer
         mesh = trainer.mesh
-        self.guard = StepGuard(trainer.cfg.health, trainer.model, mesh.rank, mesh.distributed, mesh.device)
-        self.guard.reduce_loss = trainer.runner.reduce_loss
+        scale = mesh.degrees["pp"] / mesh.world_size
+        self.guard = StepGuard(trainer.cfg.health, trainer.model, mesh.rank, mesh.distributed, mesh.device, scale)
         trainer.runner.guard = self.guard
         self.watchdog = None
         if mesh.distributed and trainer.cfg.health.hang_timeout_s > 0:
@@ -71,10 +71,23 @@ class HealthKeeper:
             self.stragglers = StragglerCheck(h.straggler_factor, mesh.rank, mesh.world_size, mesh.device)
         self.logged, self.compute_s, self._t0 = False, 0.0, 0.0
         self.slow = faults.slow_factor(mesh.rank)
-        trainer.model.register_forward_pre_hook(self._forward_starts)
-        trainer.model.register_forward_hook(self._forward_ends)
+        self.hooks: list[Any] = []
+        self.pause(False)
         if mesh.is_main and trainer.cfg.data.tokenizer == "byte":
             self._warn_if_not_text(h.text_warn_fraction)
+
+    def pause(self, paused: bool) -> None:
+        """Take the per-step checks out (guard, forward timing) or put them back; for the
+        overhead benchmark, which compares both in one run."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.t.runner.guard = None if paused else self.guard
+        if not paused:
+            self.hooks = [
+                self.t.model.register_forward_pre_hook(self._forward_starts),
+                self.t.model.register_forward_hook(self._forward_ends),
+            ]
 
     def _forward_starts(self, *_: Any) -> None:
         if self.logged and self.t.device.type == "cuda":
