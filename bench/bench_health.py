@@ -2,9 +2,9 @@
 
 Two gloo ranks (DDP) train a small model; the steps run in blocks, detectors on and off
 alternating (on: the step guard's flag all-reduce and host read, spike detection with the
-loss reduced every step, the straggler gather on logged steps, forward timing hooks, the
-hang watchdog's beat; off: none of them). The PyTorch flight recorder, which the watchdog
-reads, is on in both: it is set before the process group starts. Step time is the host
+loss reduced every step, the straggler gather on logged steps, forward timing hooks; off:
+none of them). In both: the PyTorch flight recorder, which the watchdog reads (it is set
+before the process group starts), and the watchdog thread with its per-step beat. Step time is the host
 clock per step (CPU: no device to wait for). Printed: ms/step median over blocks for both,
 and the ratio on/off three ways: of the medians, the median of the ratios of neighbouring
 (off, on) blocks (robust to a machine whose load drifts), and of the best blocks (1.00:
@@ -78,20 +78,25 @@ def worker(args: argparse.Namespace) -> None:
             times[on].append((time.perf_counter() - t_block) / args.block_steps)
     tr.watch.close()
     if mesh.is_main:
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        guard_ms = in_guard[0] / (len(times[True]) * args.block_steps)
-        pairs = statistics.median(a / b for a, b in zip(times[True], times[False], strict=False))  # neighbours
-        print(
-            f"model: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq_len} tokens, fp32, "
-            f"2 gloo ranks (DDP), {args.blocks} blocks of {args.block_steps} steps alternating\n"
-            f"\n{'detectors':<10} {'ms/step (median of blocks)':>28}\n{'off':<10} {1e3 * off:>28.2f}\n"
-            f"{'on':<10} {1e3 * on:>28.2f}\n\nratio on/off: medians {on / off:.4f}, "
-            f"median of neighbouring block pairs {pairs:.4f}, best blocks {min(times[True]) / min(times[False]):.4f}\n"
-            f"time inside the step guard (flag + loss all-reduce, host read, spike test): "
-            f"{1e3 * guard_ms:.3f} ms/step = {guard_ms / off:.2%} of an off step",
-            flush=True,
-        )
+        report(args, times, in_guard[0])
     shutdown(True)
+
+
+def report(args: argparse.Namespace, times: dict[bool, list[float]], guard_s: float) -> None:
+    """Print the table and the ratios (rank 0)."""
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    guard_ms = guard_s / (len(times[True]) * args.block_steps)
+    pairs = statistics.median(a / b for a, b in zip(times[True], times[False], strict=False))  # neighbours
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq_len} tokens, fp32, "
+        f"2 gloo ranks (DDP), {args.blocks} blocks of {args.block_steps} steps alternating\n"
+        f"\n{'detectors':<10} {'ms/step (median of blocks)':>28}\n{'off':<10} {1e3 * off:>28.2f}\n"
+        f"{'on':<10} {1e3 * on:>28.2f}\n\nratio on/off: medians {on / off:.4f}, "
+        f"median of neighbouring block pairs {pairs:.4f}, best blocks {min(times[True]) / min(times[False]):.4f}\n"
+        f"time inside the step guard (flag + loss all-reduce, host read, spike test): "
+        f"{1e3 * guard_ms:.3f} ms/step = {guard_ms / off:.2%} of an off step",
+        flush=True,
+    )
 
 
 def main() -> None:
