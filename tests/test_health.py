@@ -190,3 +190,18 @@ def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys)
     cfg = tiny_config(tmp_path, tmp_path)
     event_writer(cfg)("checkpoint_skipped", path="ckpt/step-8", reason="shard hash does not match")
     assert "warning: skipped checkpoint ckpt/step-8 (shard hash does not match)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("over", [{"health.on_nonfinite": "stop"}, {"health.max_skipped": 0}], ids=["stop", "max"])
+def test_stop_and_max_skipped_end_the_run_naming_the_step(over, tmp_path, corpus, monkeypatch):
+    from meshforge import faults
+    from meshforge.train import train
+    from meshforge.train.health import HealthStop
+
+    monkeypatch.setenv("MESHFORGE_FAULT", "nan:rank=0:step=2")
+    monkeypatch.setattr(faults, "_fired", set())
+    cfg = tiny_config(tmp_path / "run", corpus, **{"train.steps": 4, "train.eval_batches": 0, **over})
+    with pytest.raises(HealthStop, match="non-finite grad_norm at step 2 on rank.s. .0."):
+        train(cfg)
+    (ev,) = events(tmp_path / "run", "nonfinite")
+    assert ev["action"] == "stop" and ev["step"] == 2
