@@ -151,6 +151,27 @@ class MetricsConfig:
     jsonl: bool = True
     tensorboard: bool = True
     report: bool = True  # write run.dir/report.html when the run stops (rank 0; also after a crash)
+    wandb: bool = False  # also log to Weights & Biases, offline (run.dir/wandb); needs the wandb package
+
+
+@dataclass
+class HealthConfig:
+    # non-finite loss or gradient norm: skip the update on every rank, stop the run, or go back
+    # to the last complete checkpoint and skip the batches since
+    on_nonfinite: Literal["skip", "stop", "rollback"] = "skip"
+    max_skipped: int = 10  # more skipped steps than this (non-finite or spikes) in one run stops it
+    spike_threshold: float = 0.0  # loss above median + this many robust deviations is a spike; 0: off
+    spike_window: int = 50  # steps in the running median / MAD of the loss
+    on_spike: Literal["log", "skip", "rollback"] = "log"
+    hang_timeout_s: float = 300.0  # no step finished for this long: report the collectives and exit; 0: off
+    straggler_factor: float = 1.5  # a rank's compute time above this x the median is a straggler; 0: off
+    text_warn_fraction: float = 0.05  # byte tokenizer: warn when more of data.path is not UTF-8 text
+
+
+@dataclass
+class ProfileConfig:
+    start_step: int = 0  # first profiled step (1-based; 0: the first steps after warm-up, step 3)
+    steps: int = 0  # steps traced with torch.profiler into run.dir/profile; 0: no tracing
 
 
 @dataclass
@@ -169,6 +190,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -180,6 +203,8 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
     "run": RunConfig,
+    "health": HealthConfig,
+    "profile": ProfileConfig,
 }
 
 
@@ -399,6 +424,26 @@ def check_values(cfg: Config) -> None:
     _need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
     _need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
     _need(p.num_microbatches >= 0, f"parallel.num_microbatches = {p.num_microbatches} must be >= 0 (0: automatic)")
+    _check_health(cfg)
+
+
+def _check_health(cfg: Config) -> None:
+    h, pr = cfg.health, cfg.profile
+    _need(h.max_skipped >= 0, f"health.max_skipped = {h.max_skipped} must be >= 0")
+    _need(h.spike_threshold >= 0, f"health.spike_threshold = {h.spike_threshold} must be >= 0 (0: off)")
+    _need(h.spike_window >= 5, f"health.spike_window = {h.spike_window} must be >= 5 steps")
+    _need(h.hang_timeout_s >= 0, f"health.hang_timeout_s = {h.hang_timeout_s} must be >= 0 (0: off)")
+    _need(
+        h.straggler_factor == 0 or h.straggler_factor > 1,
+        f"health.straggler_factor = {h.straggler_factor} must be > 1 (e.g. 1.5) or 0 (off)",
+    )
+    _need(0 < h.text_warn_fraction <= 1, f"health.text_warn_fraction = {h.text_warn_fraction} must be in (0, 1]")
+    for key in ("on_nonfinite", "on_spike"):
+        _need(
+            getattr(h, key) != "rollback" or cfg.checkpoint.interval != 0,
+            f"health.{key} = 'rollback' needs checkpoints to go back to; set checkpoint.interval > 0 (or 'auto')",
+        )
+    _need(pr.start_step >= 0 and pr.steps >= 0, "profile.start_step and profile.steps must be >= 0")
 
 
 def _check_train(cfg: Config) -> None:

@@ -1,9 +1,17 @@
-"""Fault injection, to test that a run survives what clusters do to it.
+"""Fault injection, to test that a run survives (or names) what clusters do to it.
 
-``MESHFORGE_FAULT="kill:rank=R:step=S"`` SIGKILLs rank R right after step S;
-``MESHFORGE_FAULT="kill:rank=R:save=S"`` SIGKILLs it while the checkpoint of step S is
-being written (its shards are on disk, the checkpoint is not complete). Faults fire only
-on the first attempt (``launch_env.restart_count()`` = 0), so a restarted group runs clean.
+``MESHFORGE_FAULT`` holds one fault, or several of different kinds separated by commas:
+
+- ``kill:rank=R:step=S`` SIGKILLs rank R right after step S; ``kill:rank=R:save=S`` while
+  the checkpoint of step S is being written (its shards on disk, the checkpoint incomplete);
+- ``nan:rank=R:step=S`` puts a NaN into one gradient of rank R at step S (after the
+  gradients were reduced: only that rank sees it, so the ranks must agree to skip);
+- ``spike:step=S`` multiplies step S's loss, as every rank sees and logs it, by 20;
+- ``hang:rank=R:step=S`` makes rank R stop before step S's work and never come back;
+- ``slow:rank=R:factor=F`` makes rank R's forward passes F times as slow (every step).
+
+Faults fire only on the first attempt (``launch_env.restart_count()`` = 0), so a restarted
+group runs clean, and nan / spike only once (a step redone after a rollback runs clean).
 Nothing happens when the variable is unset.
 """
 
@@ -11,33 +19,94 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from meshforge import launch_env
 from meshforge.errors import ConfigError
 
+# kind -> the fields it takes, in order
+KINDS = {"kill": ("rank", "step|save"), "nan": ("rank", "step"), "spike": ("step",), "hang": ("rank", "step")}
+KINDS["slow"] = ("rank", "factor")
+SPIKE_FACTOR = 20.0
+USAGE = (
+    "expected one of kill:rank=R:step=S, kill:rank=R:save=S, nan:rank=R:step=S, spike:step=S, "
+    "hang:rank=R:step=S, slow:rank=R:factor=F"
+)
 
-def _parse(spec: str) -> tuple[str, int, int] | None:
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[0] != "kill":
-        raise ConfigError(f"MESHFORGE_FAULT = {spec!r}: expected kill:rank=R:step=S or kill:rank=R:save=S")
+
+def parse(spec: str) -> tuple[str, dict[str, float]]:
+    """``kind:key=value:...`` as (kind, {key: number}); refuses anything else, naming the forms."""
+    kind, *parts = spec.split(":")
+    if kind not in KINDS or len(parts) != len(KINDS[kind]):
+        raise ConfigError(f"MESHFORGE_FAULT = {spec!r}: {USAGE}")
+    fields: dict[str, float] = {}
     try:
-        rank = int(parts[1].removeprefix("rank="))
-        point, value = parts[2].split("=")
-        if point not in ("step", "save"):
-            raise ValueError
-        return point, rank, int(value)
+        for part, allowed in zip(parts, KINDS[kind], strict=True):
+            key, value = part.split("=")
+            if key not in allowed.split("|"):
+                raise ValueError
+            fields[key] = float(value) if key == "factor" else int(value)
     except ValueError:
-        raise ConfigError(f"MESHFORGE_FAULT = {spec!r}: expected kill:rank=R:step=S or kill:rank=R:save=S") from None
+        raise ConfigError(f"MESHFORGE_FAULT = {spec!r}: {USAGE}") from None
+    return kind, fields
 
 
-def configured() -> tuple[str, int, int] | None:
+def active(kind: str) -> dict[str, float] | None:
+    """The fields of the configured fault of ``kind`` (on the first attempt only), else None."""
     spec = os.environ.get("MESHFORGE_FAULT", "")
     if not spec or launch_env.restart_count() > 0:
         return None
-    return _parse(spec)
+    for one in spec.split(","):
+        got, fields = parse(one)
+        if got == kind:
+            return fields
+    return None
+
+
+def configured() -> tuple[str, int, int] | None:
+    """A kill fault as (point, rank, step), for the kill points."""
+    f = active("kill")
+    if f is None:
+        return None
+    point = "save" if "save" in f else "step"
+    return point, int(f["rank"]), int(f[point])
 
 
 def maybe_kill(point: str, rank: int, step: int) -> None:
     fault = configured()
     if fault is not None and fault == (point, rank, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_fired: set[str] = set()  # a step redone after a rollback runs clean
+
+
+def _once(kind: str, hit: bool) -> bool:
+    if not hit or kind in _fired:
+        return False
+    _fired.add(kind)
+    return True
+
+
+def nan_now(rank: int, step: int) -> bool:
+    f = active("nan")
+    return _once("nan", f is not None and (f["rank"], f["step"]) == (rank, step))
+
+
+def spike_now(step: int) -> bool:
+    f = active("spike")
+    return _once("spike", f is not None and f["step"] == step)
+
+
+def maybe_hang(rank: int, step: int) -> None:
+    """Never return when rank ``rank`` is about to run step ``step`` (the watchdog ends it)."""
+    f = active("hang")
+    if f is not None and (f["rank"], f["step"]) == (rank, step):
+        while True:
+            time.sleep(3600)
+
+
+def slow_factor(rank: int) -> float:
+    """How much slower this rank's forward passes are made (1.0: not at all)."""
+    f = active("slow")
+    return float(f["factor"]) if f is not None and f["rank"] == rank else 1.0

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshforge.metrics.tb_tags import grouped, health_scalar
 from meshforge.metrics.tensorboard import TensorBoardWriter
 
 
@@ -61,14 +62,18 @@ class MetricsLogger:
         self.events = JsonlWriter(run_dir / "events.jsonl")
         self.tb = TensorBoardWriter(run_dir / "tensorboard") if tensorboard else None
         self.t0 = time.perf_counter()
+        self.sinks: list[Any] = []  # more scalar sinks (log(step, scalars), close()): W&B
+
+    def add_sink(self, sink: Any) -> None:
+        self.sinks.append(sink)
 
     def log_step(self, rec: dict[str, Any]) -> None:
         if self.metrics:
             self.metrics.write(rec)
         if self.tb:
-            self.tb.add_scalars(
-                rec["step"], {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
-            )
+            self.tb.add_scalars(rec["step"], grouped(rec))
+        for sink in self.sinks:
+            sink.log(rec["step"], grouped(rec))
         if self.console:
             step = rec["step"]
             elapsed = time.perf_counter() - self.t0
@@ -89,7 +94,9 @@ class MetricsLogger:
         rec = {"step": step, "val_loss": loss, "val_ppl": ppl}
         self.event("eval", **rec)
         if self.tb:
-            self.tb.add_scalars(step, {"val_loss": loss, "val_ppl": ppl})
+            self.tb.add_scalars(step, grouped({"val_loss": loss, "val_ppl": ppl}))
+        for sink in self.sinks:
+            sink.log(step, grouped({"val_loss": loss, "val_ppl": ppl}))
         if self.console:
             print(
                 f"  eval @ step {step}: val loss {loss:.4f} | perplexity {ppl:.2f}",
@@ -99,12 +106,14 @@ class MetricsLogger:
 
     def event(self, kind: str, **fields: Any) -> None:
         self.events.write({"time": time.time(), "event": kind, **fields})
+        if self.tb and isinstance(fields.get("step"), int) and health_scalar(kind, fields):
+            self.tb.add_scalars(fields["step"], health_scalar(kind, fields))
 
     def print(self, text: str) -> None:
         if self.console:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        for s in (self.metrics, self.events, self.tb):
+        for s in (self.metrics, self.events, self.tb, *self.sinks):
             if s:
                 s.close()

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,9 @@ class CommCounter:
         self.calls: dict[str, int] = defaultdict(int)
         self.trace: list[tuple[str, str, int]] | None = [] if trace else None  # (axis, kind, payload bytes)
         self._lock = threading.Lock()
+        self.blocked_s = 0.0  # time inside blocking calls
+        self.last_launch: float | None = None  # the last asynchronous launch, and the last completion
+        self.last_done: float | None = None
 
     def record(self, table: dict, fn_name: str, bound: inspect.BoundArguments) -> None:
         kind, arg, factor = table[fn_name]
@@ -107,7 +111,35 @@ class CommCounter:
             if self.trace is not None:
                 self.trace.append((axis, kind, payload))
 
+    def timed(self, out: Any, t0: float) -> None:
+        """Book a call's time: all of it when it blocked; for asynchronous work, when it was
+        launched and (a callback) when it completed."""
+        now = time.perf_counter()
+        works = out if isinstance(out, list) else [out]
+        if out is None or not all(hasattr(w, "get_future") for w in works):
+            self.blocked_s += now - t0
+            return
+        self.last_launch = now
+        for w in works:
+            try:
+                w.get_future().add_done_callback(self._done)
+            except RuntimeError:  # point-to-point work has no future; its waits go uncounted
+                pass
+
+    def _done(self, _: Any) -> None:
+        self.last_done = time.perf_counter()
+
+    def exposed_s(self) -> float:
+        """Time this rank was held by communication in the counted block: blocking calls, plus
+        the tail of asynchronous work that completed after the last launch (e.g. DDP's last
+        gradient bucket, which backward waits for)."""
+        tail = 0.0
+        if self.last_launch is not None and self.last_done is not None:
+            tail = max(0.0, self.last_done - self.last_launch)
+        return self.blocked_s + tail
+
     def reset(self) -> None:
+        self.blocked_s, self.last_launch, self.last_done = 0.0, None, None
         with self._lock:
             self.bytes.clear()
             self.calls.clear()
@@ -159,11 +191,15 @@ def _wrap(fn: Any, table: dict, name: str) -> Any:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         counter = CommCounter._active
-        if counter is not None:
-            try:
-                counter.record(table, name, sig.bind(*args, **kwargs))
-            except TypeError:
-                pass  # let the real call raise its own error
-        return fn(*args, **kwargs)
+        if counter is None:
+            return fn(*args, **kwargs)
+        try:
+            counter.record(table, name, sig.bind(*args, **kwargs))
+        except TypeError:
+            pass  # let the real call raise its own error
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        counter.timed(out, t0)
+        return out
 
     return wrapper

@@ -66,7 +66,9 @@ def clip_grad_norm(
         dist.all_reduce(total, group=stage_group)
     norm = total.sqrt()
     if max_norm != float("inf") and grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        # a non-finite norm leaves the gradients as they are (NaN would poison them all),
+        # so health checks can still name the parameter it came from
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).nan_to_num(1.0, posinf=1.0, neginf=1.0)
         for dtype_group in _by_dtype([g.to_local() if isinstance(g, DTensor) else g for g in grads]):
             torch._foreach_mul_(dtype_group, coef.to(dtype_group[0].dtype))
     return norm

@@ -221,6 +221,7 @@ def overview(runs: list[Run]) -> str:
 
 
 EVENT_KINDS = ("run_start", "checkpoint_saved", "resumed", "restart", "interrupted", "failure", "run_end", "eval")
+EVENT_KINDS += ("nonfinite", "loss_spike", "hang", "straggler", "rollback", "data_not_text", "checkpoint_skipped")
 
 
 def events_table(run: Run) -> str:

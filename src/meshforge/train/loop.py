@@ -24,6 +24,7 @@ import torch.distributed as dist
 from meshforge import faults, launch_env
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
+from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.models.flops import num_params
@@ -42,6 +43,7 @@ from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
 from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
+from meshforge.train.step_watch import StepWatch
 from meshforge.train.stop import StopRequest
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -104,6 +106,7 @@ class Trainer:
             self.runner = PlainStep(train_model, forward, self.micro, self.accum, sync_all, **common)
         batches = (self.local_batch, self.micro)
         self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
+        self.watch = StepWatch(self)  # health checks, profiler, time breakdown
 
     def event(self, name: str, **fields: Any) -> None:
         if self.logger:
@@ -159,8 +162,10 @@ class Trainer:
             n = st.step + 1
             logged = n % self.cfg.metrics.log_interval == 0 or n == t.steps
             last = n == t.steps or stop.stop_after(n, logged)
-            t0 = time.perf_counter()
+            t0 = self.watch.before_step(n)
             result = self.step_once(measure=logged or last or n == self.gantt_step)
+            if self.watch.after_step(n):  # went back to a checkpoint
+                continue
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
             self.metrics.add(time.perf_counter() - t0, result)
             if logged or last:
@@ -176,6 +181,7 @@ class Trainer:
                 interrupted = True
                 self.event("interrupted", step=n)
                 break
+        self.watch.close()
         self.checkpoints.checkpointer.wait()
         wall = time.perf_counter() - t_start
         val_loss = self._evaluate_and_log() if t.eval_batches else None
@@ -236,6 +242,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
     for k, v in DETERMINISTIC_ENV.items():
         if cfg.train.deterministic:
             os.environ.setdefault(k, v)
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
     world = launch_env.world_size()
     if world == 1 or launch_env.rank() == 0:
         cfg = preflight(cfg, world)

@@ -42,6 +42,8 @@ class StepMetrics:
         self.window: list[float] = []  # since the last logged step
         self.first_loss: torch.Tensor | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=SUMMARY_TAIL)
+        self.breakdown: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the time breakdown (a gather)
+        self.breakdown_sum: dict[str, float] = {}
 
     def add(self, dt: float, result: StepResult) -> None:
         """Book one step: its time, and its loss tensor (a reference, no copy, no sync)."""
@@ -65,6 +67,10 @@ class StepMetrics:
         per_device = tps / self.world_size
         state_mem = result.state_mem or {}
         comm = extra.get("comm_bytes_by_kind", {})
+        more = {"time_breakdown": self.breakdown(extra.get("pp_stats", {}))} if self.breakdown else {}
+        for k, v in more.get("time_breakdown", {}).items():
+            if k != "by_rank":
+                self.breakdown_sum[k] = self.breakdown_sum.get(k, 0.0) + v
         rec = {
             "step": step,
             "loss": result.global_loss,
@@ -81,6 +87,7 @@ class StepMetrics:
             "comm_bytes": {axis: sum(k.values()) for axis, k in comm.items()},
             "comm_bytes_by_kind": comm,
             **extra.get("pp_stats", {}),
+            **more,
         }
         if result.state_mem_host is not None:  # CPU offload: where the state lives
             host = result.state_mem_host
@@ -106,6 +113,7 @@ class StepMetrics:
             "mfu": utilization(self.flops_per_token, per_device, self.peak),
             "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
             "peak_mem_gib": peak_mem_gib(self.device),
+            "time_breakdown": self.breakdown_sum,  # summed over the logged steps
         }
 
 

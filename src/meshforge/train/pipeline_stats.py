@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge.metrics.chrome_trace import write_timeline_trace
 from meshforge.metrics.gantt import draw_gantt
 from meshforge.metrics.memory import peak_mem_gib
 from meshforge.parallel.dims import rank_layout
@@ -58,4 +59,5 @@ def write_gantt(
     )
     draw_gantt(rows, run_dir / "pipeline_gantt.png", title)
     (run_dir / "pipeline_timeline.json").write_text(json.dumps([dataclasses.asdict(t) for t in rows], indent=0))
+    write_timeline_trace(rows, run_dir / "profile" / f"pipeline-step-{step}.json", title)  # Chrome trace events
     event("pipeline_gantt", step=step, path=str(run_dir / "pipeline_gantt.png"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -168,6 +169,9 @@ def event_writer(cfg: Config) -> Callable[..., None]:
         if path.parent.is_dir():
             with path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
+        if event == "checkpoint_skipped":  # say it where people look, too
+            what = f"skipped checkpoint {fields.get('path')} ({fields.get('reason')}); trying an older one"
+            print(f"meshforge: warning: {what}", file=sys.stderr)
 
     return write
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshforge.config import Config
+from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.context_parallel import cp_index
@@ -49,6 +50,7 @@ class StepRunner:
     """The shared finish; subclasses run forward and backward over this rank's batch slice."""
 
     loss_groups: tuple[dist.ProcessGroup | None, ...] = ()  # groups the loss is summed over before dp
+    guard: StepGuard | None = None  # health: asked before each update (health/guard.py)
     stage_group: dist.ProcessGroup | None = None  # pipeline: ranks with disjoint parameters
 
     def __init__(
@@ -77,6 +79,8 @@ class StepRunner:
         if self.cp_index is not None:
             inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
         loss, gathered = self.forward_backward(inputs, targets, measure)
+        if self.guard:
+            loss = self.guard.after_backward(loss)
         out = StepResult(loss, torch.zeros(()), lr, measure)
         if measure:
             out.global_loss = float(self.reduce_loss(loss))
@@ -87,7 +91,8 @@ class StepRunner:
             out.grad_norm = own_clip(self.max_norm)
         else:
             out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
-        self.optimizer.step()
+        if self.guard is None or self.guard.allow_update(loss, out.grad_norm, out.global_loss):
+            self.optimizer.step()
         if measure:
             out.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
             if self.offload:

@@ -1,0 +1,79 @@
+"""Where a measured step's time went, per rank: data, compute, exposed communication,
+pipeline bubble, optimizer, other (measurement itself, checks).
+
+Taken from timestamps on measured (logged) steps only: the step's start, the first forward
+(a model forward pre-hook: before it is data), the optimizer step (optimizer hooks), and
+the communication counter's blocked time (blocking collectives, plus the tail of
+asynchronous ones such as DDP's last gradient bucket). Compute is what is left of forward,
+backward and clipping after exposed communication and (pipelines) the measured bubble.
+On GPUs the hooks synchronise the device on measured steps only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshforge.parallel.comm_stats import CommCounter
+
+PARTS = ("data_s", "compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "other_s")
+
+
+class StepClock:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommCounter | None, device):
+        self.comm, self.device = comm, device
+        self.measured, self.t0, self.t_end = False, 0.0, 0.0
+        self.first_forward: float | None = None
+        self.opt: list[float | None] = [None, None]
+        model.register_forward_pre_hook(self._forward)
+        optimizer.register_step_pre_hook(lambda *_: self._opt(0))
+        optimizer.register_step_post_hook(lambda *_: self._opt(1))
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _forward(self, *_: Any) -> None:
+        if self.measured and self.first_forward is None:
+            self.first_forward = self._now()
+
+    def _opt(self, i: int) -> None:
+        if self.measured:
+            self.opt[i] = self._now()
+
+    def start(self, t0: float, measured: bool) -> None:
+        self.t0, self.measured, self.first_forward, self.opt = t0, measured, None, [None, None]
+
+    def stop(self) -> None:
+        if self.measured:
+            self.t_end = time.perf_counter()
+            self.measured = False
+
+    def mine(self, bubble_fraction: float) -> list[float]:
+        """This rank's parts of the last measured step, in PARTS order."""
+        fwd = self.first_forward or self.t0
+        opt_start, opt_end = self.opt[0] or self.t_end, self.opt[1] or self.opt[0] or self.t_end
+        run = max(0.0, opt_start - fwd)
+        exposed = min(run, self.comm.exposed_s()) if self.comm else 0.0
+        bubble = bubble_fraction * run
+        compute = max(0.0, run - exposed - bubble)
+        parts = [fwd - self.t0, compute, exposed, bubble, opt_end - opt_start]
+        return parts + [max(0.0, (self.t_end - self.t0) - sum(parts))]
+
+    def breakdown(self, bubble_fraction: float, distributed: bool) -> dict[str, Any]:
+        """The mean over ranks of each part, and every rank's parts (a gather on distributed
+        runs: every rank calls this on the same steps)."""
+        mine = torch.tensor(self.mine(bubble_fraction), dtype=torch.float64)
+        rows = [mine]
+        if distributed:
+            rows = [torch.zeros_like(mine, device=self.device) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine.to(self.device))
+        table = [[round(float(x), 6) for x in r.cpu()] for r in rows]
+        out: dict[str, Any] = {k: sum(r[i] for r in table) / len(table) for i, k in enumerate(PARTS)}
+        out["by_rank"] = table
+        return out

@@ -1,0 +1,45 @@
+"""[profile] traces, the pipeline timeline as Chrome trace events, and the time breakdown,
+from one 2-rank pipeline run."""
+
+import json
+
+import pytest
+
+from conftest import cli_args, run_cli, tiny_overrides
+from meshforge.metrics.time_breakdown import PARTS
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, corpus):
+    d = tmp_path_factory.mktemp("traced") / "run"
+    over = {"train.steps": 6, "metrics.log_interval": 3, "profile.start_step": 2, "profile.steps": 2}
+    r = run_cli("train", "--nproc", "2", *cli_args(tiny_overrides(d, corpus, **over, **{"parallel.pp": 2})))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return d
+
+
+@pytest.mark.slow
+def test_profile_writes_a_loadable_trace_per_rank(traced):
+    for rank in (0, 1):
+        trace = json.loads((traced / "profile" / f"rank-{rank:05d}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert {"meshforge step 2", "meshforge step 3"} <= names  # the traced steps are marked
+        assert any("aten::" in n for n in names)
+    (ev,) = [json.loads(x) for x in (traced / "events.jsonl").read_text().splitlines() if '"profile"' in x]
+    assert ev["first"] == 2 and ev["last"] == 3
+    timeline = json.loads(next((traced / "profile").glob("pipeline-step-*.json")).read_text())
+    spans = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1} and {e["cat"] for e in spans} >= {"forward", "backward"}
+    assert all(e["dur"] >= 0 for e in spans)
+
+
+@pytest.mark.slow
+def test_time_breakdown_is_logged_per_rank_and_summed(traced):
+    recs = [json.loads(x) for x in (traced / "metrics.jsonl").read_text().splitlines()]
+    for rec in recs:
+        tb = rec["time_breakdown"]
+        assert len(tb["by_rank"]) == 2 and all(len(r) == len(PARTS) and min(r) >= 0 for r in tb["by_rank"])
+        assert tb["compute_s"] > 0 and tb["bubble_s"] > 0  # a pipeline with 2 stages idles
+    summary = json.loads((traced / "summary.json").read_text())["time_breakdown"]
+    for k in PARTS:
+        assert summary[k] == pytest.approx(sum(r["time_breakdown"][k] for r in recs))
