@@ -80,6 +80,7 @@ class StepMetrics:
             "comm_bytes": {axis: sum(k.values()) for axis, k in comm.items()},
             "comm_bytes_by_kind": comm,
             **extra.get("pp_stats", {}),
+            **extra.get("moe", {}),  # MoE: lm_loss, aux_loss, z_loss, expert_load, dropped_fraction
         }
 
     def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
