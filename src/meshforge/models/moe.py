@@ -93,7 +93,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group
     (False); None: the grouped GEMM where supported."""
     if grouped is None:
         grouped = grouped_mm_supported(x.device, x.dtype) and x.dtype == w.dtype
-    if grouped:
+    if grouped and x.shape[0]:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
     outs = [xi @ w[g].t() for g, xi in enumerate(torch.split(x, counts.tolist()))]
@@ -162,18 +162,19 @@ class MoE(nn.Module):
         self.dispatcher: nn.Module = LocalDispatch()
         if self.load_balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(e))
-        # since the last optimizer step (training forwards only): tokens per expert, and dropped / routed slots
-        self.register_buffer("load", torch.zeros(e), persistent=False)
-        self.register_buffer("drops", torch.zeros(2), persistent=False)
+        # since the last optimizer step (training forwards only): tokens per expert, and dropped / routed
+        # slots. Plain attributes, not buffers: DDP would overwrite every rank's with rank 0's.
+        self.load = torch.zeros(e)
+        self.drops = torch.zeros(2)
         self.step_load: torch.Tensor | None = None  # the last step's load and drops (set by end_step)
         self.step_drops: torch.Tensor | None = None
         self.step_load_global = False  # whether step_load is already summed over the data-parallel ranks
 
     def init_buffers(self) -> None:
         """Zero the training-state buffers (after ``to_empty``; weights come from init_weights)."""
-        for name in ("expert_bias", "load", "drops"):
-            if hasattr(self, name):
-                getattr(self, name).zero_()
+        if hasattr(self, "expert_bias"):
+            self.expert_bias.zero_()
+        self.load, self.drops = torch.zeros_like(self.load), torch.zeros_like(self.drops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -202,6 +203,8 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         keep = self._capacity(experts, weights, x.shape[0])
         if self.training:
+            if self.load.device != x.device:
+                self.load, self.drops = torch.zeros_like(self.load, device=x.device), torch.zeros(2, device=x.device)
             with torch.no_grad():
                 self.load += counts.to(self.load.dtype)
                 self.drops[0] += (~keep).sum()
