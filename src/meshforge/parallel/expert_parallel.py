@@ -94,6 +94,7 @@ class AllToAllDispatch(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         e = counts.numel()
         local = e // self.ep
+        self.elem_bytes = x.element_size()  # for the logged formula (train/moe_stats.py)
         gathered = counts.new_empty(self.ep * e)
         _all_gather(gathered, counts, group=self.group)
         table = gathered.view(self.ep, self.ep, local).tolist()  # [source][destination][local expert]

@@ -127,7 +127,8 @@ class Trainer:
             self.comm_bytes = self.comm.snapshot() if self.comm else {}
             if self.pipeline:
                 self.pp_stats = gather_pipeline_stats(self.pipeline, self.mesh)
-            self.moe_stats = moe_record(self.model, self.loss, self.mesh, self.runner.reduce_loss, self.args)
+            tokens = self.local_batch * self.cfg.train.seq_len // self.mesh.dims.cp
+            self.moe_stats = moe_record(self.model, self.loss, self.mesh, self.runner.reduce_loss, self.args, tokens)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.state.advance()

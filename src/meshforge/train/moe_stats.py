@@ -18,6 +18,7 @@ from torch import nn
 
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.models.moe import end_step, moe_layers
+from meshforge.parallel.expert_parallel import a2a_bytes_formula
 from meshforge.parallel.mesh import Mesh
 
 
@@ -42,16 +43,22 @@ def install_step_hook(optimizer: torch.optim.Optimizer, model: nn.Module, loss: 
     optimizer.register_step_post_hook(hook)
 
 
-def moe_record(model: nn.Module, loss: LanguageModelLoss, mesh: Mesh, reduce_loss: Any, args: Any) -> dict[str, Any]:
+def moe_record(
+    model: nn.Module, loss: LanguageModelLoss, mesh: Mesh, reduce_loss: Any, args: Any, tokens_per_rank: int
+) -> dict[str, Any]:
     """A logged step's MoE figures (a collective over the data-parallel ranks: every rank calls it).
 
-    ``reduce_loss``: the step runner's reduction of per-rank loss values to the global batch's."""
+    ``reduce_loss``: the step runner's reduction of per-rank loss values to the global batch's;
+    ``tokens_per_rank``: the tokens one rank routes per step (for the all-to-all formula)."""
     if not getattr(args, "num_experts", 0):
         return {}
     names = ["lm_loss", "aux_loss", "z_loss"]
     parts = torch.stack([loss.step_terms.get(n, torch.zeros((), device=mesh.device)).float() for n in names])
     out: dict[str, Any] = dict(zip(names, reduce_loss(parts).tolist(), strict=True))
     out.update(expert_load(model, mesh))
+    elem = next((m.dispatcher.elem_bytes for m in moe_layers(model).values() if hasattr(m.dispatcher, "elem_bytes")), 0)
+    if mesh.dims.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
+        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens_per_rank, elem, mesh.dims.ep)
     return out
 
 
