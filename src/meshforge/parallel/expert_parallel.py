@@ -147,4 +147,3 @@ def a2a_bytes_formula(args: Any, tokens: int, elem_bytes: int, ep: int) -> float
     layer and pass. Dropless and averaged over the ep ranks, this is what is measured."""
     layers = sum(1 for i in range(args.layers) if is_moe_layer(args, i))
     return 2 * 2 * tokens * args.experts_per_token * args.hidden * elem_bytes * (ep - 1) / ep * layers
-
