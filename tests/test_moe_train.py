@@ -60,3 +60,16 @@ def test_balance_bias_survives_a_checkpoint_resume(tmp_path, corpus):
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-6)
     bias = [load_weights(d / "final").state_dict()["layers.1.feed_forward.expert_bias"] for d in (whole, resumed)]
     assert bias[0].abs().sum() > 0 and bias[1].tolist() == pytest.approx(bias[0].tolist(), abs=1e-7)
+
+
+def test_activation_checkpointing_counts_and_reports_once(tmp_path, corpus):
+    """Full recomputation re-runs each MoE forward in backward: the losses (LM, aux, z), grad
+    norms and loads equal the run without it (nothing counted or reported twice)."""
+    over = {**MOE, "train.steps": 2, "metrics.log_interval": 1, "model.z_loss_coeff": 1e-3}
+    runs = []
+    for ac in ("none", "full"):
+        train(tiny_config(tmp_path / ac, corpus, **over, **{"train.activation_checkpoint": ac}))
+        runs.append(records(tmp_path / ac))
+    for a, b in zip(*runs, strict=True):
+        for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "expert_load_max_mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-6), k

@@ -65,6 +65,13 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass (activation checkpointing's
+    recomputation), where counting and reporting again would count twice. The autograd
+    engine's current graph task is private API, read here only."""
+    return torch._C._current_graph_task_id() != -1
+
+
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -203,14 +210,22 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         keep = self._capacity(experts, weights, x.shape[0])
         if self.training:
-            if self.load.device != x.device:
-                self.load, self.drops = torch.zeros_like(self.load, device=x.device), torch.zeros(2, device=x.device)
-            with torch.no_grad():
-                self.load += counts.to(self.load.dtype)
-                self.drops[0] += (~keep).sum()
-                self.drops[1] += keep.numel()
-            self._report_balance(logits, probs, counts)
+            first = not recomputing()  # activation checkpointing re-runs this forward in backward
+            if first:
+                self._count(counts, keep)
+            self._report_balance(logits, probs, counts, report=first)
         return Routing(experts, weights, keep)
+
+    @torch.no_grad()
+    def _count(self, counts: torch.Tensor, keep: torch.Tensor) -> None:
+        if self.load.device != counts.device:
+            self.load, self.drops = (
+                torch.zeros_like(self.load, device=counts.device),
+                torch.zeros(2, device=counts.device),
+            )
+        self.load += counts.to(self.load.dtype)
+        self.drops[0] += (~keep).sum()
+        self.drops[1] += keep.numel()
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert per micro-batch: ceil(capacity_factor x tokens x k / E) (0: dropless)."""
@@ -231,14 +246,19 @@ class MoE(nn.Module):
         keep[order] = rank < self.capacity(tokens)
         return keep.view_as(experts)
 
-    def _report_balance(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
+    def _report_balance(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, report: bool) -> None:
+        """The balance terms; computed on a recomputation too (checkpointing needs the same
+        ops in the same order) but reported once."""
         if self.load_balance == "aux_loss" and self.aux_loss_coeff > 0:
             f = counts.float() / counts.sum()  # share of the routed slots per expert
             p = probs / probs.sum(-1, keepdim=True) if self.router_score == "sigmoid" else probs
             aux = self.num_experts * (f * p.mean(0)).sum()
-            report_aux(self, "aux_loss", self.aux_loss_coeff * aux)
+            if report:
+                report_aux(self, "aux_loss", self.aux_loss_coeff * aux)
         if self.z_loss_coeff > 0:
-            report_aux(self, "z_loss", self.z_loss_coeff * torch.logsumexp(logits, -1).square().mean())
+            z = torch.logsumexp(logits, -1).square().mean()
+            if report:
+                report_aux(self, "z_loss", self.z_loss_coeff * z)
 
     @torch.no_grad()
     def end_step(self, load: torch.Tensor, is_global: bool) -> None:
