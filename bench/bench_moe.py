@@ -105,24 +105,33 @@ def _records(d: Path) -> list[dict]:
 
 
 def part_balance(args: argparse.Namespace) -> None:
+    """debug-moe's routing (8 experts, top-2) on a narrower body (--balance-hidden, 2 blocks,
+    one of them MoE) so that 3 x 300 steps fit a shared 2-core machine."""
+    log = max(1, args.steps // 6)
     base = {
         "model.preset": "debug-moe",
+        "model.hidden": args.balance_hidden,
+        "model.moe_ffn_hidden": args.balance_hidden,
+        "model.layers": 2,
         "train.steps": args.steps,
         "train.seq_len": 64,
         "train.global_batch_size": 8,
         "train.eval_batches": 0,
-        "metrics.log_interval": max(1, args.steps // 6),
+        "metrics.log_interval": log,
         "metrics.report": False,
         "metrics.tensorboard": False,
     }
-    runs = {mode: _records(_train({**base, "model.load_balance": mode})) for mode in ("aux_loss", "bias", "none")}
-    steps = [r["step"] for r in runs["aux_loss"]]
-    print(f"\n(b) debug-moe, {args.steps} steps: max/mean tokens per expert (worst MoE layer) and final loss")
+    steps = list(range(log, args.steps + 1, log))
+    print(
+        f"\n(b) debug-moe routing, hidden {args.balance_hidden}, {args.steps} steps: max/mean tokens per expert "
+        "(MoE block) and final LM loss"
+    )
     print("| load_balance | " + " | ".join(f"step {s}" for s in steps) + " | final LM loss |")
-    print("|---|" + "---|" * (len(steps) + 1))
-    for mode, recs in runs.items():
+    print("|---|" + "---|" * (len(steps) + 1), flush=True)
+    for mode in ("aux_loss", "bias", "none"):
+        recs = _records(_train({**base, "model.load_balance": mode}))
         loads = " | ".join(f"{r['expert_load_max_mean']:.2f}" for r in recs)
-        print(f"| {mode} | {loads} | {recs[-1]['lm_loss']:.4f} |")
+        print(f"| {mode} | {loads} | {recs[-1]['lm_loss']:.4f} |", flush=True)
 
 
 def part_ep(args: argparse.Namespace) -> None:
@@ -158,6 +167,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--balance-hidden", type=int, default=64)
     p.add_argument("--ep-steps", type=int, default=30)
     args = p.parse_args()
     if args.part in ("grouped", "all"):

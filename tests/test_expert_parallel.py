@@ -99,6 +99,7 @@ def _check_dispatch(rank: int, ep: int, mesh, capacity: float) -> None:
         assert float(want_drops[0]) > 0 and float(sent) / ep < formula
 
 
+@pytest.mark.slow
 def test_all_to_all_dispatch_matches_one_device():
     """Dropless and with capacity 1: outputs and token gradients exact; expert gradients each
     rank's slice of the summed single-device gradient / ep; drops per rank as one device's for

@@ -154,6 +154,16 @@ def test_bias_moves_against_the_load_and_is_checkpointed():
     torch.testing.assert_close(moe_layers(fresh)["1"].expert_bias, want)
 
 
+def test_evaluation_forwards_count_nothing():
+    m = _layer(capacity_factor=1.0)
+    m.train()
+    with torch.no_grad():  # the evaluator's forwards: no load, no drops, no balance terms
+        m(torch.randn(20, 32))
+    assert m.load.sum() == 0 and m.drops.sum() == 0
+    m(torch.randn(20, 32))
+    assert m.load.sum() == 40 and m.drops[1] == 40
+
+
 def test_moe_interval_and_first_dense_layers_choose_the_blocks():
     a = _args(layers=7, first_dense_layers=2, moe_interval=2)
     assert [i for i in range(7) if is_moe_layer(a, i)] == [2, 4, 6]

@@ -209,7 +209,7 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         keep = self._capacity(experts, weights, x.shape[0])
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # not evaluation (run under no_grad)
             first = not recomputing()  # activation checkpointing re-runs this forward in backward
             if first:
                 self._count(counts, keep)
