@@ -135,7 +135,7 @@ def test_aux_and_z_loss_values_reach_the_loss_object():
     total = loss(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), m)
     assert float(loss.terms["aux_loss"]) == pytest.approx(aux.item(), rel=1e-5)
     assert float(loss.terms["z_loss"]) == pytest.approx(z.item(), rel=1e-5)
-    assert float(total) == pytest.approx(math.log(5) + aux.item() + z.item(), rel=1e-5)
+    assert total.item() == pytest.approx(math.log(5) + aux.item() + z.item(), rel=1e-5)
 
 
 def test_bias_moves_against_the_load_and_is_checkpointed():

@@ -188,7 +188,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         r = self.route(flat)
         order = torch.argsort(r.experts.flatten(), stable=True)  # slots grouped by expert
-        order = order[r.keep.flatten()[order]]
+        if self.capacity_factor > 0:  # (dropless: every slot is kept; no mask, no host sync)
+            order = order[r.keep.flatten()[order]]
         counts = torch.bincount(r.experts.flatten()[order], minlength=self.num_experts)
         tokens = order // self.top_k
         out = self.dispatcher(flat[tokens], counts, self.experts)
