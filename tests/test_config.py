@@ -133,8 +133,8 @@ def test_axes_not_yet_available_are_refused_by_name():
     assert resolve(load_config(None, {"parallel.cp": 2}), world_size=2).parallel.cp == 2  # context parallel runs
     with pytest.raises(ConfigError, match=r"parallel.cp = 2 with parallel.zero_stage = 1: .*use parallel.zero_stage"):
         resolve(load_config(None, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 1}), world_size=4)
-    with pytest.raises(ConfigError, match=r"parallel.ep = 2: .*set it to 1"):
-        resolve(load_config(None, {"parallel.ep": 2}), world_size=1)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 2 splits the experts .* dense .*set parallel.ep = 1"):
+        resolve(load_config(None, {"parallel.ep": 2}), world_size=1)  # expert parallelism needs an MoE model
 
 
 def test_list_keys_are_checked():

@@ -14,6 +14,14 @@ QK-norm, two of size head_dim. Linear layers have no biases. Outside the blocks:
 token (and learned position) embedding, the final norm (hidden) and the head (vocab x
 hidden; none when tied to the embedding).
 
+Mixtures of experts (``num_experts`` > 0, on the blocks ``models/moe.is_moe_layer``
+picks): an MoE block holds the router (E x hidden), E experts and the shared experts
+(three hidden x moe_ffn matrices each) in place of the MLP; all of them count as
+parameters, but a token runs through only its k chosen experts and the shared ones, so
+model FLOPs (and MFU) count those *active* parameters; the router and the dispatch are
+not model FLOPs. Functions taking ``layer_id`` describe that block; without it, the
+mean block (so layers x block = the model's blocks).
+
 FLOPs (the convention PaLM, Megatron-LM and torchtitan use, so MFU compares with
 published numbers): a matmul of an (m, k) by (k, n) matrix costs 2mkn; the backward
 pass costs twice the forward. Per token and layer, attention scores (QK^T) and the
@@ -29,6 +37,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshforge.models.moe import expert_ffn, is_moe_layer
+
 ShapeLike = Any  # duck-typed: see the module docstring
 
 
@@ -36,17 +46,48 @@ def _gelu(a: ShapeLike) -> bool:
     return getattr(a, "mlp", "swiglu") == "gelu"
 
 
-def block_matmul_params(a: ShapeLike) -> int:
-    """Weights of one block's matmuls (attention projections and MLP)."""
-    attn = 2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim
-    return attn + (2 if _gelu(a) else 3) * a.hidden * a.ffn_hidden
+def _attention_params(a: ShapeLike) -> int:
+    return 2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim
 
 
-def block_params(a: ShapeLike) -> int:
-    """All parameters of one block: matmul weights plus norms (and LayerNorm biases)."""
+def _moe_ids(a: ShapeLike) -> list[int]:
+    return [i for i in range(a.layers) if is_moe_layer(a, i)]
+
+
+def _per_block(a: ShapeLike, layer_id: int | None, dense: int, moe: int) -> int:
+    """A block's count (``layer_id``), or the mean block's (rounded down)."""
+    if layer_id is not None:
+        return moe if is_moe_layer(a, layer_id) else dense
+    n = len(_moe_ids(a))
+    return ((a.layers - n) * dense + n * moe) // a.layers
+
+
+def moe_expert_params(a: ShapeLike) -> int:
+    """The routed experts of one MoE block (what expert parallelism splits)."""
+    return a.num_experts * 3 * a.hidden * expert_ffn(a)
+
+
+def _moe_block_matmul(a: ShapeLike, active: bool) -> int:
+    shared = a.num_shared_experts * 3 * a.hidden * expert_ffn(a)
+    if active:  # the k chosen experts; the router is not a model FLOP
+        return _attention_params(a) + a.experts_per_token * 3 * a.hidden * expert_ffn(a) + shared
+    return _attention_params(a) + moe_expert_params(a) + shared + a.num_experts * a.hidden
+
+
+def block_matmul_params(a: ShapeLike, layer_id: int | None = None, active: bool = True) -> int:
+    """Weights of one block's matmuls (attention projections and MLP, or an MoE block's
+    active experts; ``active=False``: all its experts and the router)."""
+    dense = _attention_params(a) + (2 if _gelu(a) else 3) * a.hidden * a.ffn_hidden
+    if getattr(a, "num_experts", 0) <= 0:
+        return dense
+    return _per_block(a, layer_id, dense, _moe_block_matmul(a, active))
+
+
+def block_params(a: ShapeLike, layer_id: int | None = None) -> int:
+    """All parameters of one block: matmul weights (all experts) plus norms (and LayerNorm biases)."""
     norms = 2 * a.hidden * (2 if _gelu(a) else 1)
     qk = 2 * a.head_dim if getattr(a, "qk_norm", False) else 0
-    return block_matmul_params(a) + norms + qk
+    return block_matmul_params(a, layer_id, active=False) + norms + qk
 
 
 def embedding_params(a: ShapeLike) -> int:
@@ -60,13 +101,22 @@ def head_params(a: ShapeLike) -> int:
 
 
 def matmul_params(a: ShapeLike) -> int:
-    """Parameters that take part in a matmul per token (all linear weights, incl. the head)."""
-    return a.layers * block_matmul_params(a) + a.vocab_size * a.hidden
+    """Parameters that take part in a matmul per token (all linear weights, incl. the head;
+    of an MoE block only the active experts)."""
+    blocks = sum(block_matmul_params(a, i) for i in range(a.layers))
+    return blocks + a.vocab_size * a.hidden
 
 
 def num_params(a: ShapeLike) -> int:
     """All parameters, counting a tied embedding/head once."""
-    return a.layers * block_params(a) + embedding_params(a) + head_params(a) + a.hidden
+    blocks = sum(block_params(a, i) for i in range(a.layers))
+    return blocks + embedding_params(a) + head_params(a) + a.hidden
+
+
+def active_params(a: ShapeLike) -> int:
+    """Parameters a token uses: all of a dense model, an MoE block's chosen and shared experts only."""
+    inactive = sum(block_matmul_params(a, i, False) - block_matmul_params(a, i) for i in range(a.layers))
+    return num_params(a) - inactive
 
 
 def attention_flops_per_token(a: ShapeLike, seq_len: int) -> float:
@@ -79,9 +129,9 @@ def model_flops_per_token(a: ShapeLike, seq_len: int) -> float:
     return 6.0 * matmul_params(a) + 3.0 * attention_flops_per_token(a, seq_len)
 
 
-def block_flops_per_token(a: ShapeLike, seq_len: int) -> float:
+def block_flops_per_token(a: ShapeLike, seq_len: int, layer_id: int | None = None) -> float:
     """Forward + backward model FLOPs of one block per token (its matmuls and attention core)."""
-    return 6.0 * block_matmul_params(a) + 12.0 * seq_len * a.heads * a.head_dim
+    return 6.0 * block_matmul_params(a, layer_id) + 12.0 * seq_len * a.heads * a.head_dim
 
 
 def head_flops_per_token(a: ShapeLike) -> float:

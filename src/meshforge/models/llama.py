@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.moe import build_moe, is_moe_layer
+
 
 @dataclass
 class ModelArgs:
@@ -51,6 +53,20 @@ class ModelArgs:
     init_std: float = 0.02
     head_dim: int = 0  # 0 or None: hidden // heads, resolved whenever read (see _get_head_dim below)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # mixture of experts (models/moe.py); num_experts = 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    num_shared_experts: int = 0  # always-on experts of moe_ffn_hidden each
+    moe_ffn_hidden: int = 0  # hidden size of one expert; 0: ffn_hidden
+    moe_interval: int = 1  # every n-th block (from first_dense_layers on) is MoE, the rest dense
+    first_dense_layers: int = 0  # the first blocks stay dense
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk: bool = True  # renormalise the chosen experts' weights to sum to 1
+    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes cf x tokens x k / E per micro-batch
+    load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    aux_loss_coeff: float = 0.01  # Switch/GShard balance loss E * sum(f_i * P_i) weight
+    bias_update_rate: float = 1e-3  # DeepSeek-V3 auxiliary-loss-free bias step per optimizer step
+    z_loss_coeff: float = 0.0  # router z-loss weight (mean squared logsumexp of the router logits)
 
     @property
     def explicit_head_dim(self) -> bool:
@@ -178,6 +194,8 @@ class FeedForward(nn.Module):
 def build_feed_forward(args: ModelArgs, layer_id: int) -> nn.Module:
     """The feed-forward layer of block ``layer_id``: the one place that chooses it, so a
     mixture-of-experts layer can replace the dense SwiGLU on chosen layers."""
+    if is_moe_layer(args, layer_id):
+        return build_moe(args)
     return FeedForward(args)
 
 
@@ -255,12 +273,20 @@ def init_weights(
         if name.endswith("norm.weight"):
             fill(p, torch.ones(p.shape, dtype=torch.float32, device=p.device))
             continue
-        std = residual_std if name.endswith(("wo.weight", "w2.weight")) else args.init_std
+        std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else args.init_std
         gen = torch.Generator(device=p.device.type)
         gen.manual_seed(_param_seed(seed, name))
         full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         full.normal_(0.0, std, generator=gen)
         fill(p, full)
+    _init_buffers(model)
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """Training-state buffers (the MoE balance bias and load counters) start at zero."""
+    for m in model.modules():
+        if hasattr(m, "init_buffers"):
+            m.init_buffers()
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
@@ -279,4 +305,5 @@ def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int |
         init_weights(model, seed)
     else:
         model.rope_inv_freq = rope_inv_freq(args, device=device)
+        _init_buffers(model)
     return model

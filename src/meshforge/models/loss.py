@@ -47,13 +47,25 @@ class LanguageModelLoss:
     def __init__(self, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.context = context
         self.terms: dict[str, torch.Tensor] = {}  # the last training call's parts, detached
+        self.step_terms: dict[str, torch.Tensor] = {}  # the last step's parts, mean over its calls (end_step)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._calls = 0
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Training: the mean token loss plus the auxiliary terms ``model``'s layers reported."""
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         aux = drain_aux(model)
         self.terms = {"lm_loss": lm.detach(), **{k: v.detach() for k, v in aux.items()}}
+        for k, v in self.terms.items():  # device adds only: read on logged steps
+            self._sums[k] = self._sums[k] + v if k in self._sums else v
+        self._calls += 1
         return lm + sum(aux.values()) if aux else lm
+
+    def end_step(self) -> None:
+        """After an optimizer step: the step's parts become ``step_terms`` (the mean over its
+        micro-batches on this rank); the next step starts from zero."""
+        self.step_terms = {k: v / self._calls for k, v in self._sums.items()}
+        self._sums, self._calls = {}, 0
 
     def token_sum(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Evaluation: the summed token loss of the language model alone (``model``'s

@@ -1,4 +1,5 @@
-"""Named model shapes: a tiny ``debug`` model and the public Llama 3 shapes."""
+"""Named model shapes: tiny ``debug`` and ``debug-moe`` models, the public Llama 3 shapes and
+two mixtures of experts (Mixtral 8x7B, Qwen3-30B-A3B)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ PRESETS: dict[str, ModelArgs] = {
         max_seq_len=1024,
         rope_theta=10000.0,
     ),
+    # 8 experts, top-2, one dense block first: the MoE paths on a CPU in seconds
+    "debug-moe": ModelArgs(
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=384,
+        vocab_size=512,
+        max_seq_len=1024,
+        rope_theta=10000.0,
+        num_experts=8,
+        experts_per_token=2,
+        moe_ffn_hidden=128,
+        first_dense_layers=1,
+    ),
     "llama3.2-1b": ModelArgs(
         hidden=2048,
         layers=16,
@@ -61,6 +77,38 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     "llama3.1-405b": ModelArgs(
         hidden=16384, layers=126, heads=128, kv_heads=8, ffn_hidden=53248, rope_factor=8.0, **_LLAMA3
+    ),
+    # Mistral's Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active per token
+    "mixtral-8x7b": ModelArgs(
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        num_experts=8,
+        experts_per_token=2,
+        aux_loss_coeff=0.02,
+    ),
+    # Qwen's Qwen3-30B-A3B config.json: 30.5B parameters, 3.3B active; heads x head_dim = 4096 > hidden
+    "qwen3-30b-a3b": ModelArgs(
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        qk_norm=True,
+        ffn_hidden=6144,
+        vocab_size=151936,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        num_experts=128,
+        experts_per_token=8,
+        moe_ffn_hidden=768,
+        aux_loss_coeff=0.001,
     ),
 }
 
@@ -106,3 +154,59 @@ def check_model_args(a: ModelArgs) -> None:
         raise ConfigError("model.norm_eps, model.rope_theta and model.init_std must be > 0")
     if a.rope_scaling == "llama3" and a.rope_high_freq_factor <= a.rope_low_freq_factor:
         raise ConfigError("model.rope_high_freq_factor must be greater than model.rope_low_freq_factor")
+    check_moe_args(a)
+
+
+def check_moe_args(a: ModelArgs) -> None:
+    """Mixture-of-experts values, each refused with its key and a valid value."""
+    if a.num_experts < 0:
+        raise ConfigError(f"model.num_experts = {a.num_experts} must be >= 0 (0: a dense model)")
+    for k in ("num_shared_experts", "moe_ffn_hidden", "first_dense_layers"):
+        if getattr(a, k) < 0:
+            raise ConfigError(f"model.{k} = {getattr(a, k)} must be >= 0")
+    for k in ("capacity_factor", "aux_loss_coeff", "bias_update_rate", "z_loss_coeff"):
+        if getattr(a, k) < 0:
+            raise ConfigError(f"model.{k} = {getattr(a, k)} must be >= 0" + (" (0: dropless)" if k[0] == "c" else ""))
+    if a.num_experts == 0:
+        _check_dense(a)
+        return
+    if not 1 <= a.experts_per_token <= a.num_experts:
+        raise ConfigError(
+            f"model.experts_per_token = {a.experts_per_token} must be between 1 and model.num_experts = "
+            f"{a.num_experts}; e.g. {min(2, a.num_experts)}"
+        )
+    if a.moe_interval < 1:
+        raise ConfigError(f"model.moe_interval = {a.moe_interval} must be >= 1 (1: every block is MoE)")
+    if a.first_dense_layers >= a.layers:
+        raise ConfigError(
+            f"model.first_dense_layers = {a.first_dense_layers} leaves no MoE block of model.layers = {a.layers}; "
+            f"use at most {a.layers - 1}, or model.num_experts = 0 for a dense model"
+        )
+
+
+MOE_FIELDS = (
+    "experts_per_token",
+    "num_shared_experts",
+    "moe_ffn_hidden",
+    "moe_interval",
+    "first_dense_layers",
+    "router_score",
+    "norm_topk",
+    "capacity_factor",
+    "load_balance",
+    "aux_loss_coeff",
+    "bias_update_rate",
+    "z_loss_coeff",
+)
+
+
+def _check_dense(a: ModelArgs) -> None:
+    """A dense model (num_experts = 0) with an MoE option changed: the option would do nothing."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+    for k in MOE_FIELDS:
+        if getattr(a, k) != defaults[k]:
+            raise ConfigError(
+                f"model.{k} = {getattr(a, k)!r} is a mixture-of-experts option, but the model is dense "
+                f"(model.num_experts = 0); set model.num_experts (e.g. 8) or use an MoE preset "
+                f"(debug-moe, mixtral-8x7b, qwen3-30b-a3b), or drop model.{k}"
+            )

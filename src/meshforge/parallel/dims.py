@@ -8,7 +8,11 @@ train`` runs (or it is marked not runnable with the reason this file gives).
 Mesh dimensions, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor
 parallel is innermost so its ranks are neighbours (one node's fast links); pipeline is
 outermost because its point-to-point traffic is the lightest. ``ep`` is no dimension of
-its own: expert parallelism will borrow ranks from ``dp_shard x cp``, as torchtitan does.
+the main mesh: expert parallelism borrows ranks from ``dp_shard x cp``, as torchtitan does.
+Under ep > 1 a second mesh over the same ranks in the same order, ``EXPERT_DIMS`` = ``pp,
+dp_replicate, edp, ep, tp``, splits dp_shard x cp into ``edp`` (the ranks that hold the same
+experts; FSDP shards expert weights over them) x ``ep`` (innermost: the experts are split
+over neighbouring data-parallel ranks, whose all-to-all stays on the fastest links).
 Flattened sub-meshes give the axes the groups they need:
 
 - ``dp``          = dp_replicate x dp_shard: the data-parallel ranks (the sampler's slices)
@@ -33,6 +37,7 @@ from typing import Any, Protocol
 from meshforge.errors import ConfigError, suggest
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see above)
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -183,13 +188,18 @@ class ParallelDims:
         """Ranks that hold the same parameters and average gradients (cp ranks see other tokens)."""
         return self.dp * self.cp
 
+    def expert_degrees(self) -> dict[str, int]:
+        """The expert mesh's degrees (ep > 1): dp_shard x cp split into edp x ep."""
+        edp = self.dp_shard * self.cp // self.ep
+        return dict(zip(EXPERT_DIMS, (self.pp, self.dp_replicate, edp, self.ep, self.tp), strict=True))
+
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The flattened sub-meshes this layout builds (see the module docstring)."""
         return dict(FLATTENED)
 
     def uses_fsdp(self, zero_stage: int) -> bool:
-        """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp or pp (DDP takes no DTensors)."""
-        return self.dp_cp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1)
+        """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp, pp or ep (DDP takes no DTensors)."""
+        return self.dp_cp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1)
 
     def bubble(self, schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
         return bubble_fraction(schedule_name(schedule), self.pp, num_microbatches, virtual_stages)
@@ -199,7 +209,8 @@ class ParallelDims:
     def problems(self, model: ModelShape, t: Training) -> list[Problem]:
         """Every reason this layout cannot run this model with these settings (empty: it runs)."""
         out: list[Problem] = []
-        for rule in (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload):
+        rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
+        for rule in (*rules, _experts):
             out.extend(rule(self, model, t))
         return out
 
@@ -245,12 +256,7 @@ def _product(values: Any) -> int:
 
 
 def _axes_available(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
-    if d.ep > 1:
-        yield Problem(
-            "parallel.ep",
-            f"parallel.ep = {d.ep}: expert parallelism is not available in this version; set it to 1",
-            "unsupported",
-        )
+    return iter(())  # every axis is available; compositions not yet run are refused by each axis' rule
 
 
 def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
@@ -509,4 +515,58 @@ def _pipeline_microbatches(d: ParallelDims, t: Training, name: str) -> Iterator[
                 f"parallel.num_microbatches = {m}: {name} runs micro-batches in rounds of parallel.pp = {d.pp}, so "
                 f"their number must be a multiple of {rounds}; use e.g. "
                 + (str(good[0]) if good else f"a multiple of {d.pp}"),
+            )
+
+
+def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    """Mixtures of experts and expert parallelism (ep borrows data-parallel ranks: dp_shard x cp)."""
+    experts = getattr(model, "num_experts", 0)
+    if experts:
+        yield from _moe_unsupported(d)
+    if d.ep == 1:
+        return
+    if not experts:
+        yield Problem(
+            "parallel.ep",
+            f"parallel.ep = {d.ep} splits the experts of a mixture-of-experts model, but this model is dense "
+            "(model.num_experts = 0); set parallel.ep = 1, or use an MoE model (e.g. model.preset = debug-moe)",
+        )
+        return
+    if (d.dp_shard * d.cp) % d.ep:
+        yield Problem(
+            "parallel.ep",
+            f"parallel.ep = {d.ep} must divide parallel.dp_shard x parallel.cp = {d.dp_shard * d.cp} (expert "
+            f"parallelism borrows data-parallel ranks); use a divisor of {d.dp_shard * d.cp} or raise dp_shard",
+        )
+    if experts % d.ep:
+        fits = [k for k in range(1, d.ep) if experts % k == 0 and (d.dp_shard * d.cp) % k == 0]
+        yield Problem(
+            "parallel.ep",
+            f"parallel.ep = {d.ep} must divide model.num_experts = {experts} (whole experts per rank); use e.g. "
+            f"parallel.ep = {max(fits)}",
+        )
+    if d.dp_replicate > 1:
+        yield Problem(
+            "parallel.dp_replicate",
+            f"parallel.ep = {d.ep} with parallel.dp_replicate = {d.dp_replicate} (HSDP): expert parallelism does not "
+            f"yet compose with it in this version of meshforge; use parallel.dp_shard = {d.dp} with dp_replicate = 1",
+            "unsupported",
+        )
+
+
+def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
+    """Mixtures of experts under axes that this version does not run them on (each is refused
+    until an equivalence test covers it): tp would shard the experts as if dense, pp would drop
+    the balance losses of the stages before the last, cp would balance over a part of each sequence."""
+    for key, degree, why in (
+        ("parallel.tp", d.tp, "the tensor-parallel plan does not yet cover the router and experts"),
+        ("parallel.pp", d.pp, "the pipeline does not yet carry the balance losses of earlier stages"),
+        ("parallel.cp", d.cp, "capacity and balance would be computed per sequence shard"),
+    ):
+        if degree > 1:
+            yield Problem(
+                key,
+                f"{key} = {degree} with a mixture-of-experts model (model.num_experts > 0): {why}; this version of "
+                f"meshforge does not run it; set {key} = 1 (use parallel.ep and dp_shard to scale out)",
+                "unsupported",
             )

@@ -32,6 +32,8 @@ class Mesh:
     dims: ParallelDims = field(default_factory=ParallelDims)
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
+    expert_mesh: DeviceMesh | None = None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see dims.py
+    ep_group: dist.ProcessGroup | None = None  # ep > 1: the token all-to-all's own group (counted as axis "ep")
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -84,6 +86,10 @@ class Mesh:
             sub = self.submesh(name)
             if sub.size() > 1:
                 out.setdefault(sub.get_group(), name)
+        if self.ep_group is not None:
+            out[self.ep_group] = "ep"
+        if self.expert_mesh is not None and self.expert_mesh["edp"].size() > 1:
+            out.setdefault(self.expert_mesh["edp"].get_group(), "edp")
         return out
 
 
@@ -135,7 +141,26 @@ def build_mesh(
     degrees = dims.degrees()
     device_mesh = init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
     flattened = {name: _flatten(device_mesh, sub, name) for name, sub in dims.flattened().items()}
-    return Mesh(rank, world, launch_env.local_rank(), device, dims, device_mesh, flattened)
+    expert_mesh = ep_group = None
+    if dims.ep > 1:
+        ed = dims.expert_degrees()
+        expert_mesh = init_device_mesh(device.type, tuple(ed.values()), mesh_dim_names=tuple(ed))
+        ep_group = _own_groups(expert_mesh, "ep")
+    return Mesh(rank, world, launch_env.local_rank(), device, dims, device_mesh, flattened, expert_mesh, ep_group)
+
+
+def _own_groups(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
+    """Fresh process groups along ``dim`` (every rank creates all of them, in the same order),
+    returning this rank's: a DeviceMesh dimension that spans the world reuses the world group,
+    whose traffic the communication counter could then not tell apart from other axes'."""
+    axis = mesh.mesh_dim_names.index(dim)
+    ranks = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis]).tolist()
+    mine = None
+    for group_ranks in ranks:
+        group = dist.new_group(group_ranks)
+        if dist.get_rank() in group_ranks:
+            mine = group
+    return mine
 
 
 def shutdown(clean: bool = True) -> None:

@@ -12,8 +12,10 @@ seed-determined full values, so any layout starts from the single-process weight
 With pp > 1 the model is first split into pipeline chunks (parallel/pipeline.py) and each
 chunk then goes through the same steps as a whole model. Context parallelism swaps each
 block's attention core for ring attention (parallel/context_parallel.py); its parameters
-are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism is
-refused by the layout rules (parallel/dims.py) until it lands.
+are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism splits
+each MoE layer's experts over ep data-parallel ranks and swaps its dispatcher for an
+all-to-all one (parallel/expert_parallel.py); FSDP then shards the experts over the
+remaining (edp) ranks and everything else as usual.
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
 data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
@@ -39,6 +41,7 @@ from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
 from meshforge.parallel.fp8 import apply_fp8
+from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import (
     Pipeline,
@@ -88,6 +91,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
+    if mesh.dims.ep > 1:
+        apply_ep(model, mesh)
     if mesh.degrees["cp"] > 1:
         apply_cp(model, mesh, cfg)
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
@@ -97,6 +102,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     sharded = is_sharded(cfg, mesh)
     if sharded:
         param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None
+        if mesh.dims.ep > 1:  # the experts' own units (over edp) first, then the blocks around them
+            shard_experts(model, mesh, cfg.parallel.zero_stage, param_dtype)
         apply_fsdp(model, mesh, cfg.parallel.zero_stage, param_dtype, offload=cfg.parallel.offload == "cpu")
     offload = sharded and cfg.parallel.offload == "cpu"  # sharded state in host memory, buffers on the device
     model.to_empty(device="cpu" if offload else mesh.device)

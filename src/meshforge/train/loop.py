@@ -38,6 +38,7 @@ from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.train.model_setup import build_rank_model
+from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
 from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
@@ -68,6 +69,7 @@ class Trainer:
         built = build_rank_model(cfg, mesh, self.loss)
         self.args, self.model, self.pipeline = built.args, built.model, built.pipeline
         self.optimizer = build_optimizer(self.model, cfg, mesh)
+        install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
         self.local_batch = t.global_batch_size // mesh.dp_size
@@ -77,6 +79,7 @@ class Trainer:
         self.state_mem: dict[str, int] = {}  # the last measured step's figures
         self.comm_bytes: dict[str, dict[str, float]] = {}
         self.pp_stats: dict[str, Any] = {}
+        self.moe_stats: dict[str, Any] = {}
         self.gantt_step = min(3, t.steps) if self.pipeline else 0  # past the first steps' warm-up
         self.peak = peak_flops(self.device, self.precision)
         self.metrics = StepMetrics(cfg, self.args, mesh.world_size, self.peak, self.device)
@@ -128,6 +131,8 @@ class Trainer:
             self.comm_bytes = self.comm.snapshot() if self.comm else {}
             if self.pipeline:
                 self.pp_stats = gather_pipeline_stats(self.pipeline, self.mesh)
+            tokens = self.local_batch * self.cfg.train.seq_len // self.mesh.dims.cp
+            self.moe_stats = moe_record(self.model, self.loss, self.mesh, self.runner.reduce_loss, self.args, tokens)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.state.advance()
@@ -169,7 +174,7 @@ class Trainer:
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
             self.metrics.add(time.perf_counter() - t0, result)
             if logged or last:
-                extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats}
+                extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats, "moe": self.moe_stats}
                 rec = self.metrics.record(n, st.tokens_seen, result, extra)
                 if log:
                     log.log_step(rec)

@@ -88,6 +88,7 @@ class StepMetrics:
             "comm_bytes_by_kind": comm,
             **extra.get("pp_stats", {}),
             **more,
+            **extra.get("moe", {}),  # MoE: lm_loss, aux_loss, z_loss, expert_load, dropped_fraction
         }
         if result.state_mem_host is not None:  # CPU offload: where the state lives
             host = result.state_mem_host

@@ -1,0 +1,88 @@
+"""Mixture-of-experts bookkeeping of a run: the per-step hook (balance bias update, the
+step's loss parts) and the figures of a logged step (auxiliary losses, expert load,
+dropped tokens, expert-parallel all-to-all bytes against the formula).
+
+The hook runs after every optimizer step and costs device adds only, plus -- when a layer
+balances by bias, which needs the global load every step -- one all-reduce of E numbers
+per MoE layer. Everything else (reductions over the ranks, reading values) happens only
+on logged steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshforge.models.loss import LanguageModelLoss
+from meshforge.models.moe import end_step, moe_layers
+from meshforge.parallel.expert_parallel import a2a_bytes_formula
+from meshforge.parallel.mesh import Mesh
+
+
+def data_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    """The ranks that hold the same layers and see other tokens (whose loads add up)."""
+    if not mesh.distributed or mesh.dims.dp_cp == 1:
+        return None
+    return mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+
+
+def install_step_hook(optimizer: torch.optim.Optimizer, model: nn.Module, loss: LanguageModelLoss, mesh: Mesh) -> None:
+    """After each optimizer step: close the step's loss parts and (MoE models) its expert
+    load, moving the balance bias."""
+    group = data_group(mesh)
+    has_moe = bool(moe_layers(model))
+
+    def hook(*_: Any) -> None:
+        loss.end_step()
+        if has_moe:
+            end_step(model, group)
+
+    optimizer.register_step_post_hook(hook)
+
+
+def moe_record(
+    model: nn.Module, loss: LanguageModelLoss, mesh: Mesh, reduce_loss: Any, args: Any, tokens_per_rank: int
+) -> dict[str, Any]:
+    """A logged step's MoE figures (a collective over the data-parallel ranks: every rank calls it).
+
+    ``reduce_loss``: the step runner's reduction of per-rank loss values to the global batch's;
+    ``tokens_per_rank``: the tokens one rank routes per step (for the all-to-all formula)."""
+    if not getattr(args, "num_experts", 0):
+        return {}
+    names = ["lm_loss", "aux_loss", "z_loss"]
+    parts = torch.stack([loss.step_terms.get(n, torch.zeros((), device=mesh.device)).float() for n in names])
+    out: dict[str, Any] = dict(zip(names, reduce_loss(parts).tolist(), strict=True))
+    out.update(expert_load(model, mesh))
+    elem = next((m.dispatcher.elem_bytes for m in moe_layers(model).values() if hasattr(m.dispatcher, "elem_bytes")), 0)
+    if mesh.dims.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
+        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens_per_rank, elem, mesh.dims.ep)
+    return out
+
+
+def expert_load(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
+    """Per MoE layer of this rank: max/mean tokens per expert, their coefficient of variation and
+    the dropped fraction, over the whole global batch of the last step."""
+    layers = {k: m for k, m in moe_layers(model).items() if m.step_load is not None}
+    if not layers:
+        return {}
+    loads = torch.stack([m.step_load for m in layers.values()]).float()
+    drops = torch.stack([m.step_drops for m in layers.values()]).float()
+    group = data_group(mesh)
+    if group is not None:
+        local = torch.tensor([not m.step_load_global for m in layers.values()], device=loads.device)
+        summed = loads.clone()
+        dist.all_reduce(summed, group=group)
+        loads = torch.where(local[:, None], summed, loads)
+        dist.all_reduce(drops, group=group)
+    mean = loads.mean(1).clamp_min(1e-12)
+    ratio, cv = (loads.max(1).values / mean).tolist(), (loads.std(1, correction=0) / mean).tolist()
+    dropped = (drops[:, 0] / drops[:, 1].clamp_min(1)).tolist()
+    per_layer = {k: {"max_mean": ratio[i], "cv": cv[i], "dropped": dropped[i]} for i, k in enumerate(layers)}
+    return {
+        "expert_load": per_layer,
+        "expert_load_max_mean": max(ratio),
+        "dropped_fraction": float(drops[:, 0].sum() / drops[:, 1].sum().clamp_min(1)),
+    }

@@ -1,0 +1,192 @@
+"""Expert parallelism: the all-to-all dispatch computes what one device does (outputs and
+gradients, in real gloo groups) and moves the bytes the formula says; whole runs under ep
+reproduce the single-process run (fp32, gloo, CPU), dropless and with a capacity factor;
+bad ep layouts are refused by key."""
+
+import copy
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from conftest import assert_run_matches, layout_runner, tiny_config
+from meshforge.config import load_config
+from meshforge.errors import ConfigError
+from meshforge.models.loss import drain_aux
+from meshforge.models.moe import MoE
+from meshforge.models.presets import get_preset
+from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.expert_parallel import AllToAllDispatch, a2a_bytes_formula
+from meshforge.resolve import resolve
+from meshforge.train import train
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layer_args():
+    a = get_preset("debug-moe")
+    a.hidden, a.moe_ffn_hidden, a.layers, a.first_dense_layers = 16, 12, 1, 0
+    return a
+
+
+def _dispatch_worker(rank: int, ep: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ep)
+    try:
+        mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+        for capacity in (0.0, 1.0):
+            _check_dispatch(rank, ep, mesh, capacity)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_dispatch(rank: int, ep: int, mesh, capacity: float) -> None:
+    torch.manual_seed(0)
+    args = _layer_args()
+    args.capacity_factor = capacity
+    ref = MoE(args)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    gen = torch.Generator().manual_seed(1)
+    # ranks hold unequal token counts; inputs need gradients (in a model they do), else the
+    # dispatch's backward all-to-all never runs
+    xs = [torch.randn(24 + 8 * r, 16, generator=gen).requires_grad_() for r in range(ep)]
+    gs = [torch.randn_like(x) for x in xs]
+    ref.train()
+    ref_xs = [x.detach().clone().requires_grad_() for x in xs]
+    for x, g in zip(ref_xs, gs, strict=True):  # the single device: every rank's tokens, gradients summed
+        (ref(x) * g).sum().backward()
+    want_drops = ref.drops.clone()
+    ref.drops.zero_()
+    ref(xs[rank])
+    mine_drops = ref.drops.clone()
+    drain_aux(ref)
+
+    moe = copy.deepcopy(ref)
+    moe.zero_grad()
+    moe.drops.zero_()
+    for name in ("w1", "w2", "w3"):
+        full = getattr(ref.experts, name).detach()
+        setattr(moe.experts, name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+    moe.dispatcher = AllToAllDispatch(mesh.get_group(), ep)
+    counter = CommCounter({mesh.get_group(): "ep"})
+    with counter.counting():
+        out = moe(xs[rank])
+        (out * gs[rank]).sum().backward()
+    drain_aux(moe)
+    torch.testing.assert_close(out, ref(xs[rank]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs[rank].grad, ref_xs[rank].grad, rtol=1e-5, atol=1e-6)
+    local = slice(rank * 8 // ep, (rank + 1) * 8 // ep)
+    for name in ("w1", "w2", "w3"):  # the summed gradient / ep: FSDP's average over edp makes it the mean
+        got = getattr(moe.experts, name).grad.to_local()
+        torch.testing.assert_close(got, getattr(ref.experts, name).grad[local] / ep, rtol=1e-5, atol=1e-6)
+    assert torch.equal(moe.drops, mine_drops)  # a rank drops what one device drops for its tokens
+    sent = torch.tensor([counter.snapshot()["ep"]["all_to_all"]])
+    dist.all_reduce(sent)
+    tokens = sum(x.shape[0] for x in xs) / ep  # the formula is per rank: compare the mean
+    formula = a2a_bytes_formula(args, int(tokens), 4, ep) if tokens.is_integer() else None
+    if capacity == 0:
+        assert formula and float(sent) / ep == pytest.approx(formula, rel=1e-9), (float(sent), formula)
+    else:
+        assert float(want_drops[0]) > 0 and float(sent) / ep < formula
+
+
+@pytest.mark.slow
+def test_all_to_all_dispatch_matches_one_device():
+    """Dropless and with capacity 1: outputs and token gradients exact; expert gradients each
+    rank's slice of the summed single-device gradient / ep; drops per rank as one device's for
+    its tokens; all-to-all bytes (dropless) averaged over the ranks = 2 x 2 x tokens x k x
+    hidden x 4 x (ep-1)/ep per layer, forward + backward."""
+    mp.spawn(_dispatch_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize(
+    "over, world, pattern",
+    [
+        ({"parallel.ep": 3}, 6, r"parallel\.ep = 3 must divide model\.num_experts = 8"),
+        ({"parallel.ep": 4, "parallel.dp_shard": 2, "parallel.pp": 1}, 2, r"parallel\.ep = 4 must divide parallel\."),
+        ({"parallel.ep": 2, "model.preset": "debug"}, 2, r"parallel\.ep = 2 .* this model is dense"),
+        ({"parallel.ep": 2, "parallel.tp": 2}, 4, r"parallel\.tp = 2 with a mixture-of-experts model"),
+        ({"parallel.pp": 2}, 2, r"parallel\.pp = 2 with a mixture-of-experts model"),
+    ],
+)
+def test_bad_ep_layouts_are_refused_by_key(over, world, pattern):
+    cfg = load_config(None, {"model.preset": "debug-moe", "train.global_batch_size": 12, **over})
+    with pytest.raises(ConfigError, match=pattern):
+        resolve(cfg, world)
+
+
+STEPS = 4
+COMMON = {
+    "model.preset": "debug-moe",
+    "model.hidden": 64,
+    "model.heads": 4,
+    "model.kv_heads": 2,
+    "model.layers": 3,
+    "model.moe_ffn_hidden": 64,
+    "model.z_loss_coeff": 1e-3,
+    "train.steps": STEPS,
+    "train.seq_len": 32,
+    "train.global_batch_size": 8,
+    "train.micro_batch_size": 2,
+    "train.grad_clip": 0.5,
+    "train.eval_batches": 1,
+    "optim.lr": 1e-3,
+}
+CAPACITY = {"model.capacity_factor": 1.0, "model.load_balance": "bias", "model.bias_update_rate": 0.01}
+LAYOUTS = {  # name: (ranks, overrides)
+    "ep2": (2, {"parallel.ep": 2}),
+    "ep2-dp_shard4-zero3": (4, {"parallel.ep": 2, "parallel.dp_shard": 4, "parallel.zero_stage": 3}),
+    "ep2-capacity-bias": (2, {"parallel.ep": 2, **CAPACITY}),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, corpus):
+    out = {}
+    for name, extra in (("dropless", {}), ("capacity", CAPACITY)):
+        d = tmp_path_factory.mktemp(name) / "run"
+        train(tiny_config(d, corpus, **COMMON, **extra))
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, corpus):
+    return layout_runner(tmp_path_factory, corpus, LAYOUTS, COMMON)
+
+
+def _records(d):
+    return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_ep_layout_matches_single_process(name, references, layout_runs):
+    ref = references["capacity" if "capacity" in name else "dropless"]
+    got = layout_runs(name)
+    if "capacity" in name:
+        # Capacity decisions are discrete (of two near-tied slots the lower drops), so fp32
+        # round-off between layouts can swap which slot of an expert is dropped: the losses and
+        # drop counts still agree, but one expert's weights then differ by ~1e-4 (seen: 1e-5 to
+        # 7e-4), so they are not compared. Exact per-rank drops: test_all_to_all_dispatch_matches_one_device.
+        for a, b in zip(_records(ref), _records(got), strict=True):
+            assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5)
+    else:
+        assert_run_matches(ref, got, STEPS)
+    for a, b in zip(_records(ref), _records(got), strict=True):
+        for k in ("lm_loss", "aux_loss", "z_loss", "dropped_fraction", "expert_load_max_mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), k
+        a2a, formula = b["comm_bytes_by_kind"]["ep"]["all_to_all"], b["ep_a2a_bytes_formula"]
+        assert 0.5 * formula < a2a < 1.5 * formula  # rank 0's share; the mean over ranks is exact (above)
+        assert b["expert_load"].keys() == {"1", "2"}
+    if "capacity" in name:
+        assert _records(ref)[0]["dropped_fraction"] > 0
