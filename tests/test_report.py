@@ -117,8 +117,9 @@ def test_pipeline_run_report_has_the_timeline(tmp_path, corpus):
     o = tiny_overrides(run, corpus, **{"train.steps": 4, "parallel.pp": 2, "train.eval_batches": 0})
     r = run_cli("train", "--nproc", "2", *cli_args(o))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (run / "pipeline_gantt.png").is_file()  # still written
+    assert not (run / "pipeline_gantt.png").exists()  # the report's timeline replaces the PNG
     page = Page((run / "report.html").read_text())
     assert {"F", "B"} <= set(page.kinds)
     assert "pipeline_timeline" in page.charts
+    assert "measured bubble" in (run / "report.html").read_text()  # the schedule and bubble, from the event
     assert page.charts["comm_bytes"]  # bytes per mesh axis, e.g. the pp sends

@@ -1,4 +1,4 @@
-"""``meshforge`` command line: train, plan, calibrate, report, data prepare, convert.
+"""``meshforge`` command line: train, plan, calibrate, report, explore, data prepare, convert.
 
 Each subcommand imports what it runs inside its own function (the only function-local
 imports in meshforge, on purpose): ``meshforge --help`` or a bad flag answers at once,
@@ -220,6 +220,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explore(args: argparse.Namespace) -> int:
+    from meshforge.explore import serve
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must be in 0..65535 (0: any free port)")
+    try:
+        return serve(args.host, args.port)
+    except OSError as e:
+        raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); try another --port") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshforge", description="Train transformer language models across a device mesh.")
     p.add_argument("--version", action="version", version=f"meshforge {__version__}")
@@ -253,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
+    exp = sub.add_parser("explore", help="the strategy explorer: a local web page over the planner")
+    exp.add_argument("--port", type=int, default=8800, help="port to listen on (default 8800; 0: any free port)")
+    exp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     return p
 
 
@@ -273,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         if args.command == "report":
             return cmd_report(args)
+        if args.command == "explore":
+            return cmd_explore(args)
         if args.command == "calibrate":
             from meshforge.planner.calibrate import run as run_calibrate
 

@@ -24,6 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from meshforge.config_help import HELP
 from meshforge.errors import ConfigError, suggest
 from meshforge.models.llama import ModelArgs
 from meshforge.models.presets import model_args_from_config
@@ -304,8 +305,9 @@ def _type_name(tp: Any) -> str:
 
 
 def describe_keys() -> str:
-    """Every config key with its type and default, generated from the dataclasses (so --help
-    can never miss a key); model shape fields default to the preset's value."""
+    """Every config key with its type, default and meaning, generated from the dataclasses (so --help
+    can never miss a key) and config_help.HELP (docs/configuration.md's tables, checked by a test);
+    model shape fields default to the preset's value."""
     lines = []
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
@@ -315,7 +317,8 @@ def describe_keys() -> str:
                 default = "the preset's value" if f.default is None else _toml_value(f.default)
             else:
                 default = _toml_value(f.default_factory())  # type: ignore[misc]
-            lines.append(f"  --{section}.{_key(f):<28} {_type_name(hints[f.name]):<24} default {default}")
+            meaning = HELP.get(f"{section}.{_key(f)}", "")
+            lines.append(f"  --{section}.{_key(f):<28} {_type_name(hints[f.name]):<24} default {default}  {meaning}")
     return "\n".join(lines)
 
 

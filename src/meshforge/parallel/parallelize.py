@@ -40,8 +40,8 @@ from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
-from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
+from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import (
     Pipeline,

@@ -113,7 +113,7 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
     return (
         f"# written by meshforge plan: predicted {e.step_time_s:.3f} s/step, "
         f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"
-        f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp * L.pp} (or torchrun)\n\n"
+        f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp * L.pp * L.cp} (or torchrun)\n\n"
         f"[model]\n{model}\n"
         f"[parallel]\ntp = {L.tp}\n{pipe}cp = {L.cp}\nep = {L.ep}\ndp_shard = {L.dp}\ndp_replicate = 1\n"
         f"zero_stage = {L.zero_stage}\n"

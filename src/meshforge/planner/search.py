@@ -192,12 +192,14 @@ def search(
     seq: int,
     precision: str,
     fixed: Fixed,
+    max_gpus: int = 2**20,
 ) -> tuple[Ranked, int]:
     """Fitting layouts that meshforge train runs, fastest first (``.refused``: fitting ones it
     does not run, with the reason), and how many were considered. When only refused layouts
     fit (e.g. every degree fixed to one train cannot run yet), they are the ranking, marked.
     With every degree fixed and nothing fitting, the overflowing layouts are the answer
-    (``fits_nothing``); an open search that fits nothing is refused with what would fit."""
+    (``fits_nothing``); an open search that fits nothing is refused with what would fit.
+    When none fits, the error names the smallest cluster of up to ``max_gpus`` that does."""
     check_fixed(shape, gpus, fixed, gpus_per_node)
     fitting, considered, smallest, keep_all = [], 0, None, fully_fixed(fixed)
     overflowing: list[Estimate] = []
@@ -215,8 +217,8 @@ def search(
     if not fitting and overflowing:
         return _overflowing(overflowing), considered
     if not fitting:
-        bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed)
-        raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger))
+        bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed, max_gpus)
+        raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger, max_gpus))
     fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
     runs = Ranked(e for e in fitting if not e.not_runnable)
     if not runs:
@@ -226,13 +228,21 @@ def search(
 
 
 def smallest_cluster(
-    shape: Shape, hw: Hardware, gpus: int, gpus_per_node: int, global_batch: int, seq: int, precision: str, f: Fixed
+    shape: Shape,
+    hw: Hardware,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq: int,
+    precision: str,
+    f: Fixed,
+    max_gpus: int = 2**20,
 ) -> tuple[int, Estimate] | None:
-    """The first power-of-two multiple of ``gpus`` (up to 1,048,576) on which some layout
+    """The first power-of-two multiple of ``gpus`` (up to ``max_gpus``) on which some layout
     fits, with its fastest layout; the data-parallel degree is left free."""
     free = Fixed(**{**f.__dict__, "dp": None})
     n = gpus * 2
-    while n <= 2**20:
+    while n <= max_gpus:
         best = None
         for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node):
             e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
@@ -252,6 +262,7 @@ def no_fit_message(
     smallest: Estimate | None,
     precision: str,
     bigger: tuple[int, Estimate] | None = None,
+    max_gpus: int = 2**20,
 ) -> str:
     if considered == 0:
         return (
@@ -266,7 +277,7 @@ def no_fit_message(
         f"{need:.0f} GiB (16 bytes per parameter). "
     )
     if bigger is None:
-        return msg + f"No cluster of up to {2**20} such GPUs fits it: use GPUs with more memory or a smaller model"
+        return msg + f"No cluster of up to {max_gpus} such GPUs fits it: use GPUs with more memory or a smaller model"
     n, e = bigger
     L = e.layout
     return msg + (

@@ -77,6 +77,17 @@ def load_run(path: str | Path) -> Run:
     return run
 
 
+def _timeline_caption(ev: dict[str, Any]) -> str:
+    """The measured step's schedule and bubble, from its ``pipeline_gantt`` event (if it says)."""
+    if "schedule" not in ev:
+        return ""
+    chunks = f" x {ev['chunks']} chunks" if ev.get("chunks", 1) > 1 else ""
+    return (
+        f" -- {ev['schedule']}, pp={ev.get('pp')}{chunks}, m={ev.get('microbatches')}, step {ev.get('step')}: "
+        f"measured bubble {ev.get('bubble', 0):.3f} (theory {ev.get('bubble_theory', 0):.3f})"
+    )
+
+
 def _event(run: Run, name: str) -> dict[str, Any]:
     return next((e for e in run.events if e.get("event") == name), {})
 
@@ -274,6 +285,7 @@ def build_html(runs: list[Run]) -> str:
     for r in runs:
         if r.timeline:
             title = f"{r.name}: pipeline timeline (one measured step; F forward, B backward, W weight gradient)"
+            title += _timeline_caption(_event(r, "pipeline_gantt"))
             parts += ["<h2>Pipeline timeline</h2>", pipeline_timeline(r.timeline, title)]
     for r in runs:
         parts += [f"<h2>Events: {escape(r.name)}</h2>", events_table(r)]

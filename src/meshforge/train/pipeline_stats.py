@@ -1,7 +1,7 @@
 """Pipeline statistics of a measured step: the bubble (mean over the pp ranks) next to the
-schedule's formula, the micro-batches in flight per pp rank, and once per run the Gantt
-chart of a step (drawn by metrics/gantt.py). Both gather over ranks, so they run on
-measured steps only, the same steps on every rank.
+schedule's formula, the micro-batches in flight per pp rank, and once per run the timeline
+of a step (``pipeline_timeline.json``, drawn by the run report as a Gantt chart). Both
+gather over ranks, so they run on measured steps only, the same steps on every rank.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from meshforge.metrics.chrome_trace import write_timeline_trace
-from meshforge.metrics.gantt import draw_gantt
 from meshforge.metrics.memory import peak_mem_gib
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
@@ -43,7 +42,8 @@ def gather_pipeline_stats(pipe: Pipeline, mesh: Mesh) -> dict[str, Any]:
 def write_gantt(
     pipe: Pipeline, mesh: Mesh, step: int, bubble: float, run_dir: Path, event: Callable[..., None]
 ) -> None:
-    """Gather every rank's timeline of the last (measured) step to rank 0 and draw it."""
+    """Gather every rank's timeline of the last (measured) step to rank 0 and write it as
+    ``pipeline_timeline.json`` (the run report draws it; the event keeps its name)."""
     every: list = [None] * mesh.world_size
     dist.all_gather_object(every, pipe.timeline())
     if not mesh.is_main:
@@ -51,13 +51,18 @@ def write_gantt(
     coords = rank_layout(mesh.degrees)
     rows = [t for t in every if all(v == 0 for k, v in coords[t.rank].items() if k not in ("pp", "rank"))]
     rows.sort(key=lambda t: coords[t.rank]["pp"])
-    title = (
-        f"{pipe.name}, pp={pipe.pp}"
-        + (f" x {pipe.v} chunks" if len(pipe.chunks) > 1 else "")
-        + f", m={pipe.m}, step {step}: measured bubble {bubble:.3f}"
-        + f" (theory {pipe.theory():.3f})"
-    )
-    draw_gantt(rows, run_dir / "pipeline_gantt.png", title)
-    (run_dir / "pipeline_timeline.json").write_text(json.dumps([dataclasses.asdict(t) for t in rows], indent=0))
+    path = run_dir / "pipeline_timeline.json"
+    path.write_text(json.dumps([dataclasses.asdict(t) for t in rows], indent=0))
+    title = f"{pipe.name}, pp={pipe.pp}, m={pipe.m}, step {step}: bubble {bubble:.3f} (theory {pipe.theory():.3f})"
     write_timeline_trace(rows, run_dir / "profile" / f"pipeline-step-{step}.json", title)  # Chrome trace events
-    event("pipeline_gantt", step=step, path=str(run_dir / "pipeline_gantt.png"))
+    event(
+        "pipeline_gantt",
+        step=step,
+        path=str(path),
+        schedule=pipe.name,
+        pp=pipe.pp,
+        chunks=len(pipe.chunks),
+        microbatches=pipe.m,
+        bubble=round(bubble, 4),
+        bubble_theory=round(pipe.theory(), 4),
+    )

@@ -1,0 +1,192 @@
+"""The explorer's answers, all from the planner: one layout's memory, communication and step
+time (``planner.estimate``), the rules it breaks (``parallel.dims``), the best layouts for the
+same model and cluster (``planner.search``) and the train config of one (``planner.report``).
+Nothing here models memory or time itself."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from meshforge.errors import ConfigError
+from meshforge.models.presets import PRESETS as MODEL_PRESETS
+from meshforge.parallel.dims import ParallelDims
+from meshforge.planner import report
+from meshforge.planner.estimate import Estimate, Layout, estimate
+from meshforge.planner.hardware import PRESETS as GPU_PRESETS
+from meshforge.planner.hardware import Hardware
+from meshforge.planner.search import Fixed, rules_view, search, training_of
+from meshforge.planner.shape import Shape, from_preset
+
+from .params import SPECS, BadRequest, hardware_of, shape_of
+
+MAX_SEARCH_GPUS = 65536  # how far the "smallest cluster that fits" hint looks
+
+
+def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
+    """The layout the degrees and options describe (dp = gpus / (tp x pp x cp)), and the rules
+    it breaks in the layout rules' own words; no layout when dp or the micro-batches are not whole."""
+    try:
+        dims = ParallelDims.resolve(v["gpus"], pp=v["pp"], dp_shard=-1, cp=v["cp"], tp=v["tp"])
+    except ConfigError as e:
+        return None, [{"key": "parallel", "message": str(e), "kind": "invalid"}]
+    pp = dims.pp
+    dp = dims.dp_shard
+    local = v["global_batch"] // dp
+    lay = Layout(
+        tp=dims.tp,
+        pp=pp,
+        dp=dp,
+        cp=dims.cp,
+        zero_stage=v["zero"] if dp * dims.cp > 1 else 0,
+        micro_batch_size=v["micro_batch"],
+        num_microbatches=max(1, local // v["micro_batch"]),
+        recompute=v["recompute"],
+        virtual_stages=v["virtual_stages"] if pp > 1 else 1,
+        schedule=v["schedule"] if pp > 1 else "none",
+        sequence_parallel=v["sp"],
+    )
+    shape = shape_of(v)
+    found = dims.problems(rules_view(shape), training_of(lay, v["seq_len"], v["global_batch"], v["gpus_per_node"]))
+    problems = [asdict(p) for p in found]
+    whole = v["global_batch"] % dp == 0 and local % v["micro_batch"] == 0
+    return (lay if whole else None), problems
+
+
+def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
+    """One estimate in the page's terms: memory bars, communication by axis, step breakdown."""
+    t, step = e.time, e.step_time_s
+    recompute = e.budget["recompute"] * step
+    exposed = t["tp_comm"] + t["cp_comm"] + t["pp_p2p"] + t["dp_comm_exposed"]
+    return {
+        "memory_gib": dict(e.memory),
+        "hbm_gib": hw.hbm_gib,
+        "fits": e.fits,
+        "overflow": e.overflow,
+        "comm_s": {"tp": t["tp_comm"], "cp": t["cp_comm"], "pp": t["pp_p2p"], "dp": t["dp_comm_total"]},
+        "comm_exposed_s": {"tp": t["tp_comm"], "cp": t["cp_comm"], "pp": t["pp_p2p"], "dp": t["dp_comm_exposed"]},
+        "step_s": {
+            "compute": t["gemm"] + t["non_gemm"] - recompute,
+            "recompute": recompute,
+            "exposed_comm": exposed,
+            "bubble": t["bubble"],
+            "optimizer": t["optimizer"],
+        },
+        "step_time_s": step,
+        "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
+        "mfu": e.mfu,
+        "hfu": e.hfu,
+    }
+
+
+def _context(shape: Shape, hw: Hardware, v: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": {"name": shape.name, "num_params": shape.num_params(), **_shape_fields(shape)},
+        "cluster": {
+            "gpu": hw.name,
+            "gpus": v["gpus"],
+            "gpus_per_node": v["gpus_per_node"],
+            "hbm_gib": hw.hbm_gib,
+            "peak_tflops": hw.peak(v["precision"]) / 1e12,
+            "intra_bw_gbs": hw.intra_bw / 1e9,
+            "inter_bw_gbs": hw.inter_bw / 1e9,
+        },
+        "training": {"seq_len": v["seq_len"], "global_batch": v["global_batch"], "precision": v["precision"]},
+    }
+
+
+def evaluate(v: dict[str, Any]) -> dict[str, Any]:
+    """One layout: the planner's estimate and the rules it breaks."""
+    shape, hw = shape_of(v), hardware_of(v)
+    lay, problems = layout_of(v)
+    out = _context(shape, hw, v)
+    out["layout"] = asdict(lay) if lay else None
+    out["problems"] = problems
+    out["exists"] = lay is not None and not any(p["kind"] == "invalid" for p in problems)
+    out["runnable"] = lay is not None and not problems
+    out["estimate"] = None
+    if lay is not None:
+        e = estimate(shape, lay, v["seq_len"], v["global_batch"], v["precision"], hw, v["gpus_per_node"])
+        out["estimate"] = _estimate_json(e, hw)
+    return out
+
+
+def best(v: dict[str, Any]) -> dict[str, Any]:
+    """The planner's fastest fitting layouts for this model, cluster and batch (degrees free)."""
+    shape, hw = shape_of(v), hardware_of(v)
+    out = _context(shape, hw, v)
+    try:
+        ranked, considered = search(
+            shape,
+            hw,
+            v["gpus"],
+            v["gpus_per_node"],
+            v["global_batch"],
+            v["seq_len"],
+            v["precision"],
+            Fixed(),
+            max_gpus=max(v["gpus"], MAX_SEARCH_GPUS),
+        )
+    except ConfigError as e:
+        return out | {"layouts": [], "considered": 0, "message": str(e)}
+    rows = []
+    for e in ranked[: v["top"]]:
+        row = e.as_json()
+        row["memory_total_gib"] = e.memory["total"]
+        rows.append(row)
+    return out | {"layouts": rows, "considered": considered, "message": ""}
+
+
+def train_config(v: dict[str, Any]) -> str:
+    """The ``meshforge train`` TOML of this layout (``meshforge plan --emit-config``'s writer);
+    refused when train would not run it or it does not fit."""
+    shape, hw = shape_of(v), hardware_of(v)
+    lay, problems = layout_of(v)
+    if lay is None or problems:
+        raise BadRequest("this layout does not run: " + (problems[0]["message"] if problems else "no layout"))
+    e = estimate(shape, lay, v["seq_len"], v["global_batch"], v["precision"], hw, v["gpus_per_node"])
+    if not e.fits:
+        raise BadRequest(f"this layout does not fit: it {e.overflow} per GPU; pick one that fits")
+    preset = None if v["model"] == "custom" else v["model"]
+    return report.train_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
+
+
+def _shape_fields(shape: Shape) -> dict[str, Any]:
+    return {
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "heads": shape.heads,
+        "kv_heads": shape.kv_heads,
+        "ffn_hidden": shape.ffn_hidden,
+        "vocab": shape.vocab,
+        "tie_embeddings": shape.tie_embeddings,
+    }
+
+
+def presets() -> dict[str, Any]:
+    """What the page's menus offer: model shapes, GPU figures, every parameter's range."""
+    return {
+        "models": {
+            name: {"num_params": (s := from_preset(name)).num_params(), **_shape_fields(s)} for name in MODEL_PRESETS
+        },
+        "gpus": {
+            name: {
+                "hbm_gib": hw.hbm_gib,
+                "peak_tflops": {k: f / 1e12 for k, f in hw.peak_flops.items()},
+                "intra_bw_gbs": hw.intra_bw / 1e9,
+                "inter_bw_gbs": hw.inter_bw / 1e9,
+            }
+            for name, hw in GPU_PRESETS.items()
+        },
+        "params": {
+            k: {
+                "kind": s.kind,
+                "default": s.default,
+                "min": s.lo,
+                "max": s.hi,
+                "choices": list(s.choices),
+                "help": s.help,
+            }
+            for k, s in SPECS.items()
+        },
+    }

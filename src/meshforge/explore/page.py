@@ -1,0 +1,304 @@
+"""The explorer's one page: inline CSS and vanilla JavaScript, no CDN, no build step.
+
+It holds no model of memory or time: every figure it shows comes from ``/api/estimate``
+(the planner), and the best layouts from ``/api/best``.
+"""
+
+PAGE = r"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>meshforge explore</title>
+<style>
+:root{--bg:#f7f7f5;--card:#fff;--ink:#1d2330;--mut:#6b7280;--line:#e3e3de;--bad:#b42318;--ok:#067647;
+--params:#3b6fd8;--grads:#7c9ef0;--optimizer:#1f3f8a;--activations:#e08a2c;--buffers:#9aa3b2;--reserve:#cfd4dc;
+--compute:#2f7d4f;--recompute:#8fcf9f;--exposed_comm:#d2553d;--bubble:#f2c14e;--optimizer_t:#6c5ce7}
+*{box-sizing:border-box}body{margin:0;font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;
+background:var(--bg);color:var(--ink)}
+header{padding:12px 20px;border-bottom:1px solid var(--line);background:var(--card);display:flex;
+flex-wrap:wrap;gap:10px;align-items:center}
+header h1{font-size:18px;margin:0 16px 0 0}header .cases button{margin-right:6px}
+main{display:grid;grid-template-columns:330px 1fr;gap:16px;padding:16px 20px}
+aside fieldset{border:1px solid var(--line);background:var(--card);border-radius:8px;margin:0 0 12px;padding:8px 12px}
+legend{font-weight:600;padding:0 4px}
+label{display:grid;grid-template-columns:130px 1fr;align-items:center;gap:6px;margin:4px 0}
+input,select{font:inherit;padding:3px 6px;border:1px solid #c9ccd3;border-radius:5px;width:100%;background:#fff}
+input[type=checkbox]{width:auto;justify-self:start}input:disabled{background:#f1f1ee;color:var(--mut)}
+button{font:inherit;padding:4px 10px;border:1px solid #b9bec8;border-radius:6px;background:#fff;cursor:pointer}
+button:hover{background:#eef2fb}.card{background:var(--card);border:1px solid var(--line);border-radius:8px;
+padding:10px 14px;margin-bottom:14px}.card h2{font-size:14px;margin:0 0 8px}
+.tiles{display:grid;grid-template-columns:repeat(5,1fr);gap:10px;margin-bottom:14px}
+.tile{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:8px 12px}
+.tile b{display:block;font-size:22px}.tile span{color:var(--mut);font-size:12px}
+.legend{display:flex;flex-wrap:wrap;gap:12px;font-size:12px;color:var(--mut);margin-top:4px}
+.legend i{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px}
+.bad{color:var(--bad)}.ok{color:var(--ok)}ul.problems{margin:0;padding-left:18px}ul.problems li{margin:3px 0}
+table{border-collapse:collapse;width:100%;font-size:13px}th,td{padding:3px 6px;border-bottom:1px solid var(--line);
+text-align:right}th:last-child,td:last-child{text-align:left}#status{color:var(--mut);font-size:12px}
+.derived{color:var(--mut);font-size:12px;margin:2px 0 0}
+</style></head>
+<body>
+<header><h1>meshforge strategy explorer</h1>
+<div class="cases">textbook cases:
+<button data-case="dp7b">7B, 8 GPUs, pure DP</button><button data-case="fsdp7b">7B, 8 GPUs, FSDP</button>
+<button data-case="big405">405B, 128 GPUs</button><button data-case="tiny405">405B, 8 GPUs</button></div>
+<span id="status" data-state="loading">loading&hellip;</span></header>
+<main><aside>
+<fieldset><legend>Model</legend>
+<label>model<select id="model" data-p="model"></select></label>
+<label>layers<input id="layers" data-p="layers" data-shape type="number" min="1"></label>
+<label>hidden<input id="hidden" data-p="hidden" data-shape type="number" min="8"></label>
+<label>heads<input id="heads" data-p="heads" data-shape type="number" min="1"></label>
+<label>kv heads<input id="kv_heads" data-p="kv_heads" data-shape type="number" min="1"></label>
+<label>ffn hidden<input id="ffn_hidden" data-p="ffn_hidden" data-shape type="number" min="1"></label>
+<label>vocab<input id="vocab" data-p="vocab" data-shape type="number" min="1"></label>
+<label>tie embeddings<input id="tie_embeddings" data-p="tie_embeddings" data-shape type="checkbox"></label>
+<p class="derived" id="nparams"></p></fieldset>
+<fieldset><legend>Cluster</legend>
+<label>GPU<select id="gpu" data-p="gpu"></select></label>
+<label>HBM GiB<input id="hbm_gib" data-p="hbm_gib" data-hw type="number" step="any"></label>
+<label>peak TFLOP/s<input id="peak_tflops" data-p="peak_tflops" data-hw type="number" step="any"></label>
+<label>intra-node GB/s<input id="intra_bw_gbs" data-p="intra_bw_gbs" data-hw type="number" step="any"></label>
+<label>inter-node GB/s<input id="inter_bw_gbs" data-p="inter_bw_gbs" data-hw type="number" step="any"></label>
+<label>GPUs<input id="gpus" data-p="gpus" type="number" min="1" value="8"></label>
+<label>GPUs per node<input id="gpus_per_node" data-p="gpus_per_node" type="number" min="1" value="8"></label>
+</fieldset>
+<fieldset><legend>Training</legend>
+<label>sequence length<input id="seq_len" data-p="seq_len" type="number" min="1" value="4096"></label>
+<label>global batch<input id="global_batch" data-p="global_batch" type="number" min="1" value="8"></label>
+<label>precision<select id="precision" data-p="precision"><option>bf16</option><option>fp32</option>
+<option>fp8</option></select></label></fieldset>
+<fieldset><legend>Layout</legend>
+<label>tp<select id="tp" data-p="tp" data-layout></select></label>
+<label>pp<input id="pp" data-p="pp" data-layout type="number" min="1" value="1"></label>
+<label>schedule<select id="schedule" data-p="schedule" data-layout></select></label>
+<label>virtual stages<input id="virtual_stages" data-p="virtual_stages" data-layout type="number" min="1"
+value="1"></label>
+<label>cp<input id="cp" data-p="cp" data-layout type="number" min="1" value="1"></label>
+<label>ZeRO stage<select id="zero" data-p="zero" data-layout><option value="0">0 (DDP)</option>
+<option value="1">1 (optimizer)</option><option value="2">2 (+ gradients)</option>
+<option value="3">3 (FSDP)</option></select></label>
+<label>micro-batch<input id="micro_batch" data-p="micro_batch" data-layout type="number" min="1" value="1"></label>
+<label>recompute<select id="recompute" data-p="recompute" data-layout></select></label>
+<label>sequence parallel<input id="sp" data-p="sp" data-layout type="checkbox" checked></label>
+<p class="derived" id="dp"></p></fieldset>
+</aside>
+<section>
+<div class="tiles">
+<div class="tile"><b id="mem-total">&ndash;</b><span>GiB per GPU</span></div>
+<div class="tile"><b id="step">&ndash;</b><span>step time</span></div>
+<div class="tile"><b id="tps">&ndash;</b><span>tokens/s per GPU</span></div>
+<div class="tile"><b id="mfu">&ndash;</b><span>MFU</span></div>
+<div class="tile"><b id="hfu">&ndash;</b><span>HFU</span></div></div>
+<div class="card"><h2>Memory per GPU <span id="fit"></span></h2><div id="mem-chart"></div>
+<div class="legend" id="mem-legend"></div></div>
+<div class="card"><h2>Step time</h2><div id="time-chart"></div><div class="legend" id="time-legend"></div></div>
+<div class="card"><h2>Communication per step, by axis</h2><div id="comm-chart"></div></div>
+<div class="card"><h2>Layout rules</h2><ul class="problems" id="problems"></ul>
+<p><button id="download">download meshforge train config</button> <span id="download-msg"></span></p></div>
+<div class="card"><h2>The planner's best layouts for this model and cluster</h2><p id="best-msg"></p>
+<table id="best"><thead><tr><th>#</th><th>tp</th><th>pp</th><th>dp</th><th>cp</th><th>ZeRO</th><th>mb</th>
+<th>recompute</th><th>schedule</th><th>GiB</th><th>step s</th><th>tok/s/GPU</th><th>MFU</th><th></th></tr></thead>
+<tbody></tbody></table></div>
+</section></main>
+<script>
+"use strict";
+const $ = (id) => document.getElementById(id);
+const MEM = ["params", "grads", "optimizer", "activations", "buffers", "reserve"];
+const TIME = ["compute", "recompute", "exposed_comm", "bubble", "optimizer"];
+const SEVEN_B = {model: "custom", layers: 32, hidden: 4096, heads: 32, kv_heads: 32, ffn_hidden: 11008,
+  vocab: 32000, tie_embeddings: false};
+const BASE = {gpu: "h100-sxm", gpus: 8, gpus_per_node: 8, seq_len: 4096, global_batch: 8, precision: "bf16",
+  tp: 1, pp: 1, cp: 1, zero: 0, micro_batch: 1, recompute: "none", schedule: "1f1b", virtual_stages: 1, sp: true};
+const CASES = {
+  dp7b: {...BASE, ...SEVEN_B},
+  fsdp7b: {...BASE, ...SEVEN_B, zero: 3},
+  big405: {...BASE, model: "llama3.1-405b", gpus: 128, global_batch: 128, tp: 8, pp: 4, zero: 3,
+    recompute: "full", micro_batch: 1},
+  tiny405: {...BASE, model: "llama3.1-405b", tp: 8, zero: 3, recompute: "full"},
+};
+let P = null, seq = 0, bestSeq = 0, timer = null, bestTimer = null;
+const fmt = (x, d = 1) => Number(x).toLocaleString("en-US", {maximumFractionDigits: d, minimumFractionDigits: d});
+const secs = (s) => s >= 1 ? fmt(s, 2) + " s" : fmt(s * 1000, s >= 0.01 ? 1 : 3) + " ms";
+const pct = (x) => fmt(100 * x, 1) + "%";
+function esc(s) { return String(s).replace(/[&<>"']/g, (c) => "&#" + c.charCodeAt(0) + ";"); }
+function fill(sel, items, labels) {
+  sel.innerHTML = items.map((v, i) => `<option value="${esc(v)}">${esc(labels ? labels[i] : v)}</option>`).join("");
+}
+function fields() { return [...document.querySelectorAll("[data-p]")]; }
+function val(el) { return el.type === "checkbox" ? String(el.checked) : el.value.trim(); }
+function query() {
+  const q = new URLSearchParams(), custom = $("model").value === "custom";
+  for (const el of fields()) {
+    if (el.hasAttribute("data-shape") && !custom) continue;
+    if (el.hasAttribute("data-hw") && !el.dataset.dirty) continue;
+    if (val(el) !== "") q.set(el.dataset.p, val(el));
+  }
+  return q;
+}
+function setValues(v) {
+  for (const [k, x] of Object.entries(v)) {
+    const el = $(k); if (!el) continue;
+    if (el.type === "checkbox") el.checked = !!x; else el.value = x;
+  }
+  modelChanged(); gpuChanged();
+}
+function modelChanged() {
+  const name = $("model").value, custom = name === "custom";
+  for (const el of document.querySelectorAll("[data-shape]")) el.disabled = !custom;
+  if (!custom) {
+    const m = P.models[name];
+    for (const el of document.querySelectorAll("[data-shape]")) {
+      if (el.type === "checkbox") el.checked = m[el.dataset.p]; else el.value = m[el.dataset.p];
+    }
+  }
+}
+function gpuChanged() {
+  const g = P.gpus[$("gpu").value], prec = $("precision").value;
+  $("hbm_gib").value = g.hbm_gib; $("peak_tflops").value = g.peak_tflops[prec] ?? "";
+  $("intra_bw_gbs").value = g.intra_bw_gbs; $("inter_bw_gbs").value = g.inter_bw_gbs;
+  for (const el of document.querySelectorAll("[data-hw]")) delete el.dataset.dirty;
+}
+async function getJSON(url) {
+  const r = await fetch(url);
+  const body = await r.json();
+  if (!r.ok) throw new Error(body.error || r.statusText);
+  return body;
+}
+function bar(parts, colors, total, limit, unit) {
+  const W = 760, H = 34, max = Math.max(total, limit || 0) * 1.05 || 1, sx = (x) => x / max * W;
+  let x = 0, svg = `<svg viewBox="0 0 ${W} ${H + 18}" width="100%" role="img">`;
+  for (const [k, v] of parts) {
+    const w = sx(v);
+    svg += `<rect x="${x}" y="4" width="${Math.max(w, 0)}" height="${H - 8}" fill="var(--${colors(k)})">` +
+      `<title>${esc(k)}: ${esc(unit(v))}</title></rect>`;
+    x += w;
+  }
+  if (limit) {
+    svg += `<line x1="${sx(limit)}" x2="${sx(limit)}" y1="0" y2="${H}" stroke="#b42318" stroke-width="2"/>` +
+      `<text x="${Math.min(sx(limit), W - 90)}" y="${H + 14}" font-size="12" fill="#b42318">HBM ` +
+      `${fmt(limit, 0)} GiB</text>`;
+  }
+  return svg + "</svg>";
+}
+function legend(parts, colors, unit) {
+  return parts.map(([k, v]) => `<span><i style="background:var(--${colors(k)})"></i>${esc(k.replace("_", " "))}` +
+    ` ${esc(unit(v))}</span>`).join("");
+}
+function commChart(total, exposed) {
+  const axes = Object.keys(total), max = Math.max(...axes.map((a) => total[a]), 1e-9), W = 760;
+  let y = 0, svg = `<svg viewBox="0 0 ${W} ${axes.length * 26}" width="100%" role="img">`;
+  for (const a of axes) {
+    const wt = total[a] / max * (W - 260), we = exposed[a] / max * (W - 260);
+    svg += `<text x="0" y="${y + 15}" font-size="12">${esc(a)}</text>` +
+      `<rect x="40" y="${y + 3}" width="${wt}" height="16" fill="#c7d3ee"/>` +
+      `<rect x="40" y="${y + 3}" width="${we}" height="16" fill="#d2553d"/>` +
+      `<text x="${46 + wt}" y="${y + 15}" font-size="12">${esc(secs(total[a]))} (exposed ` +
+      `${esc(secs(exposed[a]))})</text>`;
+    y += 26;
+  }
+  return svg + "</svg>";
+}
+function render(a) {
+  const e = a.estimate;
+  $("nparams").textContent = `${fmt(a.model.num_params / 1e9, 2)}B parameters`;
+  $("dp").textContent = a.layout ? `dp = gpus / (tp x pp x cp) = ${a.layout.dp}; ` +
+    `${a.layout.num_microbatches} micro-batch(es) per step` : "dp: the degrees do not divide the GPUs";
+  const probs = a.problems.map((p) => `<li class="${p.kind === "invalid" ? "bad" : ""}"><b>${esc(p.kind)}</b> ` +
+    `${esc(p.message)}</li>`);
+  $("problems").innerHTML = probs.length ? probs.join("") :
+    `<li class="ok">meshforge train runs this layout</li>`;
+  for (const id of ["mem-total", "step", "tps", "mfu", "hfu"]) if (!e) $(id).textContent = "\u2013";
+  if (!e) { for (const id of ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit"])
+    $(id).innerHTML = ""; return; }
+  const m = e.memory_gib, memParts = MEM.map((k) => [k, m[k]]), gib = (v) => fmt(v, 2) + " GiB";
+  $("mem-total").textContent = fmt(m.total, 1);
+  $("mem-total").className = e.fits ? "" : "bad";
+  $("fit").innerHTML = e.fits ? `<span class="ok">fits in ${fmt(e.hbm_gib, 0)} GiB</span>` :
+    `<span class="bad">does not fit: ${esc(e.overflow)}</span>`;
+  $("mem-chart").innerHTML = bar(memParts, (k) => k, m.total, e.hbm_gib, gib);
+  $("mem-legend").innerHTML = legend(memParts, (k) => k, gib);
+  const tParts = TIME.map((k) => [k, e.step_s[k]]), tc = (k) => k === "optimizer" ? "optimizer_t" : k;
+  $("time-chart").innerHTML = bar(tParts, tc, e.step_time_s, 0, secs);
+  $("time-legend").innerHTML = legend(tParts, tc, secs);
+  $("comm-chart").innerHTML = commChart(e.comm_s, e.comm_exposed_s);
+  $("step").textContent = secs(e.step_time_s);
+  $("tps").textContent = fmt(e.tokens_per_s_per_gpu, 0);
+  $("mfu").textContent = pct(e.mfu); $("hfu").textContent = pct(e.hfu);
+}
+async function update() {
+  const mine = ++seq;
+  $("status").dataset.state = "loading";
+  try {
+    const a = await getJSON("/api/estimate?" + query());
+    if (mine !== seq) return;
+    render(a);
+    $("status").textContent = `${a.model.name} on ${a.cluster.gpus} x ${a.cluster.gpu}`;
+  } catch (err) {
+    if (mine !== seq) return;
+    render({model: {num_params: NaN}, layout: null, problems: [], estimate: null});
+    $("status").textContent = "refused: " + err.message;
+  }
+  $("status").dataset.state = "ready"; $("status").dataset.seq = String(mine);
+}
+function loadLayout(L) {
+  setValues({tp: L.tp, pp: L.pp, cp: L.cp, zero: L.zero_stage, micro_batch: L.micro_batch_size,
+    recompute: L.recompute, schedule: L.pp > 1 ? L.schedule : $("schedule").value,
+    virtual_stages: L.virtual_stages, sp: L.sequence_parallel});
+  update();
+}
+async function updateBest() {
+  const mine = ++bestSeq, q = query();
+  for (const k of ["tp", "pp", "cp", "zero", "micro_batch", "recompute", "schedule", "virtual_stages", "sp"])
+    q.delete(k);
+  $("best-msg").textContent = "searching\u2026";
+  try {
+    const b = await getJSON("/api/best?" + q);
+    if (mine !== bestSeq) return;
+    $("best-msg").textContent = b.message || `${b.considered} layouts considered; the fastest that fit:`;
+    $("best").tBodies[0].innerHTML = b.layouts.map((L, i) => `<tr><td>${i + 1}</td><td>${L.tp}</td>` +
+      `<td>${L.pp}</td><td>${L.dp}</td><td>${L.cp}</td><td>${L.zero_stage}</td><td>${L.micro_batch_size}</td>` +
+      `<td>${esc(L.recompute)}</td><td>${esc(L.pp > 1 ? L.schedule : "-")}</td>` +
+      `<td>${fmt(L.memory_total_gib, 1)}</td><td>${fmt(L.step_time_s, 3)}</td>` +
+      `<td>${fmt(L.tokens_per_s_per_gpu, 0)}</td><td>${pct(L.mfu)}</td>` +
+      `<td><button data-row="${i}">load</button></td></tr>`).join("");
+    for (const btn of $("best").querySelectorAll("button[data-row]"))
+      btn.onclick = () => loadLayout(b.layouts[Number(btn.dataset.row)]);
+  } catch (err) {
+    if (mine !== bestSeq) return;
+    $("best-msg").textContent = "refused: " + err.message; $("best").tBodies[0].innerHTML = "";
+  }
+}
+function changed(ev) {
+  const el = ev.target;
+  if (el.id === "model") modelChanged();
+  if (el.id === "gpu" || el.id === "precision") gpuChanged();
+  if (el.hasAttribute && el.hasAttribute("data-hw")) el.dataset.dirty = "1";
+  clearTimeout(timer); timer = setTimeout(update, 60);
+  if (!el.hasAttribute("data-layout")) { clearTimeout(bestTimer); bestTimer = setTimeout(updateBest, 400); }
+}
+async function download() {
+  $("download-msg").textContent = "";
+  const r = await fetch("/api/config?" + query());
+  if (!r.ok) { $("download-msg").textContent = (await r.json()).error; $("download-msg").className = "bad"; return; }
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(new Blob([await r.text()], {type: "application/toml"}));
+  a.download = "meshforge-train.toml"; document.body.appendChild(a); a.click(); a.remove();
+  $("download-msg").className = "ok"; $("download-msg").textContent = "saved meshforge-train.toml";
+}
+async function start() {
+  P = await getJSON("/api/presets");
+  fill($("model"), [...Object.keys(P.models), "custom"]);
+  fill($("gpu"), Object.keys(P.gpus));
+  fill($("tp"), [1, 2, 4, 8, 16, 32, 64]);
+  fill($("schedule"), P.params.schedule.choices);
+  fill($("recompute"), P.params.recompute.choices);
+  setValues({...BASE, model: P.params.model.default});
+  for (const el of fields()) { el.addEventListener("input", changed); el.addEventListener("change", changed); }
+  for (const b of document.querySelectorAll("[data-case]"))
+    b.onclick = () => { setValues(CASES[b.dataset.case]); update(); updateBest(); };
+  $("download").onclick = download;
+  update(); updateBest();
+}
+start().catch((err) => { $("status").textContent = "could not start: " + err.message; });
+</script></body></html>
+"""

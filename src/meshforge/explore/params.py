@@ -1,0 +1,168 @@
+"""Every parameter the explorer's API accepts: its type, range and default, and the check
+that turns a query string into a model, a cluster and a layout or refuses it with a message.
+
+The ranges are caps, not physics: they keep one request (a search above all) to about a
+second, and they keep nonsense (a negative GPU count, a 10^12-layer model) out of the planner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from meshforge.errors import suggest
+from meshforge.models.presets import PRESETS as MODEL_PRESETS
+from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES
+from meshforge.planner.hardware import PRESETS as GPU_PRESETS
+from meshforge.planner.hardware import Hardware, get_hardware
+from meshforge.planner.shape import Shape, from_preset
+
+MAX_GPUS = 16384
+SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
+HW_KEYS = ("hbm_gib", "peak_tflops", "intra_bw_gbs", "inter_bw_gbs")
+
+
+class BadRequest(ValueError):
+    """A parameter the API refuses (answered as HTTP 400 with this message)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str  # "int" | "float" | "bool" | "choice"
+    default: Any = None
+    lo: float = 0
+    hi: float = 0
+    choices: tuple[str, ...] = ()
+    help: str = ""
+
+
+SPECS: dict[str, Spec] = {
+    "model": Spec("choice", "llama3.1-8b", choices=(*MODEL_PRESETS, "custom"), help="model preset, or custom"),
+    "layers": Spec("int", None, 1, 1024, help="transformer blocks (model=custom)"),
+    "hidden": Spec("int", None, 8, 131072, help="hidden size (model=custom)"),
+    "heads": Spec("int", None, 1, 1024, help="attention heads (model=custom)"),
+    "kv_heads": Spec("int", None, 1, 1024, help="key/value heads (model=custom; default: heads)"),
+    "ffn_hidden": Spec("int", None, 1, 1048576, help="feed-forward size (model=custom)"),
+    "vocab": Spec("int", None, 1, 1048576, help="vocabulary size (model=custom)"),
+    "tie_embeddings": Spec("bool", False, help="embedding and head share a weight (model=custom)"),
+    "gpu": Spec("choice", "h100-sxm", choices=tuple(GPU_PRESETS), help="GPU preset"),
+    "hbm_gib": Spec("float", None, 1, 4096, help="memory per GPU in GiB (overrides the preset)"),
+    "peak_tflops": Spec("float", None, 0.01, 100000, help="dense peak at the chosen precision, TFLOP/s"),
+    "intra_bw_gbs": Spec("float", None, 0.1, 100000, help="bandwidth per GPU inside a node, GB/s"),
+    "inter_bw_gbs": Spec("float", None, 0.1, 100000, help="bandwidth per GPU across nodes, GB/s"),
+    "gpus": Spec("int", 8, 1, MAX_GPUS, help="GPUs in the cluster"),
+    "gpus_per_node": Spec("int", 8, 1, 64, help="GPUs per node"),
+    "seq_len": Spec("int", 4096, 1, 1048576, help="tokens per sequence"),
+    "global_batch": Spec("int", None, 1, 1048576, help="sequences per step (default: gpus)"),
+    "precision": Spec("choice", "bf16", choices=("bf16", "fp32", "fp8"), help="training precision"),
+    "tp": Spec("int", 1, 1, 64, help="tensor-parallel degree"),
+    "pp": Spec("int", 1, 1, 1024, help="pipeline-parallel degree"),
+    "cp": Spec("int", 1, 1, 1024, help="context-parallel degree"),
+    "zero": Spec("int", 0, 0, 3, help="ZeRO stage of the data-parallel ranks (3: FSDP)"),
+    "micro_batch": Spec("int", 1, 1, 1048576, help="sequences per forward pass per rank"),
+    "recompute": Spec("choice", "none", choices=RECOMPUTE, help="activation recomputation"),
+    "schedule": Spec("choice", "1f1b", choices=SCHEDULES + V_SCHEDULES, help="pipeline schedule (pp > 1)"),
+    "virtual_stages": Spec("int", 1, 1, 16, help="model chunks per pipeline rank"),
+    "sp": Spec("bool", True, help="sequence parallelism with tp"),
+    "top": Spec("int", 8, 1, 20, help="how many of the best layouts to list"),
+}
+
+
+def _number(name: str, raw: str, spec: Spec) -> float:
+    try:
+        value = int(raw) if spec.kind == "int" else float(raw)
+    except ValueError:
+        raise BadRequest(
+            f"{name} must be {'a whole number' if spec.kind == 'int' else 'a number'}, got {raw!r}"
+        ) from None
+    if not math.isfinite(value) or not spec.lo <= value <= spec.hi:
+        lo, hi = (int(spec.lo), int(spec.hi)) if spec.kind == "int" else (spec.lo, spec.hi)
+        raise BadRequest(f"{name} = {raw} is out of range: {lo} to {hi}")
+    return value
+
+
+def _value(name: str, raw: str) -> Any:
+    spec = SPECS[name]
+    if spec.kind == "choice":
+        if raw not in spec.choices:
+            hint = suggest(raw, spec.choices)
+            hint = f"{hint}; " if hint.startswith("did you mean") else ""
+            raise BadRequest(f"{name} = {raw!r} is not known; {hint}one of: {', '.join(spec.choices)}")
+        return raw
+    if spec.kind == "bool":
+        if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
+            raise BadRequest(f"{name} must be true or false, got {raw!r}")
+        return raw.lower() in ("true", "1", "on")
+    return _number(name, raw, spec)
+
+
+def parse(query: dict[str, list[str]]) -> dict[str, Any]:
+    """Checked values of a parsed query string (``urllib.parse.parse_qs``), defaults filled."""
+    values: dict[str, Any] = {}
+    for name, raws in query.items():
+        if name not in SPECS:
+            hint = suggest(name, SPECS)
+            raise BadRequest(
+                f"unknown parameter {name!r}; "
+                + (hint if hint.startswith("did you mean") else "known: " + ", ".join(SPECS))
+            )
+        if len(raws) != 1:
+            raise BadRequest(f"parameter {name!r} is given {len(raws)} times; give it once")
+        values[name] = _value(name, raws[0].strip())
+    out = {k: s.default for k, s in SPECS.items()} | values
+    if out["global_batch"] is None:
+        out["global_batch"] = out["gpus"]
+    _cross_check(out, values)
+    return out
+
+
+def _cross_check(out: dict[str, Any], given: dict[str, Any]) -> None:
+    """Checks between parameters that no single range expresses."""
+    for k in ("tp", "pp", "cp"):
+        if out[k] > out["gpus"]:
+            raise BadRequest(f"{k} = {out[k]} is more than gpus = {out['gpus']}")
+    if out["micro_batch"] > out["global_batch"]:
+        raise BadRequest(f"micro_batch = {out['micro_batch']} is more than global_batch = {out['global_batch']}")
+    if out["model"] != "custom":
+        extra = [k for k in SHAPE_KEYS if k in given]
+        if extra:
+            raise BadRequest(f"{', '.join(extra)}: shape fields need model=custom (model={out['model']} is a preset)")
+    else:
+        missing = [k for k in SHAPE_KEYS if out[k] is None and k not in ("kv_heads", "tie_embeddings")]
+        if missing:
+            raise BadRequest(f"model=custom needs {', '.join(missing)}")
+
+
+def shape_of(v: dict[str, Any]) -> Shape:
+    """The model: a preset, or the explicit shape (refused with the shape's own message)."""
+    if v["model"] != "custom":
+        return from_preset(v["model"])
+    try:
+        return Shape(
+            v["layers"],
+            v["hidden"],
+            v["heads"],
+            v["kv_heads"] or v["heads"],
+            v["ffn_hidden"],
+            v["vocab"],
+            tie_embeddings=v["tie_embeddings"],
+        )
+    except Exception as e:  # the planner's ConfigError names the field
+        raise BadRequest(f"model shape: {e}") from None
+
+
+def hardware_of(v: dict[str, Any]) -> Hardware:
+    """The GPU preset with any explicit figures laid over it."""
+    hw = get_hardware(v["gpu"])
+    if v["precision"] not in hw.peak_flops and v["peak_tflops"] is None:
+        raise BadRequest(f"{hw.name} has no {v['precision']} peak; pick {', '.join(hw.peak_flops)} or set peak_tflops")
+    if v["hbm_gib"] is not None:
+        hw = replace(hw, hbm_gib=v["hbm_gib"])
+    if v["peak_tflops"] is not None:
+        hw = replace(hw, peak_flops={**hw.peak_flops, v["precision"]: v["peak_tflops"] * 1e12})
+    if v["intra_bw_gbs"] is not None:
+        hw = replace(hw, intra_bw=v["intra_bw_gbs"] * 1e9)
+    if v["inter_bw_gbs"] is not None:
+        hw = replace(hw, inter_bw=v["inter_bw_gbs"] * 1e9)
+    return hw

@@ -1,0 +1,150 @@
+"""``meshforge explore``: a standard-library HTTP server for the page and its JSON API.
+
+Routes (GET only): ``/`` the page; ``/api/presets``; ``/api/estimate``, ``/api/best`` and
+``/api/config`` take the parameters of ``params.SPECS`` as a query string. A parameter the
+API refuses is answered 400 with ``{"error": message}``; anything unexpected 500 with a
+fixed message: no traceback ever reaches the client. Nothing is read from or written to
+disk on a request. Requests whose Host header names another host are refused (a page on
+another site cannot reach the server through a rebound DNS name).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from meshforge.errors import MeshforgeError
+
+from . import answers
+from .page import PAGE
+from .params import BadRequest, parse
+
+MAX_QUERY = 4096
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+LOCAL_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class Reply:
+    """A response: status, content type, body, extra headers."""
+
+    def __init__(self, status: int, ctype: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.status, self.ctype, self.body, self.headers = status, ctype, body, headers or {}
+
+
+def json_reply(status: int, data: Any) -> Reply:
+    return Reply(status, "application/json; charset=utf-8", json.dumps(data).encode())
+
+
+API: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "/api/estimate": answers.evaluate,
+    "/api/best": answers.best,
+}
+
+
+def route(target: str) -> Reply:
+    """The reply to ``GET target`` (raises BadRequest / MeshforgeError for refused parameters)."""
+    url = urlsplit(target)
+    if len(url.query) > MAX_QUERY:
+        raise BadRequest(f"the query string is longer than {MAX_QUERY} characters")
+    if url.path in ("/", "/index.html"):
+        return Reply(200, "text/html; charset=utf-8", PAGE.encode())
+    if url.path == "/api/presets":
+        return json_reply(200, answers.presets())
+    query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
+    if url.path in API:
+        return json_reply(200, API[url.path](parse(query)))
+    if url.path == "/api/config":
+        text = answers.train_config(parse(query))
+        disposition = 'attachment; filename="meshforge-train.toml"'
+        return Reply(200, "application/toml; charset=utf-8", text.encode(), {"Content-Disposition": disposition})
+    return json_reply(404, {"error": f"no such page: {url.path}; the API is /api/estimate, /api/best, /api/config"})
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "meshforge-explore"
+    sys_version = ""
+    quiet = False
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._send(self._reply())
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        r = self._reply()
+        r.body = b""
+        self._send(r)
+
+    def _refuse_method(self) -> None:
+        self._send(json_reply(405, {"error": f"{self.command} is not served; the explorer answers GET only"}))
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+
+    def _reply(self) -> Reply:
+        try:
+            if not self._host_ok():
+                return json_reply(403, {"error": "this server answers requests to the local host only"})
+            return route(self.path)
+        except (BadRequest, MeshforgeError, ValueError) as e:
+            return json_reply(400, {"error": str(e)})
+        except Exception:  # never a traceback to the client; the server's console keeps it
+            if not self.quiet:
+                traceback.print_exc(file=sys.stderr)
+            return json_reply(500, {"error": "internal error while answering this request; see the server's console"})
+
+    def _host_ok(self) -> bool:
+        host = (self.headers.get("Host") or "").strip().lower()
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        bound = str(self.server.server_address[0]).lower()
+        if bound not in ("127.0.0.1", "::1"):
+            return True  # served beyond this machine on purpose (--host)
+        return name in LOCAL_NAMES or name == bound
+
+    def _send(self, r: Reply) -> None:
+        self.send_response(r.status)
+        self.send_header("Content-Type", r.ctype)
+        self.send_header("Content-Length", str(len(r.body)))
+        for k, val in {**SECURITY_HEADERS, **r.headers}.items():
+            self.send_header(k, val)
+        self.end_headers()
+        if r.body and self.command != "HEAD":
+            self.wfile.write(r.body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        if not self.quiet:
+            super().log_message(format, *args)
+
+
+def make_server(host: str = "127.0.0.1", port: int = 8800, quiet: bool = False) -> ThreadingHTTPServer:
+    """A bound, not yet serving, server (port 0: any free port; read ``server.server_address``)."""
+    handler = type("ExploreHandler", (Handler,), {"quiet": quiet})
+    cls = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}) if ":" in host else None
+    server = (cls or ThreadingHTTPServer)((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(host: str = "127.0.0.1", port: int = 8800) -> int:
+    """Serve until Ctrl-C."""
+    server = make_server(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"meshforge explore: http://{shown}:{server.server_address[1]}/  (Ctrl-C stops it)", flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {host}: anyone who can reach this address can use the explorer", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("meshforge explore: stopped")
+    finally:
+        server.server_close()
+    return 0

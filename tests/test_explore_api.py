@@ -1,0 +1,205 @@
+"""The strategy explorer's JSON API, served in-process on a free port: its answers, its
+refusals (400 with a message, never a traceback), and the textbook's three cases."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.parse
+
+import pytest
+
+from meshforge.cli import build_parser
+from meshforge.config import load_config
+from meshforge.explore import make_server, server
+from meshforge.resolve import resolve
+
+SEVEN_B = {  # the textbook's 7B: the Llama-2-7B shape (6.7B parameters)
+    "model": "custom",
+    "layers": 32,
+    "hidden": 4096,
+    "heads": 32,
+    "kv_heads": 32,
+    "ffn_hidden": 11008,
+    "vocab": 32000,
+    "gpus": 8,
+    "global_batch": 8,
+    "seq_len": 4096,
+}
+HBM = 80  # GiB, the h100-sxm preset
+
+
+@pytest.fixture(scope="module")
+def port():
+    srv = make_server("127.0.0.1", 0, quiet=True)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+def request(port: int, path: str, method: str = "GET", host: str | None = None) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.putrequest(method, path, skip_host=host is not None)
+    if host is not None:
+        conn.putheader("Host", host)
+    conn.endheaders()
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    return r.status, dict(r.getheaders()), body
+
+
+def api(port: int, what: str, **params) -> tuple[int, dict]:
+    status, _, body = request(port, f"/api/{what}?" + urllib.parse.urlencode(params))
+    return status, json.loads(body)
+
+
+def estimate(port: int, **params) -> dict:
+    status, a = api(port, "estimate", **params)
+    assert status == 200, a
+    return a
+
+
+def test_page_is_self_contained(port):
+    status, headers, body = request(port, "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    page = body.decode()
+    assert "<script>" in page and "/api/estimate" in page
+    assert "http://" not in page and "https://" not in page  # no CDN, nothing fetched from elsewhere
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+
+
+def test_presets_list_models_gpus_and_ranges(port):
+    status, p = api(port, "presets")
+    assert status == 200
+    assert "llama3.1-405b" in p["models"] and p["models"]["llama3.1-405b"]["num_params"] > 4e11
+    assert p["gpus"]["h100-sxm"]["hbm_gib"] == HBM
+    assert p["params"]["gpus"]["max"] >= 16384 and "zero_bubble" in p["params"]["schedule"]["choices"]
+
+
+def test_estimate_answers_with_the_planners_breakdown(port):
+    a = estimate(port, model="llama3.1-8b", gpus=8, tp=2, zero=1)
+    e = a["estimate"]
+    mem = e["memory_gib"]
+    parts = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
+    assert mem["total"] == pytest.approx(sum(mem[k] for k in parts), rel=1e-3)
+    assert a["layout"]["dp"] == 4 and a["layout"]["tp"] == 2
+    assert e["step_time_s"] == pytest.approx(sum(e["step_s"].values()), rel=1e-6)
+    assert set(e["comm_s"]) == {"tp", "cp", "pp", "dp"} and e["comm_s"]["tp"] > 0 and e["comm_s"]["dp"] > 0
+    assert 0 < e["mfu"] <= e["hfu"] < 1
+    # ZeRO-1 under tp is a rule of parallel/dims.py: shown in its words, as unsupported
+    assert [p["kind"] for p in a["problems"]] == ["unsupported"] and "ZeRO-1" in a["problems"][0]["message"]
+    assert a["exists"] and not a["runnable"]
+
+
+def test_changing_tp_and_zero_changes_memory_and_mfu(port):
+    base = estimate(port, model="llama3.1-8b", gpus=8)["estimate"]
+    tp2 = estimate(port, model="llama3.1-8b", gpus=8, tp=2)["estimate"]
+    z3 = estimate(port, model="llama3.1-8b", gpus=8, zero=3)["estimate"]
+    assert tp2["memory_gib"]["total"] < base["memory_gib"]["total"] and tp2["mfu"] != base["mfu"]
+    assert z3["memory_gib"]["optimizer"] == pytest.approx(base["memory_gib"]["optimizer"] / 8, rel=1e-6)
+
+
+def test_layout_rules_in_words(port):
+    a = estimate(port, model="debug", gpus=8, tp=8)  # 4 heads over 8 tp ranks
+    assert not a["exists"] and any(p["key"] == "model.heads" for p in a["problems"])
+    a = estimate(port, model="llama3.1-8b", gpus=8, tp=3)  # 3 does not divide 8 GPUs
+    assert a["estimate"] is None and "not divisible" in a["problems"][0]["message"]
+
+
+def test_textbook_7b_on_8_gpus_needs_fsdp(port):
+    dp = estimate(port, **SEVEN_B, zero=0)
+    fsdp = estimate(port, **SEVEN_B, zero=3)
+    assert dp["layout"]["dp"] == 8 and dp["runnable"] and fsdp["runnable"]
+    assert dp["estimate"]["memory_gib"]["total"] * 2**30 / 1e9 > 80  # > 80 GB per GPU
+    assert not dp["estimate"]["fits"]
+    assert fsdp["estimate"]["fits"] and fsdp["estimate"]["memory_gib"]["total"] < HBM
+
+
+@pytest.mark.slow  # the first layout with pp > 1 imports torch.distributed.pipelining
+def test_textbook_405b_on_128_gpus_needs_tp8_pp_and_fsdp(port):
+    big = {"model": "llama3.1-405b", "gpus": 128, "global_batch": 128, "recompute": "full"}
+    full = estimate(port, **big, tp=8, pp=4, zero=3)
+    assert full["runnable"] and full["estimate"]["fits"], full["estimate"]["overflow"]
+    for drop in ({"tp": 8, "pp": 4, "zero": 0}, {"tp": 1, "pp": 1, "zero": 3}, {"tp": 8, "pp": 1, "zero": 0}):
+        e = estimate(port, **big, **drop)["estimate"]
+        assert not e["fits"], drop
+    status, b = api(port, "best", model="llama3.1-405b", gpus=128, global_batch=128, top=5)
+    assert status == 200 and b["layouts"]
+    assert all(L["fits"] and L["tp"] * L["pp"] >= 4 for L in b["layouts"])  # nothing fits without model parallelism
+
+
+def test_textbook_405b_on_8_gpus_fits_nothing(port):
+    tiny = {"model": "llama3.1-405b", "gpus": 8, "global_batch": 8, "recompute": "full"}
+    for lay in ({"tp": 8}, {"tp": 8, "zero": 3}, {"pp": 8}, {"zero": 3}):
+        assert not estimate(port, **tiny, **lay)["estimate"]["fits"], lay
+    status, b = api(port, "best", **tiny)
+    assert status == 200 and b["layouts"] == [] and "fits no layout" in b["message"]
+
+
+def test_config_download_is_a_runnable_train_config(port, tmp_path):
+    status, headers, body = request(port, "/api/config?model=llama3.1-8b&gpus=8&tp=2&zero=3&recompute=selective")
+    assert status == 200 and "attachment" in headers["Content-Disposition"]
+    path = tmp_path / "c.toml"
+    path.write_bytes(body)
+    cfg = resolve(load_config(path), 8)
+    assert (cfg.parallel.tp, cfg.parallel.dp_shard, cfg.parallel.zero_stage) == (2, 4, 3)
+    assert cfg.train.activation_checkpoint == "selective"
+    status, err = api(port, "config", model="llama3.1-405b", gpus=8)
+    assert status == 400 and "does not fit" in err["error"]
+    status, err = api(port, "config", model="llama3.1-8b", gpus=8, tp=2, zero=1)
+    assert status == 400 and "ZeRO-1" in err["error"]
+
+
+@pytest.mark.parametrize(
+    "query, names",
+    [
+        ("tp=abc", "tp"),
+        ("gpus=-1", "gpus"),
+        ("gpus=100000", "gpus"),
+        ("seq_len=1e9", "seq_len"),
+        ("hbm_gib=nan", "hbm_gib"),
+        ("modle=debug", "model"),
+        ("model=llama9", "llama"),
+        ("gpu=tpu", "gpu"),
+        ("tp=1&tp=2", "tp"),
+        ("layers=4", "model=custom"),
+        ("model=custom&layers=2", "hidden"),
+        ("model=custom&layers=2&hidden=100&heads=3&ffn_hidden=8&vocab=8", "heads"),
+        ("tp=16&gpus=8", "tp"),
+        ("micro_batch=9&global_batch=8", "micro_batch"),
+        ("sp=maybe", "sp"),
+        ("gpu=cpu&precision=fp8", "fp8"),
+        ("q=" + "x" * 5000, "query"),
+    ],
+)
+def test_bad_parameters_are_refused_with_a_message(port, query, names):
+    status, headers, body = request(port, "/api/estimate?" + query)
+    assert status == 400 and headers["Content-Type"].startswith("application/json")
+    msg = json.loads(body)["error"]
+    assert names in msg and "Traceback" not in msg
+
+
+def test_unexpected_errors_answer_500_without_a_traceback(port, monkeypatch):
+    def boom(values):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setitem(server.API, "/api/estimate", boom)
+    status, headers, body = request(port, "/api/estimate")
+    assert status == 500 and b"secret" not in body and b"Traceback" not in body
+    assert "error" in json.loads(body)
+
+
+def test_only_get_from_the_local_host(port):
+    assert request(port, "/api/estimate", method="POST")[0] == 405
+    assert request(port, "/", host="evil.example:80")[0] == 403  # a rebound DNS name
+    assert request(port, "/", host=f"localhost:{port}")[0] == 200
+    assert request(port, "/nowhere")[0] == 404
+
+
+def test_explore_binds_to_localhost_by_default():
+    args = build_parser().parse_args(["explore"])
+    assert (args.host, args.port) == ("127.0.0.1", 8800)

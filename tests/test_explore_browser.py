@@ -1,0 +1,95 @@
+"""The strategy explorer in a real browser: headless Chromium (system package) driven by
+selenium loads the page, changes tp and the ZeRO stage, and sees the memory and MFU figures
+change; a best layout loads with one click. Skipped, with the reason, where no Chromium,
+chromedriver or selenium is installed (CI installs them: .ci/run)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+from meshforge.explore import make_server
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+DRIVER = shutil.which("chromedriver")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium)"),
+    pytest.mark.skipif(DRIVER is None, reason="no chromedriver installed (apt-get install chromium-driver)"),
+]
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def page():
+    srv = make_server("127.0.0.1", 0, quiet=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        opts.add_argument(arg)
+    opts.add_argument("--window-size=1400,1000")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
+    driver.get(f"http://127.0.0.1:{srv.server_address[1]}/")
+    yield driver
+    driver.quit()
+    srv.shutdown()
+    srv.server_close()
+
+
+def text(driver, element_id: str) -> str:
+    return driver.find_element(By.ID, element_id).text
+
+
+def changed(driver, element_id: str, old: str) -> str:
+    """Wait until the page shows a new figure in ``element_id`` (the answer to a change)."""
+    WebDriverWait(driver, WAIT_S).until(lambda d: text(d, element_id) not in (old, "", "\u2013"))
+    return text(driver, element_id)
+
+
+def test_page_loads_with_the_planners_figures(page):
+    mem = changed(page, "mem-total", "")
+    assert float(mem) > 0 and text(page, "mfu").endswith("%")
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#best tbody tr"))
+    assert page.find_elements(By.CSS_SELECTOR, "#mem-chart svg rect")  # the stacked bar is drawn
+    errors = [e for e in page.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def test_changing_tp_and_zero_changes_memory_and_mfu(page):
+    mem0, mfu0 = changed(page, "mem-total", ""), text(page, "mfu")
+    Select(page.find_element(By.ID, "tp")).select_by_value("2")
+    mem1 = changed(page, "mem-total", mem0)
+    mfu1 = text(page, "mfu")
+    assert float(mem1) < float(mem0) and mfu1 != mfu0
+    Select(page.find_element(By.ID, "zero")).select_by_value("3")
+    mem2 = changed(page, "mem-total", mem1)
+    assert float(mem2) < float(mem1)
+    assert "ZeRO" not in text(page, "problems")  # ZeRO-3 under tp runs
+
+
+def test_zero1_under_tp_shows_the_rule_in_words(page):
+    Select(page.find_element(By.ID, "tp")).select_by_value("2")
+    Select(page.find_element(By.ID, "zero")).select_by_value("1")
+    WebDriverWait(page, WAIT_S).until(lambda d: "ZeRO-1" in text(d, "problems"))
+
+
+def test_a_best_layout_loads_with_one_click(page):
+    rows = WebDriverWait(page, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#best tbody tr"))
+    tp_of_row = rows[0].find_elements(By.TAG_NAME, "td")[1].text
+    mem_of_row = rows[0].find_elements(By.TAG_NAME, "td")[9].text
+    before = text(page, "mem-total")
+    rows[0].find_element(By.TAG_NAME, "button").click()
+    WebDriverWait(page, WAIT_S).until(
+        lambda d: Select(d.find_element(By.ID, "tp")).first_selected_option.text == tp_of_row
+    )
+    if before != mem_of_row:
+        assert changed(page, "mem-total", before) == mem_of_row
