@@ -22,9 +22,6 @@ LAYOUTS = {
 }
 PRECISIONS = ("fp32", "bf16")
 WORKER = Path(__file__).with_name("memory_runs_worker.py")
-ZERO1_BF16 = pytest.mark.xfail(
-    strict=True, reason="bf16 ZeRO-1 keeps fp32 working copies until the precision issue's ZeRO-1 lands"
-)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +40,8 @@ def _measured(run: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout, precision",
-    [
-        pytest.param(name, p, marks=ZERO1_BF16 if (name, p) == ("zero1", "bf16") else ())
-        for name in LAYOUTS
-        for p in PRECISIONS
-    ],
-)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_planner_states_equal_what_the_run_allocates(runs, layout, precision):
     run = runs / f"{layout}-{precision}"
     got = _measured(run)

@@ -137,13 +137,14 @@ def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str)
     parameter is the fp32 master; bf16 working copies are gathered per unit and counted under
     buffers): 4Ψ/N + 4Ψ/N + 8Ψ/N in either precision — the ZeRO paper's 16Ψ/N for stage 3,
     and stage 2 without its replicated 2Ψ (FSDP2 holds it gathered only from forward to
-    backward). DDP and ZeRO-1 follow the paper; ZeRO-1's optimizer state is split by whole
-    parameters (zero1_partition.py), so its most loaded rank holds more than 1/N."""
+    backward). DDP and ZeRO-1 follow the paper. fp32 ZeRO-1 (``ZeroRedundancyOptimizer``)
+    splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded
+    rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/zero1.py) splits flat buffers evenly."""
     n = lay.dp * lay.cp
     if lay.zero_stage >= 2 and n > 1:
         return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
     states = model_state_bytes(psi, n, lay.zero_stage, precision)
-    if lay.zero_stage == 1 and n > 1:
+    if lay.zero_stage == 1 and n > 1 and precision not in ("bf16", "fp8"):
         states["optimizer"] *= n * largest_share(shape, lay.tp, lay.pp, n)
     return states
 
