@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,6 @@ from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
 from meshforge.train.optimizer import build_scheduler
 from meshforge.train.run_dir import trim_metrics
-
-if TYPE_CHECKING:
-    from meshforge.train.loop import Trainer
 
 
 class HealthStop(MeshforgeError):
@@ -53,7 +50,7 @@ def describe(v: dict[str, Any]) -> str:
 class HealthKeeper:
     """One per rank: before_step / after_step around every step."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Any):  # the Trainer (not imported: the loop imports this part)
         self.t = trainer
         mesh = trainer.mesh
         scale = mesh.degrees["pp"] / mesh.world_size

@@ -6,7 +6,7 @@ One object so the loop stays a loop.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshforge.config import to_dict
 from meshforge.metrics.profiler import StepProfiler
@@ -14,12 +14,9 @@ from meshforge.metrics.time_breakdown import StepClock
 from meshforge.metrics.wandb_sink import WandbSink
 from meshforge.train.health import HealthKeeper
 
-if TYPE_CHECKING:
-    from meshforge.train.loop import Trainer
-
 
 class StepWatch:
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Any):  # the Trainer (not imported: the loop imports this part)
         self.t = trainer
         cfg, mesh = trainer.cfg, trainer.mesh
         self.health = HealthKeeper(trainer)
