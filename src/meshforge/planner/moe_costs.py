@@ -15,16 +15,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
+from meshforge.planner.hardware import Hardware
+from meshforge.planner.shape import Shape
 
-if TYPE_CHECKING:
-    from meshforge.planner.estimate import Layout
-    from meshforge.planner.hardware import Hardware
-    from meshforge.planner.shape import Shape
+Layout = Any  # planner/estimate.py's Layout (which imports this module)
 
 
 def moe_layers_on_stage(shape: Shape, pp: int) -> int:
