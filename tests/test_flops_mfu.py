@@ -37,10 +37,10 @@ def _same_counts(shape, args, seq=4096):
         assert shape.hardware_flops_per_token(seq, rc) == flops.hardware_flops_per_token(args, seq, rc)
 
 
-# MoE presets: the planner's Shape has no expert fields yet (the planner's MoE flags come next)
-@pytest.mark.parametrize("name", sorted(n for n in PRESETS if not PRESETS[n].num_experts))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_planner_shape_and_flops_agree_on_every_preset(name):
     _same_counts(from_preset(name), PRESETS[name])
+    assert from_preset(name).active_params() == flops.active_params(PRESETS[name])
 
 
 def test_head_dim_other_than_hidden_over_heads_counts_everywhere():

@@ -49,7 +49,7 @@ from meshforge.parallel.context_parallel_cost import (
 )
 from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
-from meshforge.planner import kernel_costs
+from meshforge.planner import kernel_costs, moe_costs
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
 from meshforge.planner.zero1_partition import largest_share
@@ -201,7 +201,12 @@ def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
 
 def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
-    states = allocated_state_bytes(shape, lay, psi, precision)
+    psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
+    states = allocated_state_bytes(shape, lay, psi - psi_e, precision)
+    experts = moe_costs.expert_state_bytes(
+        shape, lay, psi_e, precision, lambda p: allocated_state_bytes(shape, lay, p, precision)
+    )
+    states = {k: v + experts[k] for k, v in states.items()}
     bpe = 4 if precision == "fp32" else 2
     act_layer = activation_bytes_per_layer(
         shape, local_tokens(seq, lay.cp), lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
@@ -210,6 +215,13 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
         extra = ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, bpe)
         act_layer += lay.micro_batch_size * local_tokens(seq, lay.cp) * extra
     layers_per_stage = stage_layers(shape, lay.pp)
+    act_layer += (
+        moe_costs.moe_layers_on_stage(shape, lay.pp)
+        / layers_per_stage
+        * moe_costs.activation_delta_bytes(
+            shape, lay.micro_batch_size * local_tokens(seq, lay.cp), lay.tp, lay.recompute, bpe
+        )
+    )
     acts = act_layer * layers_per_stage * in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
     tokens = lay.micro_batch_size * seq // lay.cp
     logits = tokens * shape.vocab / lay.tp * (bpe + 4 + 4)  # logits, fp32 copy, its gradient
@@ -221,6 +233,7 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
         gathered = 2 * per_layer * w  # the running block and the prefetched one
     else:
         gathered = 0.0
+    gathered += moe_costs.gathered_delta_bytes(shape, lay, psi_e, w) if lay.dp > 1 else 0.0
     buffers = 2 * 25 * 2**20 + gathered
     out = {
         "params": states["params"] / GIB,
@@ -373,26 +386,35 @@ def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     )
 
 
-def _dp_time(shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _dp_time(
+    shape: Shape,
+    lay: Layout,
+    precision: str,
+    hw: Hardware,
+    gpus_per_node: int,
+    psi: float | None = None,
+    group: tuple[int, int] | None = None,
+) -> float:
     """All data-parallel traffic of one step: DDP's (and ZeRO-1's) gradient all-reduce (plus
     ZeRO-1's parameter all-gather), or FSDP's per-layer gathers and reduce-scatters, whose
-    latency is paid once per layer unit."""
-    psi, _ = stage_params(shape, lay.tp, lay.pp)
-    dp_n = lay.dp * lay.cp
+    latency is paid once per layer unit. ``psi``: the parameters (default: the stage's);
+    ``group``: (ranks, stride) when not the data-parallel ranks (the experts' edp under ep)."""
+    psi = stage_params(shape, lay.tp, lay.pp)[0] if psi is None else psi
+    dp_n, stride = group or (lay.dp * lay.cp, lay.tp)
     grad_bytes = 4 * psi  # gradients are reduced in fp32
     w = _bytes_per_element(precision)
 
     def dp_coll(kind: str, payload: float) -> float:
-        return collective_time(hw, kind, payload, lay.tp, dp_n, gpus_per_node)
+        return collective_time(hw, kind, payload, stride, dp_n, gpus_per_node)
 
     if dp_n == 1:
         return 0.0
-    if lay.zero_stage <= 1:
+    if lay.zero_stage <= 1 and group is None:
         dp_s = dp_coll("all_reduce", grad_bytes)
         if lay.zero_stage == 1:
             dp_s += dp_coll("all_gather", psi * w)
         return dp_s
-    gathers = (1 if lay.zero_stage == 2 else 2) * lay.num_microbatches
+    gathers = (2 if lay.zero_stage == 3 else 1) * lay.num_microbatches
     units = max(1, round(stage_layers(shape, lay.pp)))
     return gathers * units * dp_coll("fsdp_all_gather", psi * w / units) + units * dp_coll(
         "fsdp_reduce_scatter", grad_bytes / units
@@ -441,6 +463,7 @@ def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str
         "tp_exposed": time["tp_comm"] / step,
         "cp_exposed": time["cp_comm"] / step,
         "pp_p2p": time["pp_p2p"] / step,
+        "ep_a2a": time["ep_a2a"] / step,
         "dp_exposed": time["dp_comm_exposed"] / step,
         "bubble": time["bubble"] / step,
         "optimizer": time["optimizer"] / step,
@@ -461,16 +484,24 @@ def estimate(
     pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
     dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
+    if lay.ep > 1:  # the experts' 1/ep share is gathered and reduced over edp, not over all dp ranks
+        psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)
+        edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
+        dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e / lay.ep, edp))
+        dp_s = max(0.0, dp_s - _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
+    ep_s = moe_costs.a2a_seconds(
+        shape, lay, global_batch * seq / n_gpus, _bytes_per_element(precision), hw, gpus_per_node, lay.recompute
+    )
     dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw, _dp_link_share(lay, hw, gpus_per_node))
     bubble = bubble_fraction(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
-    pipelined = compute_s + tp_s + cp_s + pp_s  # the bubble is over the per-micro-batch work
+    pipelined = compute_s + tp_s + cp_s + pp_s + ep_s  # the bubble is over the per-micro-batch work
     bubble_s = pipelined * bubble / (1 - bubble)
     opt_s = _optimizer_time(shape, lay, precision, hw)
 
     step = pipelined + bubble_s + dp_exposed + opt_s
     tps = global_batch * seq / step / n_gpus
     peak = hw.peak(precision)
-    mfu = shape.model_flops_per_token(seq) * tps / peak
+    mfu = shape.model_flops_per_token(seq) * tps / peak  # active parameters for an MoE (models/flops.py)
     hfu = shape.hardware_flops_per_token(seq, lay.recompute) * tps / peak
     time = {
         "ideal_compute": comp["ideal_compute"],
@@ -479,6 +510,7 @@ def estimate(
         "tp_comm": tp_s,
         "cp_comm": cp_s,
         "pp_p2p": pp_s,
+        "ep_a2a": ep_s,
         "dp_comm_total": dp_s,
         "dp_comm_exposed": dp_exposed,
         "bubble": bubble_s,

@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="flash",
         help="attention kernel: fused (flash, meshforge's) or scores written out (Megatron-LM 2021/22)",
     )
+    add_moe_arguments(m)
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --config's, else 4096)")
     t.add_argument(
@@ -57,8 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
     f = p.add_argument_group("fixed choices (the rest is searched)")
-    for k in ("tp", "pp", "dp", "cp", "ep", "zero", "micro-batch", "virtual-stages"):
+    for k in ("tp", "pp", "dp", "cp", "zero", "micro-batch", "virtual-stages"):
         f.add_argument(f"--{k}", type=int)
+    f.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel degree (MoE): experts split over ep of the dp x cp ranks, FSDP over the rest; "
+        "searched over the divisors of --experts when left out",
+    )
     f.add_argument("--recompute", choices=["none", "selective", "full"])
     f.add_argument("--schedule")
     f.add_argument(
@@ -70,6 +77,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
     o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
+
+
+MOE_FLAGS = {  # flag -> Shape field
+    "experts": "num_experts",
+    "top_k": "experts_per_token",
+    "moe_ffn_hidden": "moe_ffn_hidden",
+    "shared_experts": "num_shared_experts",
+}
+
+
+def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
+    """The mixture-of-experts shape (docs/moe.md); with --model or --config they replace the preset's."""
+    m.add_argument("--experts", type=int, help="routed experts per MoE block (mixture of experts; 0: dense)")
+    m.add_argument("--top-k", type=int, help="experts each token is sent to (default 2)")
+    m.add_argument("--moe-ffn-hidden", type=int, help="hidden size of one expert (default: --ffn-hidden)")
+    m.add_argument("--shared-experts", type=int, help="always-on experts of --moe-ffn-hidden each (default 0)")
+
+
+def _with_moe_flags(shape: Shape, args: argparse.Namespace) -> tuple[Shape, bool]:
+    """The shape with the MoE flags given laid over it (re-checked), and whether any was given."""
+    given = {field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if getattr(args, flag, None) is not None}
+    if not given:
+        return shape, False
+    return Shape(**{**shape.__dict__, **given}), True
 
 
 def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | None]:
@@ -156,6 +187,8 @@ class Planned:
 def plan_from_args(args: argparse.Namespace) -> Planned:
     """Search the layouts the parsed ``meshforge plan`` arguments allow (no printing)."""
     shape, dflt, preset = _shape_and_defaults(args)
+    shape, overridden = _with_moe_flags(shape, args)
+    preset = None if overridden else preset  # --emit-config then writes the shape itself
     hw = get_hardware(args.gpu, args.hardware)
     if args.inter_node_bw:
         hw.inter_bw = args.inter_node_bw * 1e9
@@ -176,7 +209,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         pp=pick("pp"),
         dp=pick("dp"),
         cp=pick("cp"),
-        ep=args.ep,
+        ep=pick("ep"),
         zero=pick("zero"),
         micro_batch=pick("micro_batch"),
         recompute=pick("recompute"),
@@ -204,8 +237,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(report.as_json(results, args.top, shape, considered, results.refused))
     else:
+        active = shape.active_params()
+        moe = "" if active == shape.num_params() else f" ({active / 1e9:.2f}B active, {shape.num_experts} experts)"
         print(
-            f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters | {args.gpus} x {hw.name} "
+            f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters{moe} | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
             f"{considered} layouts considered, {0 if results.fits_nothing else len(results)} fit, "
             f"searched in {elapsed:.2f} s\n"

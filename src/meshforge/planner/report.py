@@ -9,7 +9,8 @@ from meshforge.planner.estimate import Estimate
 from meshforge.planner.shape import Shape
 
 COLUMNS = (
-    "columns: tp, pp, dp, cp: tensor-, pipeline-, data- and context-parallel degrees; zero: ZeRO stage (0: DDP, "
+    "columns: tp, pp, dp, cp: tensor-, pipeline-, data- and context-parallel degrees; ep: expert-parallel degree "
+    "(MoE: experts split over ep of the dp x cp ranks); zero: ZeRO stage (0: DDP, "
     "3: fully sharded); mb: micro-batch size (sequences per forward pass); m: micro-batches per step on each "
     "data-parallel rank (gradient accumulation, or the pipeline's micro-batches); recompute: activation "
     "recomputation; schedule: pipeline schedule (v: model chunks per rank); mem GiB: predicted peak memory per GPU; "
@@ -17,11 +18,13 @@ COLUMNS = (
     "same counting recomputed FLOPs; *: not runnable by meshforge train; !: does not fit"
 )
 
+TIME_PARTS = ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "ep_a2a", "dp_comm_exposed", "bubble", "optimizer")
+
 
 def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
     """The ranking; then the faster layouts meshforge train does not run yet, with the reason."""
     head = (
-        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'cp':>3} {'zero':>4} {'mb':>3} {'m':>4} {'recompute':>9} "
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'cp':>3} {'ep':>3} {'zero':>4} {'mb':>3} {'m':>4} {'recompute':>9} "
         f"{'schedule':>17} {'mem GiB':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6} {'HFU':>6}"
     )
     rows, notes = [head, "-" * len(head)], []
@@ -29,7 +32,7 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
         L = e.layout
         sched = "-" if L.pp == 1 else (f"{L.schedule} v={L.virtual_stages}" if L.virtual_stages > 1 else L.schedule)
         rows.append(
-            f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
+            f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.ep:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
             f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f} "
             f"{e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
             + ("  *" if e.not_runnable else "")
@@ -46,7 +49,7 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
     for e in faster:
         L = e.layout
         notes.append(
-            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} zero {L.zero_stage} {L.schedule}: "
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {L.schedule}: "
             f"{e.tokens_per_s_per_gpu:.0f} tok/s/gpu -- {e.not_runnable}"
         )
     return "\n".join(rows + notes + [COLUMNS])
@@ -60,10 +63,7 @@ def explain(e: Estimate, hbm_gib: float) -> str:
         + f" = {m['total']:.2f} of {hbm_gib:.0f}"
         + (" (fits)" if e.fits else f" -- fits: false, {e.overflow}"),
         "time per step (s): "
-        + ", ".join(
-            f"{k} {t[k]:.4f}"
-            for k in ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "dp_comm_exposed", "bubble", "optimizer")
-        )
+        + ", ".join(f"{k} {t[k]:.4f}" for k in TIME_PARTS if k != "ep_a2a" or e.layout.ep > 1)
         + f" -> {e.step_time_s:.4f} (dp traffic {t['dp_comm_total']:.4f} s, mostly hidden under compute)",
         "where the time goes (fractions of the step): " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in b.items()),
     ]
@@ -89,6 +89,19 @@ def runnable(e: Estimate) -> bool:
     return not e.not_runnable
 
 
+def moe_keys(shape: Shape) -> str:
+    """The [model] keys of a mixture of experts given by its shape (none for a dense model)."""
+    if shape.num_experts <= 0:
+        return ""
+    keys = ("num_experts", "experts_per_token", "moe_ffn_hidden", "num_shared_experts", "moe_interval")
+    lines = [f"{k} = {getattr(shape, k)}" for k in (*keys, "first_dense_layers")]
+    if shape.head_dim != shape.hidden // shape.heads:
+        lines.append(f"head_dim = {shape.head_dim}")
+    if shape.qk_norm:
+        lines.append("qk_norm = true")
+    return "\n".join(lines) + "\n"
+
+
 def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precision: str, preset: str | None) -> str:
     """A `meshforge train` TOML for this layout (dp ranks shard under ZeRO-2/3, else replicate)."""
     L = e.layout
@@ -98,7 +111,7 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
         else (
             f"hidden = {shape.hidden}\nlayers = {shape.layers}\nheads = {shape.heads}\nkv_heads = {shape.kv_heads}\n"
             f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab}\n"
-            f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n"
+            f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n" + moe_keys(shape)
         )
     )
     ac = L.recompute

@@ -42,8 +42,13 @@ def _divisors(n: int) -> list[int]:
 
 def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
     """Refuse impossible fixed choices with the reason and a fix."""
-    if f.ep not in (None, 1):
+    if f.ep not in (None, 1) and shape.num_experts <= 0:
         raise ConfigError(f"--ep {f.ep}: this model has no experts (MoE); expert parallelism needs --experts")
+    if f.ep is not None and (f.ep < 1 or (shape.num_experts and shape.num_experts % f.ep)):
+        ok = _divisors(max(1, shape.num_experts))
+        raise ConfigError(
+            f"--ep {f.ep} must divide --experts {shape.num_experts} (whole experts per rank); one of {ok}"
+        )
     if f.tp is not None:
         if f.tp > gpus_per_node:
             raise ConfigError(
@@ -82,6 +87,7 @@ def rules_view(shape: Shape) -> SimpleNamespace:
         ffn_hidden=shape.ffn_hidden,
         vocab_size=shape.vocab,
         tie_embeddings=shape.tie_embeddings,
+        num_experts=shape.num_experts,
     )
 
 
@@ -123,18 +129,38 @@ def candidates(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, g
                 dp = gpus // (tp * pp * cp)
                 if (f.dp and dp != f.dp) or global_batch % dp:
                     continue
-                yield from _per_rank_choices(tp, pp, dp, cp, global_batch // dp, f, shape)
+                for ep in _ep_choices(shape, dp * cp, f):
+                    yield from _per_rank_choices(tp, pp, dp, cp, ep, global_batch // dp, f, shape)
 
 
-def _per_rank_choices(tp: int, pp: int, dp: int, cp: int, local: int, f: Fixed, shape: Shape) -> Iterator[Layout]:
+def _ep_choices(shape: Shape, dp_cp: int, f: Fixed) -> list[int]:
+    """Expert-parallel degrees to try: the fixed one, else (MoE) every divisor of the experts
+    that divides the data-parallel ranks it borrows (the rules judge the rest)."""
+    if f.ep:
+        return [f.ep]
+    return [e for e in _divisors(max(1, shape.num_experts)) if dp_cp % e == 0]
+
+
+def _zero_choices(dp_cp: int, ep: int, f: Fixed) -> list[int]:
+    """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3."""
+    if f.zero is not None:
+        return [f.zero]
+    if dp_cp == 1:
+        return [0]
+    return [2, 3] if ep > 1 else [0, 1, 2, 3]
+
+
+def _per_rank_choices(
+    tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Fixed, shape: Shape
+) -> Iterator[Layout]:
     micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
     for mb in micros:
         if local % mb:
             continue
-        for zero in [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0]):
+        for zero in _zero_choices(dp * cp, ep, f):
             for rc in [f.recompute] if f.recompute else RECOMPUTE:
                 for sched, v in _schedules(pp, f):
-                    yield Layout(tp, pp, dp, cp, f.ep or 1, zero, mb, local // mb, rc, v, sched, f.sequence_parallel)
+                    yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel)
 
 
 def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):

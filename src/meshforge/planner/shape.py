@@ -31,6 +31,14 @@ class Shape:
     # "flash": a fused attention kernel (no s x s scores kept); "materialized": scores,
     # softmax and dropout written out (Megatron-LM before FlashAttention)
     attention: str = "flash"
+    # mixture of experts (models/moe.py; 0 experts: dense): routed experts, top-k, one expert's
+    # hidden size (0: ffn_hidden), always-on experts, every n-th block MoE from first_dense_layers
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_ffn_hidden: int = 0
+    num_shared_experts: int = 0
+    moe_interval: int = 1
+    first_dense_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.attention not in ("flash", "materialized"):
@@ -46,6 +54,7 @@ class Shape:
                 f"kv_heads {self.kv_heads}"
             )
         self.head_dim = self.head_dim or self.hidden // self.heads
+        _check_experts(self)
 
     @property
     def vocab_size(self) -> int:
@@ -73,12 +82,26 @@ class Shape:
     def matmul_params(self) -> int:
         return flops.matmul_params(self)
 
+    def active_params(self) -> int:
+        """Parameters a token uses (an MoE block's chosen and shared experts only)."""
+        return flops.active_params(self)
+
     def model_flops_per_token(self, seq: int) -> float:
         """6N + 12·L·s·heads·head_dim (full attention square)."""
         return flops.model_flops_per_token(self, seq)
 
     def hardware_flops_per_token(self, seq: int, recompute: str) -> float:
         return flops.hardware_flops_per_token(self, seq, recompute)
+
+
+def _check_experts(s: Shape) -> None:
+    """Refuse an MoE shape that cannot exist, naming the flag."""
+    if s.num_experts < 0 or s.num_shared_experts < 0 or s.moe_ffn_hidden < 0:
+        raise ConfigError("--experts, --shared-experts and --moe-ffn-hidden must be >= 0")
+    if s.num_experts and not 1 <= s.experts_per_token <= s.num_experts:
+        raise ConfigError(
+            f"--top-k {s.experts_per_token} must be between 1 and --experts {s.num_experts} (experts per token)"
+        )
 
 
 def from_preset(name: str) -> Shape:
@@ -101,4 +124,10 @@ def from_args(a: ModelArgs, name: str = "config") -> Shape:
         name,
         a.head_dim,
         a.qk_norm,
+        num_experts=a.num_experts,
+        experts_per_token=a.experts_per_token,
+        moe_ffn_hidden=a.moe_ffn_hidden,
+        num_shared_experts=a.num_shared_experts,
+        moe_interval=a.moe_interval,
+        first_dense_layers=a.first_dense_layers,
     )
