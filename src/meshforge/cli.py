@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.01)
     conv = sub.add_parser("convert", help="convert between Hugging Face, meshforge weights and checkpoints")
     g = conv.add_mutually_exclusive_group(required=True)
-    g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama directory to read")
+    g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama-family or Mixtral/Qwen3-MoE directory")
     g.add_argument("--to-hf", metavar="DIR", help="meshforge weights (e.g. a run's final/) to write as Hugging Face")
     g.add_argument(
         "--from-checkpoint",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from meshforge.errors import MeshforgeError
+from meshforge.models.hf_moe import (
+    check_exportable,
+    hf_moe_family,
+    moe_args_from_hf,
+    moe_from_hf,
+    moe_hf_config,
+    moe_to_hf,
+)
 from meshforge.models.llama import ModelArgs, Transformer, build_model
 from meshforge.models.presets import check_model_args
 
@@ -74,11 +83,12 @@ def _check_hf_family(cfg: dict, source: str) -> bool:
     """Refuse what meshforge cannot represent; returns whether it is a Qwen3 (QK-norm) model."""
     arch = cfg.get("architectures") or []
     qwen3 = cfg.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in arch
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch and not qwen3:
+    moe = hf_moe_family(cfg) is not None
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch and not qwen3 and not moe:
         raise HFCheckpointError(
             f"{source} describes a '{cfg.get('model_type')}' model ({', '.join(arch) or 'no architectures'}); "
             "meshforge reads Llama-family checkpoints (model_type 'llama', LlamaForCausalLM; 'qwen3', "
-            "Qwen3ForCausalLM) only"
+            "Qwen3ForCausalLM; 'mixtral', MixtralForCausalLM; 'qwen3_moe', Qwen3MoeForCausalLM) only"
         )
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise HFCheckpointError(f"{source}: only SwiGLU (silu) Llama models without biases are supported")
@@ -117,6 +127,10 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
         args.rope_low_freq_factor = float(scaling["low_freq_factor"])
         args.rope_high_freq_factor = float(scaling["high_freq_factor"])
         args.rope_original_max_seq_len = int(scaling["original_max_position_embeddings"])
+    family = hf_moe_family(cfg)
+    if family:  # Mixtral / Qwen3-MoE: the expert fields (models/hf_moe.py)
+        for key, value in moe_args_from_hf(cfg, family, args.layers, source).items():
+            setattr(args, key, value)
     check_model_args(args)
     return args
 
@@ -152,6 +166,8 @@ def hf_config_from_args(a: ModelArgs, dtype: torch.dtype) -> dict:
             "high_freq_factor": a.rope_high_freq_factor,
             "original_max_position_embeddings": a.rope_original_max_seq_len,
         }
+    if a.num_experts > 0:
+        cfg.update(moe_hf_config(a, "qwen3_moe" if a.qk_norm else "mixtral"))
     return cfg
 
 
@@ -198,27 +214,44 @@ def load_hf_checkpoint(
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name in st.keys():
-                    ours = from_hf_name(name)
-                    if ours is None or ours not in expected:
-                        continue
-                    t = st.get_tensor(name)
-                    if t.shape != expected[ours].shape:
-                        raise HFCheckpointError(
-                            f"{f}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[ours].shape)}"
-                        )
-                    with torch.no_grad():
-                        expected[ours].copy_(t)
-                    loaded.add(ours)
+                    _load_tensor(expected, loaded, name, lambda name=name: st.get_tensor(name), f)
         except HFCheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise HFCheckpointError(f"cannot read {f}: {e}") from None
     if args.tie_embeddings:
         loaded.add("output.weight") if "tok_embeddings.weight" in loaded else None
+    for name, t in expected.items():  # stacked experts: complete once every expert's slice came
+        if t.dim() == 3 and all((name, e) in loaded for e in range(t.shape[0])):
+            loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise HFCheckpointError(f"{p} lacks {len(missing)} tensors meshforge needs, e.g. {missing[:3]}")
     return model
+
+
+def _load_tensor(
+    expected: dict[str, torch.Tensor], loaded: set, name: str, get: Callable[[], torch.Tensor], f: Path
+) -> None:
+    """Copy HF tensor ``name`` (read by ``get()`` only if meshforge uses it) into ``expected``;
+    records the meshforge name (or (name, expert) for one expert's slice) in ``loaded``."""
+    ours = from_hf_name(name)
+    if ours is not None:
+        targets = [(ours, None, None)]
+    else:
+        targets = moe_from_hf(name, get()) or []  # Mixtral / Qwen3-MoE experts and router
+    for ours, expert, t in targets:
+        if ours not in expected:
+            continue
+        t = get() if t is None else t
+        dest = expected[ours] if expert is None else expected[ours][expert]
+        if expert is not None and expert >= expected[ours].shape[0]:
+            raise HFCheckpointError(f"{f}: {name} names expert {expert}, config.json has {expected[ours].shape[0]}")
+        if t.shape != dest.shape:
+            raise HFCheckpointError(f"{f}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(t)
+        loaded.add(ours if expert is None else (ours, expert))
 
 
 def unwrap(model: nn.Module) -> Transformer:
@@ -247,6 +280,7 @@ def save_hf_state(
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
     """Write full meshforge weights as a Hugging Face Llama directory."""
+    family = check_exportable(args, state_dict) if args.num_experts > 0 else ""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -254,7 +288,11 @@ def save_hf_state(
         if name == "output.weight" and args.tie_embeddings:
             continue  # HF re-ties lm_head to embed_tokens
         t = t.detach().to("cpu")
-        tensors[to_hf_name(name)] = (t.to(dtype) if dtype else t).contiguous().clone()
+        parts = moe_to_hf(name, t, family) if family else None  # experts and router; None: not MoE
+        if parts is None:
+            parts = [(to_hf_name(name), t)]
+        for hf_name, part in parts:
+            tensors[hf_name] = (part.to(dtype) if dtype else part).contiguous().clone()
     out_dtype = dtype or next(iter(tensors.values())).dtype
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
