@@ -45,6 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
+    from meshforge.resolve import layout
     from meshforge.train import Trainer, preflight, prepare_run_dir
 
     world = int(os.environ["WORLD_SIZE"])
@@ -70,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
     for name, extra in LAYOUTS.items():
         o = {**base, **extra, "run.dir": f"{tmp}/{len(trainers)}"}
         cfg = preflight(load_config(None, o), world)
-        mesh = build_mesh(cfg)
+        mesh = build_mesh(layout(cfg, world), cfg.train.device)
         if rank == 0:
             prepare_run_dir(cfg)
         dist.barrier()
