@@ -3,8 +3,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_cli
-from meshforge.checkpoint.weights import load_weights
+from conftest import assert_convert_both_ways, run_cli
 from meshforge.models.hf import HFCheckpointError, load_hf_checkpoint, save_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -85,18 +84,7 @@ def test_missing_weights_refused(tmp_path):
 
 
 def test_convert_cli_both_ways(tmp_path):
-    hf = small_hf(seed=1)
-    hf.save_pretrained(tmp_path / "hf")
-    r = run_cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mf"))
-    assert r.returncode == 0, r.stderr
-    ours = load_weights(tmp_path / "mf")
-    r = run_cli("convert", "--to-hf", str(tmp_path / "mf"), "--out", str(tmp_path / "hf2"))
-    assert r.returncode == 0, r.stderr
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
-    x = torch.randint(0, 120, (1, 40))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
-        torch.testing.assert_close(back(x).logits, hf(x).logits, atol=1e-4, rtol=0)
+    assert_convert_both_ways(small_hf(seed=1), transformers.LlamaForCausalLM, tmp_path, vocab=120)
     r = run_cli("convert", "--to-hf", str(tmp_path / "mf"), "--out", str(tmp_path / "hf2"))
     assert r.returncode == 2 and "not empty" in r.stderr and "Traceback" not in r.stderr
 

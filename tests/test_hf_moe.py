@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_cli
-from meshforge.checkpoint.weights import load_weights
+from conftest import assert_convert_both_ways
 from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 from meshforge.models.hf_moe import HFMoEError
 from meshforge.models.llama import ModelArgs, build_model
@@ -115,18 +114,7 @@ def test_fused_expert_tensors_are_read(tmp_path):
 
 @pytest.mark.slow  # two CLI subprocesses
 def test_convert_cli_both_ways_qwen3_moe(tmp_path):
-    hf = qwen3_moe(True, [0], seed=1)
-    hf.save_pretrained(tmp_path / "hf")
-    r = run_cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mf"))
-    assert r.returncode == 0, r.stderr
-    ours = load_weights(tmp_path / "mf")
-    r = run_cli("convert", "--to-hf", str(tmp_path / "mf"), "--out", str(tmp_path / "hf2"))
-    assert r.returncode == 0, r.stderr
-    back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf2").eval()
-    x = torch.randint(0, 120, (1, 40))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
-        torch.testing.assert_close(back(x).logits, hf(x).logits, atol=1e-4, rtol=0)
+    assert_convert_both_ways(qwen3_moe(True, [0], seed=1), transformers.Qwen3MoeForCausalLM, tmp_path, vocab=120)
 
 
 def _tiny_moe(**kw):

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from meshforge.models.moe import GroupedExperts, is_moe_layer, moe_layers
+from meshforge.parallel.collectives import all_gather_flat
 from meshforge.parallel.data_parallel import AllReduceScatter
 from meshforge.parallel.mesh import Mesh
 
@@ -72,12 +73,6 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
-def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
-    """all_gather_single where the installed PyTorch has it (it deprecates all_gather_into_tensor)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
-
-
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
     """Differentiable: send ``in_splits[d]`` rows of ``x`` to rank d, receive ``out_splits[s]`` from rank s."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
@@ -96,7 +91,7 @@ class AllToAllDispatch(nn.Module):
         local = e // self.ep
         self.elem_bytes = x.element_size()  # for the logged formula (train/moe_stats.py)
         gathered = counts.new_empty(self.ep * e)
-        _all_gather(gathered, counts, group=self.group)
+        all_gather_flat(gathered, counts, group=self.group)
         table = gathered.view(self.ep, self.ep, local).tolist()  # [source][destination][local expert]
         send = [sum(c) for c in table[self.rank]]
         recv = [sum(table[s][self.rank]) for s in range(self.ep)]

@@ -35,17 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from meshforge.parallel.collectives import all_gather_flat, reduce_scatter_flat
+
 CHUNK_BYTES = 32 * 2**20  # the largest fp32 copy of gradients made for one reduce-scatter
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Looked up per call (renamed in torch 2.13; the communication counter wraps the module attribute)."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
 
 
 def uses_flat_zero1(precision: str, zero_stage: int, dp: int) -> bool:
@@ -129,12 +122,12 @@ class FlatZero1(torch.optim.Optimizer):
             out = torch.empty(f.shard, dtype=self.reduce_dtype, device=f.master.device)
             rows = f.grad_flat.view(self.n, f.shard)
             if self.reduce_dtype == f.grad_flat.dtype:
-                _reduce_scatter(out, f.grad_flat, self.group)
+                reduce_scatter_flat(out, f.grad_flat, self.group)
             else:
                 step = max(1, CHUNK_BYTES // (self.n * out.element_size()))
                 for c in range(0, f.shard, step):
                     piece = rows[:, c : c + step].to(self.reduce_dtype).reshape(-1)
-                    _reduce_scatter(out[c : c + step], piece, self.group)
+                    reduce_scatter_flat(out[c : c + step], piece, self.group)
             f.master.grad = out.float().div_(self.n)
         self._reduced = True
 
@@ -159,7 +152,7 @@ class FlatZero1(torch.optim.Optimizer):
         self.optim.step()
         for f in self.flats:
             f.master.grad = None
-            _all_gather(f.param_flat, f.master.to(f.param_flat.dtype), self.group)
+            all_gather_flat(f.param_flat, f.master.to(f.param_flat.dtype), self.group)
         self._reduced = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -185,7 +178,7 @@ class FlatZero1(torch.optim.Optimizer):
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(shard.numel() * self.n, dtype=shard.dtype, device=shard.device)
-        _all_gather(full, shard.contiguous(), self.group)
+        all_gather_flat(full, shard.contiguous(), self.group)
         return full
 
     def full_training_state(self, model: nn.Module, init: bool = False) -> dict[str, Any]:

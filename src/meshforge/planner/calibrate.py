@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshforge.errors import ConfigError
 from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
+from meshforge.parallel.collectives import all_gather_flat
 from meshforge.parallel.data_parallel import AllReduceScatter
 from meshforge.planner.hardware import PRESETS, Hardware, cost_coefficients
 
@@ -260,8 +261,7 @@ def _collective_call(kind: str, nbytes: int, dev: torch.device, mesh):
         return lambda: dist.all_reduce(x)
     if kind == "all_gather":
         x, out = torch.zeros(n // world, device=dev), torch.empty(n, device=dev)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
-        return lambda: gather(out, x)
+        return lambda: all_gather_flat(out, x)
     if kind == "reduce_scatter":
         x, out = torch.zeros(n, device=dev), torch.empty(n // world, device=dev)
         if dist.get_backend() == "gloo":  # FSDP2 reduces gradients this way on gloo
