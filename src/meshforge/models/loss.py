@@ -50,6 +50,7 @@ class LanguageModelLoss:
         self.step_terms: dict[str, torch.Tensor] = {}  # the last step's parts, mean over its calls (end_step)
         self._sums: dict[str, torch.Tensor] = {}
         self._calls = 0
+        self._elsewhere: dict[str, torch.Tensor] = {}  # see add_step_terms
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Training: the mean token loss plus the auxiliary terms ``model``'s layers reported."""
@@ -65,7 +66,21 @@ class LanguageModelLoss:
         """After an optimizer step: the step's parts become ``step_terms`` (the mean over its
         micro-batches on this rank); the next step starts from zero."""
         self.step_terms = {k: v / self._calls for k, v in self._sums.items()}
-        self._sums, self._calls = {}, 0
+        for k, v in self._elsewhere.items():
+            self.step_terms[k] = self.step_terms[k] + v if k in self.step_terms else v
+        self._sums, self._calls, self._elsewhere = {}, 0, {}
+
+    def discard(self) -> None:
+        """Forget this step's calls so far (a pipeline schedule's shape inference on stand-in
+        tensors, parallel/pipeline_aux.py)."""
+        self._sums, self._calls, self._elsewhere = {}, 0, {}
+
+    def add_step_terms(self, terms: dict[str, torch.Tensor]) -> None:
+        """This step's means per micro-batch of terms whose gradient entered elsewhere (the MoE
+        layers of pipeline stages before the last, parallel/pipeline_aux.py): logged with the
+        step's parts by ``end_step``."""
+        for k, v in terms.items():
+            self._elsewhere[k] = self._elsewhere[k] + v if k in self._elsewhere else v
 
     def token_sum(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Evaluation: the summed token loss of the language model alone (``model``'s

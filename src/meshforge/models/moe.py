@@ -9,7 +9,9 @@ installed PyTorch runs it for the device and dtype, else as an exact loop over e
 
 Seams for parallelism (the model knows nothing of it): the sorted tokens and per-expert
 counts go through ``MoE.dispatcher`` (a parameter-free module; expert parallelism swaps it
-for an all-to-all one, the way context parallelism swaps ``attention.core``), and the
+for an all-to-all one, the way context parallelism swaps ``attention.core``), the balance
+loss counts a micro-batch's slots per expert through ``MoE.balance_counts`` (context
+parallelism sums them over the ranks holding the sequences' other shards), and the
 experts read their weights through ``local_weight`` (the local shard of a DTensor).
 
 Parameter names (what checkpoints and Hugging Face export key on): ``router.weight``
@@ -132,6 +134,14 @@ class LocalDispatch(nn.Module):
         return experts(x, counts)
 
 
+class LocalCounts(nn.Module):
+    """One device: all of a micro-batch's routed slots per expert are counted here (context
+    parallelism swaps this for a sum over the ranks holding the other shards of its sequences)."""
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+
 class SharedExperts(nn.Module):
     """Always-on experts, as one SwiGLU of num_shared x moe_ffn_hidden columns."""
 
@@ -167,6 +177,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(e, args.hidden, ffn)
         self.shared = SharedExperts(args.hidden, ffn * args.num_shared_experts) if args.num_shared_experts else None
         self.dispatcher: nn.Module = LocalDispatch()
+        self.balance_counts: nn.Module = LocalCounts()  # the micro-batch's slots per expert, for f_i
         if self.load_balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(e))
         # since the last optimizer step (training forwards only): tokens per expert, and dropped / routed
@@ -251,7 +262,8 @@ class MoE(nn.Module):
         """The balance terms; computed on a recomputation too (checkpointing needs the same
         ops in the same order) but reported once."""
         if self.load_balance == "aux_loss" and self.aux_loss_coeff > 0:
-            f = counts.float() / counts.sum()  # share of the routed slots per expert
+            total = self.balance_counts(counts).float()
+            f = total / total.sum()  # share of the micro-batch's routed slots per expert
             p = probs / probs.sum(-1, keepdim=True) if self.router_score == "sigmoid" else probs
             aux = self.num_experts * (f * p.mean(0)).sum()
             if report:

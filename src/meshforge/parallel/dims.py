@@ -523,6 +523,7 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
     experts = getattr(model, "num_experts", 0)
     if experts:
         yield from _moe_unsupported(d)
+        yield from _moe_context_parallel(d, model)
     if d.ep == 1:
         return
     if not experts:
@@ -556,12 +557,9 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
 
 def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
     """Mixtures of experts under axes that this version does not run them on (each is refused
-    until an equivalence test covers it): tp would shard the experts as if dense, pp would drop
-    the balance losses of the stages before the last, cp would balance over a part of each sequence."""
+    until an equivalence test covers it): tp would shard the experts as if dense."""
     for key, degree, why in (
         ("parallel.tp", d.tp, "the tensor-parallel plan does not yet cover the router and experts"),
-        ("parallel.pp", d.pp, "the pipeline does not yet carry the balance losses of earlier stages"),
-        ("parallel.cp", d.cp, "capacity and balance would be computed per sequence shard"),
     ):
         if degree > 1:
             yield Problem(
@@ -570,3 +568,18 @@ def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
                 f"meshforge does not run it; set {key} = 1 (use parallel.ep and dp_shard to scale out)",
                 "unsupported",
             )
+
+
+def _moe_context_parallel(d: ParallelDims, model: ModelShape) -> Iterator[Problem]:
+    """Under cp a rank routes its shard of each sequence; the balance statistics are summed
+    over the cp ranks (parallel/moe_context_parallel.py), but capacity drops the lowest
+    scores per expert among a micro-batch's tokens, which no rank sees whole."""
+    capacity = getattr(model, "capacity_factor", 0)
+    if d.cp > 1 and capacity > 0:
+        yield Problem(
+            "model.capacity_factor",
+            f"model.capacity_factor = {capacity} with parallel.cp = {d.cp}: capacity would be enforced per "
+            "sequence shard, not per micro-batch as on one device; set model.capacity_factor = 0 (dropless) "
+            "or parallel.cp = 1",
+            "unsupported",
+        )

@@ -43,6 +43,7 @@ from meshforge.parallel.dims import chunks_per_rank, schedule_name
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.moe_context_parallel import apply_moe_cp
 from meshforge.parallel.pipeline import (
     Pipeline,
     balanced_split,
@@ -95,6 +96,7 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_ep(model, mesh)
     if mesh.degrees["cp"] > 1:
         apply_cp(model, mesh, cfg)
+        apply_moe_cp(model, mesh.group("cp"))
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
     if cfg.train.compile:
         for block in blocks:

@@ -39,6 +39,7 @@ from meshforge.models import flops
 from meshforge.models.llama import ModelArgs, Transformer
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.dims import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
+from meshforge.parallel.pipeline_aux import StageAux, forget_metadata_inference
 from meshforge.parallel.tensor_parallel import local_value
 
 if TYPE_CHECKING:
@@ -204,6 +205,10 @@ class Pipeline:
         self.has_first = 0 in chunks
         self.has_last = self.num_chunks - 1 in chunks
         self.last_part = parts[chunks.index(self.num_chunks - 1)] if self.has_last else None
+        self.stage_aux = StageAux()  # the auxiliary losses of the chunks before the last
+        for part, c in zip(parts, chunks, strict=True):
+            if c != self.num_chunks - 1:
+                self.stage_aux.attach(part)
         self.m = p.num_microbatches  # resolved (meshforge.resolve) before any rank starts
         self.stages = [
             PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
@@ -219,6 +224,7 @@ class Pipeline:
         self._t0 = 0.0
         for stage in self.stages:
             self._instrument(stage)
+            forget_metadata_inference(stage, loss, self.stage_aux)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss(output, target, self.last_part)
@@ -253,8 +259,9 @@ class Pipeline:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, rank: int, measure: bool = True) -> torch.Tensor:
         """One forward/backward over all micro-batches of this rank's batch slice; returns
-        the mean loss on the rank holding the last chunk (zero elsewhere). ``measure``: keep
-        the step's timeline (bubble, in-flight, Gantt chart)."""
+        this rank's part of the mean loss: the language-model loss (last chunk's rank) plus
+        the auxiliary losses of its chunks' layers, which sum to the loss over the pp ranks.
+        ``measure``: keep the step's timeline (bubble, in-flight, Gantt chart)."""
         self._start(rank, measure)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
@@ -263,9 +270,12 @@ class Pipeline:
             self.schedule.step(*args, **kw)
         if self.record is not None:
             self.record.span = time.perf_counter() - self._t0
+        aux = self.stage_aux.take(self.m)  # earlier chunks' auxiliary losses: part of the loss, summed over pp
+        self.loss.add_step_terms(aux)
+        total = sum(aux.values(), torch.zeros((), device=inputs.device))
         if not losses:
-            return torch.zeros((), device=inputs.device)
-        return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+            return total
+        return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean() + total
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

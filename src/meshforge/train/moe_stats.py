@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.models.moe import end_step, moe_layers
+from meshforge.models.moe import end_step, is_moe_layer, moe_layers
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
 from meshforge.parallel.mesh import Mesh
 
@@ -58,16 +58,34 @@ def moe_record(
     out.update(expert_load(model, mesh))
     elem = next((m.dispatcher.elem_bytes for m in moe_layers(model).values() if hasattr(m.dispatcher, "elem_bytes")), 0)
     if mesh.dims.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
-        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens_per_rank, elem, mesh.dims.ep)
+        every = sum(1 for i in range(args.layers) if is_moe_layer(args, i))
+        mine = len(moe_layers(model))  # a pipeline stage holds some of the layers
+        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens_per_rank, elem, mesh.dims.ep) * mine / every
     return out
 
 
 def expert_load(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
-    """Per MoE layer of this rank: max/mean tokens per expert, their coefficient of variation and
-    the dropped fraction, over the whole global batch of the last step."""
+    """Per MoE layer: max/mean tokens per expert, their coefficient of variation and the
+    dropped fraction, over the whole global batch of the last step. Under pp each stage
+    computes its own layers' and rank 0 gathers them (the others return their own)."""
+    rows, drops = _stage_load(model, mesh)
+    if mesh.dims.pp > 1:
+        rows, drops = _gather_stages(rows, drops, mesh)
+    if not rows:
+        return {}
+    return {
+        "expert_load": rows,
+        "expert_load_max_mean": max(r["max_mean"] for r in rows.values()),
+        "dropped_fraction": drops[0] / max(drops[1], 1.0),
+    }
+
+
+def _stage_load(model: nn.Module, mesh: Mesh) -> tuple[dict[str, dict[str, float]], list[float]]:
+    """This rank's MoE layers' load figures (summed over the data-parallel ranks), and the
+    dropped and routed slot totals over those layers."""
     layers = {k: m for k, m in moe_layers(model).items() if m.step_load is not None}
     if not layers:
-        return {}
+        return {}, [0.0, 0.0]
     loads = torch.stack([m.step_load for m in layers.values()]).float()
     drops = torch.stack([m.step_drops for m in layers.values()]).float()
     group = data_group(mesh)
@@ -80,9 +98,20 @@ def expert_load(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
     mean = loads.mean(1).clamp_min(1e-12)
     ratio, cv = (loads.max(1).values / mean).tolist(), (loads.std(1, correction=0) / mean).tolist()
     dropped = (drops[:, 0] / drops[:, 1].clamp_min(1)).tolist()
-    per_layer = {k: {"max_mean": ratio[i], "cv": cv[i], "dropped": dropped[i]} for i, k in enumerate(layers)}
-    return {
-        "expert_load": per_layer,
-        "expert_load_max_mean": max(ratio),
-        "dropped_fraction": float(drops[:, 0].sum() / drops[:, 1].sum().clamp_min(1)),
-    }
+    rows = {k: {"max_mean": ratio[i], "cv": cv[i], "dropped": dropped[i]} for i, k in enumerate(layers)}
+    return rows, drops.sum(0).tolist()
+
+
+def _gather_stages(
+    rows: dict[str, dict[str, float]], drops: list[float], mesh: Mesh
+) -> tuple[dict[str, dict[str, float]], list[float]]:
+    """Every pipeline stage's layer figures on pp rank 0 (a collective over the pp group)."""
+    group = mesh.group("pp")
+    first = mesh.coordinate("pp") == 0
+    every: list[Any] | None = [None] * mesh.dims.pp if first else None
+    dist.gather_object((rows, drops), every, dst=dist.get_global_rank(group, 0), group=group)
+    if not first or every is None:
+        return rows, drops
+    merged = {k: v for stage_rows, _ in every for k, v in stage_rows.items()}
+    totals = [sum(d[i] for _, d in every) for i in range(2)]
+    return {k: merged[k] for k in sorted(merged, key=int)}, totals
