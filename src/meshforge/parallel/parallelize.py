@@ -11,7 +11,8 @@ sharding, so a rank only ever allocates its own shards; every shard is filled fr
 seed-determined full values, so any layout starts from the single-process weights.
 With pp > 1 the model is first split into pipeline chunks (parallel/pipeline.py) and each
 chunk then goes through the same steps as a whole model. Context parallelism swaps each
-block's attention core for ring attention (parallel/context_parallel.py); its parameters
+block's attention core for ring attention (parallel/context_parallel.py) and makes MoE
+balance losses count the whole micro-batch (parallel/moe_context_parallel.py); its parameters
 are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism splits
 each MoE layer's experts over ep data-parallel ranks and swaps its dispatcher for an
 all-to-all one (parallel/expert_parallel.py); FSDP then shards the experts over the

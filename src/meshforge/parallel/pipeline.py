@@ -17,8 +17,9 @@ update). ``parallel.pp_layers`` overrides the split.
 
 The schedule runs all micro-batches of a step; its loss is the mean cross-entropy of a
 micro-batch and it divides the accumulated gradients by their number, so the gradients
-equal the single-process mean over the batch. Every action a rank executes (F, B, W) is
-timed, which gives the measured bubble and the Gantt chart of a step.
+equal the single-process mean over the batch. The auxiliary losses (MoE balance, z-loss)
+of chunks before the last enter those chunks' backward (``pipeline_aux.py``). Every action
+a rank executes (F, B, W) is timed, which gives the measured bubble and the Gantt chart of a step.
 """
 
 from __future__ import annotations

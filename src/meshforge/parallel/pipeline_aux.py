@@ -32,12 +32,14 @@ from meshforge.models.moe import moe_layers
 
 
 class _AddAuxGrad(torch.autograd.Function):
-    """Identity on ``h``; in backward, ``aux`` receives a gradient of 1 (see the module docstring)."""
+    """Identity on ``h``; in backward, ``aux`` receives a gradient of 1 (see the module docstring).
+    The output is a copy, not a view: the zero-bubble schedules detach stage outputs in place,
+    which views refuse (the original, saved by nothing, is freed)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_like = (aux.shape, aux.dtype, aux.device)
-        return h.view_as(h)
+        return h.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
