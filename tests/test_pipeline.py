@@ -10,6 +10,7 @@ chart, and bad pipeline settings.
 import json
 
 import pytest
+import torch
 
 from conftest import (
     assert_run_matches,
@@ -21,9 +22,11 @@ from conftest import (
 )
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.models.loss import drain_aux, report_aux
 from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.dims import bubble_fraction
 from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
+from meshforge.parallel.pipeline_aux import StageAux
 from meshforge.resolve import resolve
 from meshforge.train import train
 
@@ -147,6 +150,39 @@ def test_in_flight_counts_forwards_not_yet_backwarded():
     t.actions += [Action("F", 0, 2, 0.3, 0.4), Action("B", 0, 1, 0.4, 0.5), Action("B", 0, 2, 0.5, 0.6)]
     assert t.max_in_flight() == 2
     assert t.busy() == pytest.approx(0.6)
+
+
+class _Reporting(torch.nn.Module):
+    """A stage whose layer reports an auxiliary term, as an MoE block does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        report_aux(self.lin, "aux_loss", 0.1 * self.lin.weight.square().sum())
+        return self.lin(x)
+
+
+def test_an_earlier_stage_takes_its_aux_gradient_in_its_own_backward():
+    """What pipeline_aux does for a stage before the last: backward from the output's gradient
+    gives the parameters the gradient of (output . g) + aux, as when aux is a summand of the
+    loss on one process; the logged value is the step's mean per micro-batch."""
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 4), torch.randn(3, 4)
+    ref, part = _Reporting(), _Reporting()
+    part.load_state_dict(ref.state_dict())
+    ((ref(x) * g).sum() + sum(drain_aux(ref).values())).backward()
+    aux = StageAux()
+    aux.attach(part)
+    for _ in range(2):  # two micro-batches, each with its own aux term
+        part(x).backward(g)
+    for a, b in zip(ref.parameters(), part.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, 2 * a.grad)
+    assert drain_aux(part) == {}  # the hook took the terms
+    (mean,) = aux.take(2).values()
+    assert float(mean) == pytest.approx(0.1 * float(ref.lin.weight.detach().square().sum()))
+    assert aux.take(2) == {}
 
 
 def _cfg(world, **over):
