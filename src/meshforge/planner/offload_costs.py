@@ -24,6 +24,7 @@ launcher gives each rank its share of the cores).
 
 from __future__ import annotations
 
+from meshforge.errors import ConfigError
 from meshforge.planner.hardware import GIB, Hardware
 
 STAGING_COPIES = 4  # fp32 shards in flight: two units' parameters (running + prefetched), two units' gradients
@@ -57,6 +58,7 @@ def link_bytes(psi: float, n: int, zero_stage: int, num_microbatches: int) -> tu
 
 def link_seconds(psi: float, n: int, zero_stage: int, num_microbatches: int, hw: Hardware) -> float:
     """Time of the host-link copies of one step, both directions (before any overlap)."""
+    _check_host(hw)
     h2d, d2h = link_bytes(psi, n, zero_stage, num_microbatches)
     return (h2d + d2h) / hw.host_link_bw
 
@@ -64,9 +66,18 @@ def link_seconds(psi: float, n: int, zero_stage: int, num_microbatches: int, hw:
 def cpu_optimizer_seconds(states: dict[str, float], hw: Hardware) -> float:
     """The CPU optimizer step (clipping + fused AdamW): twice the host state over the host
     memory bandwidth (module doc)."""
+    _check_host(hw)
     return 2 * sum(host_state_bytes(states).values()) / hw.host_mem_bw
 
 
 def can_offload(hw: Hardware) -> bool:
     """Whether this hardware has a host to offload to (a CPU's state already lives there)."""
     return hw.host_link_bw > 0 and hw.host_mem_bw > 0
+
+
+def _check_host(hw: Hardware) -> None:
+    if not can_offload(hw):
+        raise ConfigError(
+            f"CPU offload on {hw.name}: no host-side figures (host_link_bw, host_mem_bw); on a CPU the state already "
+            "lives in host memory"
+        )
