@@ -18,7 +18,11 @@ Memory per GPU (the most loaded pipeline stage):
 - in-flight micro-batches by schedule on the first stage: GPipe all m, 1F1B min(m, p),
   interleaved 1F1B p·(1 + (p−1)/(p·v)) stage-chunks (Narayanan et al. 2021);
 - embedding/head on the first/last stage, the loss's fp32 logits (vocab-parallel under tp),
-  gathered parameters under ZeRO-2/3, communication buckets and a fixed reserve.
+  gathered parameters under ZeRO-2/3, communication buckets and a fixed reserve;
+- under CPU offload (``Layout.offload``, planner/offload_costs.py) the model states are in
+  host memory (``Estimate.host_memory``) and only fp32 staging copies stay on the device; the
+  host-link copies ride the data-parallel prefetch window and the optimizer step runs on the
+  CPU at host memory bandwidth.
 
 Time per step: GEMM FLOPs at a size-dependent efficiency, the attention core at its own
 efficiency, and memory-bound elementwise passes (norms, residuals, activations); TP
