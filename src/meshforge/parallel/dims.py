@@ -284,14 +284,34 @@ def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[
         )
 
 
-def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
-    if t.offload == "cpu" and (t.zero_stage < 2 or not d.uses_fsdp(t.zero_stage)):
-        yield Problem(
+def offload_problem(d: ParallelDims, zero_stage: int, offload: str) -> Problem | None:
+    """Why ``parallel.offload = "cpu"`` cannot run on this layout (None: it can). FSDP2's
+    CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 over more than one
+    data-parallel rank; the experts' own FSDP units (ep > 1) take no offload policy yet.
+    The planner puts its fixed choices to this rule too."""
+    if offload != "cpu":
+        return None
+    if zero_stage < 2 or not d.uses_fsdp(zero_stage):
+        return Problem(
             "parallel.offload",
             f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3 with more than one "
-            f"data-parallel rank; here zero_stage = {t.zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
+            f"data-parallel rank; here zero_stage = {zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
             "or parallel.offload = 'none'",
         )
+    if d.ep > 1:
+        return Problem(
+            "parallel.offload",
+            f"parallel.offload = 'cpu' with parallel.ep = {d.ep}: the experts' FSDP units (over edp) are not "
+            "offloaded in this version; use parallel.ep = 1 or parallel.offload = 'none'",
+            "unsupported",
+        )
+    return None
+
+
+def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    found = offload_problem(d, t.zero_stage, t.offload)
+    if found:
+        yield found
 
 
 def _batch(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
