@@ -43,6 +43,7 @@ from meshforge.parallel.dims import chunks_per_rank, schedule_name
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.moe_tensor_parallel import split_over_tp
 from meshforge.parallel.pipeline import (
     Pipeline,
     balanced_split,
@@ -93,6 +94,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     if mesh.dims.ep > 1:
         apply_ep(model, mesh)
+        if mesh.degrees["tp"] > 1:  # each tp rank dispatches its share of the slots
+            split_over_tp(model, mesh.group("tp"))
     if mesh.degrees["cp"] > 1:
         apply_cp(model, mesh, cfg)
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
