@@ -22,7 +22,9 @@ edp x ep ranks -- needs a further 1/ep. The dispatcher puts it into the backward
 the gradient entering the experts is scaled by 1/ep and the gradient leaving them for the
 tokens by ep, which leaves the token gradients exact and the weight gradients x 1/ep
 (an FSDP gradient divide factor would do the same, but its PREMUL_SUM reduction does not
-exist on gloo).
+exist on gloo). Under tp the experts are replicated over tp and each tp rank runs them on
+its share of the slots (parallel/moe_tensor_parallel.py): their gradients are summed over
+tp after FSDP's reduce-scatter. Under HSDP FSDP also averages them over dp_replicate.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ block's attention core for ring attention (parallel/context_parallel.py); its pa
 are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism splits
 each MoE layer's experts over ep data-parallel ranks and swaps its dispatcher for an
 all-to-all one (parallel/expert_parallel.py); FSDP then shards the experts over the
-remaining (edp) ranks and everything else as usual.
+remaining (edp) ranks and everything else as usual. Under tp an MoE block's router runs
+replicated over tp and each tp rank dispatches its share of the slots
+(parallel/moe_tensor_parallel.py).
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
 data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
