@@ -10,7 +10,8 @@ installed PyTorch runs it for the device and dtype, else as an exact loop over e
 Seams for parallelism (the model knows nothing of it): the sorted tokens and per-expert
 counts go through ``MoE.dispatcher`` (a parameter-free module; expert parallelism swaps it
 for an all-to-all one, the way context parallelism swaps ``attention.core``), and the
-experts read their weights through ``local_weight`` (the local shard of a DTensor).
+experts and the router read their weights through ``local_weight`` (the local value of a
+DTensor).
 
 Parameter names (what checkpoints and Hugging Face export key on): ``router.weight``
 [E, hidden], ``experts.w1`` / ``experts.w3`` [E, ffn, hidden], ``experts.w2`` [E, hidden,
@@ -201,7 +202,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routing:
         """Scores in fp32, top-k choice, weights, capacity; reports the balance terms."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        logits = F.linear(x.float(), local_weight(self.router.weight).float())
         probs = logits.softmax(-1) if self.router_score == "softmax" else logits.sigmoid()
         choice = probs + self.expert_bias if self.load_balance == "bias" else probs
         experts = choice.topk(self.top_k, dim=-1).indices

@@ -543,6 +543,14 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
     experts = getattr(model, "num_experts", 0)
     if experts:
         yield from _moe_unsupported(d)
+    shared = getattr(model, "num_shared_experts", 0) * (getattr(model, "moe_ffn_hidden", 0) or model.ffn_hidden)
+    if experts and d.tp > 1 and shared % d.tp:
+        yield Problem(
+            "model.num_shared_experts",
+            f"the shared experts' {shared} columns (model.num_shared_experts x model.moe_ffn_hidden) are not "
+            f"divisible by parallel.tp = {d.tp} (they are column/row tensor-parallel); use a parallel.tp that "
+            "divides them or a multiple of it for model.moe_ffn_hidden",
+        )
     if d.ep == 1:
         return
     if not experts:
@@ -565,21 +573,20 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
             f"parallel.ep = {d.ep} must divide model.num_experts = {experts} (whole experts per rank); use e.g. "
             f"parallel.ep = {max(fits)}",
         )
-    if d.dp_replicate > 1:
-        yield Problem(
-            "parallel.dp_replicate",
-            f"parallel.ep = {d.ep} with parallel.dp_replicate = {d.dp_replicate} (HSDP): expert parallelism does not "
-            f"yet compose with it in this version of meshforge; use parallel.dp_shard = {d.dp} with dp_replicate = 1",
-            "unsupported",
-        )
 
 
 def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
     """Mixtures of experts under axes that this version does not run them on (each is refused
-    until an equivalence test covers it): tp would shard the experts as if dense, pp would drop
-    the balance losses of the stages before the last, cp would balance over a part of each sequence."""
+    until an equivalence test covers it): tp without ep would leave the experts to the dense
+    plan, pp would drop the balance losses of the stages before the last, cp would balance over
+    a part of each sequence."""
     for key, degree, why in (
-        ("parallel.tp", d.tp, "the tensor-parallel plan does not yet cover the router and experts"),
+        (
+            "parallel.tp",
+            d.tp if d.ep == 1 else 1,
+            "tensor parallelism runs the experts expert-parallel, so it needs parallel.ep >= 2 "
+            "(e.g. parallel.ep = 2 with parallel.dp_shard = 2)",
+        ),
         ("parallel.pp", d.pp, "the pipeline does not yet carry the balance losses of earlier stages"),
         ("parallel.cp", d.cp, "capacity and balance would be computed per sequence shard"),
     ):

@@ -547,10 +547,10 @@ def estimate(
     pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
     dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
-    if lay.ep > 1:  # the experts' 1/ep share is gathered and reduced over edp, not over all dp ranks
+    if lay.ep > 1:  # the experts' 1/ep share (whole on each tp rank) is gathered and reduced over edp only
         psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)
         edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
-        dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e / lay.ep, edp))
+        dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e * lay.tp / lay.ep, edp))
         dp_s = max(0.0, dp_s - _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
     ep_s = moe_costs.a2a_seconds(
         shape, lay, global_batch * seq / n_gpus, _bytes_per_element(precision), hw, gpus_per_node, lay.recompute

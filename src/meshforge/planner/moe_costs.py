@@ -50,7 +50,9 @@ def expert_state_bytes(shape: Shape, lay: Layout, psi_e: float, precision: str, 
     ``dense_states(psi)``: how the layout's ZeRO stage keeps ``psi`` ordinary parameters (ep = 1)."""
     if lay.ep <= 1:
         return dense_states(psi_e)
-    local = psi_e / (lay.dp * lay.cp)  # 1/ep of the experts, sharded over edp = dp x cp / ep
+    # 1/ep of the experts, sharded over edp = dp x cp / ep; replicated over tp (each tp rank runs
+    # them on its share of the slots: parallel/moe_tensor_parallel.py), so x tp of the /tp ``psi_e``
+    local = psi_e * lay.tp / (lay.dp * lay.cp)
     return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
 
 
@@ -61,11 +63,12 @@ def gathered_delta_bytes(shape: Shape, lay: Layout, psi_e: float, w: int) -> flo
     if lay.ep <= 1 or psi_e <= 0:
         return 0.0
     layers = max(1, moe_layers_on_stage(shape, lay.pp))
+    own = psi_e * lay.tp / lay.ep  # the E/ep experts, whole on every tp rank (see expert_state_bytes)
     if lay.zero_stage == 3:
-        return -2 * psi_e / layers * w * (1 - 1 / lay.ep)
+        return 2 * (own - psi_e) / layers * w
     if lay.zero_stage == 2:
-        return -psi_e * w * (1 - 1 / lay.ep)
-    return psi_e / lay.ep * w  # the experts' own FSDP units, kept gathered (no reshard)
+        return (own - psi_e) * w
+    return own * w  # the experts' own FSDP units, kept gathered (no reshard)
 
 
 def activation_delta_bytes(shape: Shape, tokens: float, tp: int, recompute: str, bpe: int) -> float:
