@@ -367,7 +367,8 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     all-reduces of the block's activations in forward and two in backward (each a
     reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
     vocab-parallel embedding (forward) and the head's input (backward) one each, on the
-    stages holding them; the loss-parallel cross-entropy three small all-reduces."""
+    stages holding them; the loss-parallel cross-entropy three small all-reduces; under
+    ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds)."""
     tokens_mb = lay.micro_batch_size * seq / lay.cp
     act = tokens_mb * shape.hidden * _bytes_per_element(precision)
     per_mb = stage_layers(shape, lay.pp) * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
@@ -379,7 +380,8 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
         one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
     else:
         one = tp_coll("all_reduce", act)
-    return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4))
+    moe = moe_costs.tp_seconds(shape, lay, tokens_mb, _bytes_per_element(precision), tp_coll)
+    return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
 
 
 def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
