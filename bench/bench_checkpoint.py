@@ -20,17 +20,12 @@ import statistics
 import tempfile
 import time
 
+MODES = ("none", "sync", "async")
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--every", type=int, default=4, help="steps between checkpoints (N)")
-    p.add_argument("--blocks", type=int, default=5)
-    args = p.parse_args()
 
+def build(args: argparse.Namespace) -> tuple[dict, dict, int]:
+    """One trainer per mode (no checkpoints, synchronous, asynchronous saves every N steps),
+    and per mode the list its saves' write times go to."""
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
@@ -39,22 +34,12 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp()
     base = {
-        "model.hidden": args.hidden,
-        "model.layers": args.layers,
-        "model.heads": args.hidden // 64,
-        "model.kv_heads": 2,
-        "model.ffn_hidden": args.hidden * 3,
-        "train.seq_len": args.seq_len,
-        "train.global_batch_size": args.batch,
-        "train.steps": 10**6,
-        "train.precision": "fp32",
-        "train.device": "cpu",
-        "optim.warmup_steps": 0,
-        "checkpoint.keep": 2,
-        "metrics.console": False,
-        "metrics.jsonl": False,
-        "metrics.tensorboard": False,
-    }
+        "model.hidden": args.hidden, "model.layers": args.layers, "model.heads": args.hidden // 64,
+        "model.kv_heads": 2, "model.ffn_hidden": args.hidden * 3, "train.seq_len": args.seq_len,
+        "train.global_batch_size": args.batch, "train.steps": 10**6, "train.precision": "fp32",
+        "train.device": "cpu", "optim.warmup_steps": 0, "checkpoint.keep": 2, "metrics.console": False,
+        "metrics.jsonl": False, "metrics.tensorboard": False,
+    }  # fmt: skip
     modes = {"none": (0, False), "sync": (args.every, False), "async": (args.every, True)}
     trainers, saves = {}, {}
     for name, (interval, background) in modes.items():
@@ -65,11 +50,14 @@ def main() -> None:
         saves[name] = []
         tr.checkpoints.checkpointer.event = lambda event, _name=name, **f: saves[_name].append(f)  # total write times
         trainers[name] = tr
-    psi = num_params(trainers["none"].args)
+    return trainers, saves, num_params(trainers["none"].args)
 
-    blocking: dict[str, list[float]] = {m: [] for m in modes}
-    elapsed: dict[str, float] = dict.fromkeys(modes, 0.0)
-    steps: dict[str, int] = dict.fromkeys(modes, 0)
+
+def run_blocks(args: argparse.Namespace, trainers: dict) -> tuple[dict, dict, dict, list[float]]:
+    """Blocks of save + N steps per mode, modes taking turns; (blocking, elapsed, steps, step times)."""
+    blocking: dict[str, list[float]] = {m: [] for m in MODES}
+    elapsed: dict[str, float] = dict.fromkeys(MODES, 0.0)
+    steps: dict[str, int] = dict.fromkeys(MODES, 0)
     step_times: list[float] = []
     for tr in trainers.values():
         tr.step_once()
@@ -96,7 +84,20 @@ def main() -> None:
             steps[name] += args.every
     for tr in trainers.values():
         tr.checkpoints.checkpointer.close()
+    return blocking, elapsed, steps, step_times
 
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--every", type=int, default=4, help="steps between checkpoints (N)")
+    p.add_argument("--blocks", type=int, default=5)
+    args = p.parse_args()
+    trainers, saves, psi = build(args)
+    blocking, elapsed, steps, step_times = run_blocks(args, trainers)
     tokens = args.batch * args.seq_len
     step = statistics.median(step_times)
     print(
@@ -108,7 +109,7 @@ def main() -> None:
         f"{'mode':<6} {'tokens/s':>9} {'vs none':>8} {'blocking/save (s)':>18} {'write/save (s)':>15} {'overhead':>9}"
     )
     base_tps = steps["none"] * tokens / elapsed["none"]
-    for name in modes:
+    for name in MODES:
         tps = steps[name] * tokens / elapsed[name]
         blk = statistics.median(blocking[name]) if blocking[name] else 0.0
         wrote = statistics.median(s["total_s"] for s in saves[name]) if saves[name] else 0.0

@@ -41,36 +41,23 @@ def formulas(stage: int, n: int, precision: str = "fp32") -> tuple[float, float]
     return ours, paper
 
 
-def worker(args: argparse.Namespace) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def build_trainers(args: argparse.Namespace, world: int, rank: int) -> dict:
+    """One Trainer per ZeRO stage, same model, data and batch."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from meshforge.config import load_config
-    from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
     from meshforge.resolve import layout
     from meshforge.train import Trainer, preflight, prepare_run_dir
 
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
     tmp = tempfile.mkdtemp()
     base = {
-        "model.hidden": args.hidden,
-        "model.layers": args.layers,
-        "model.heads": args.hidden // 64,
-        "model.kv_heads": max(1, args.hidden // 128),
-        "model.ffn_hidden": args.hidden * 3,
-        "train.seq_len": args.seq_len,
-        "train.global_batch_size": args.micro * world,
-        "train.steps": 10**6,
-        "train.precision": args.precision,
-        "train.device": "cpu",
-        "optim.warmup_steps": 0,
-        "metrics.console": False,
-        "metrics.jsonl": False,
-        "metrics.tensorboard": False,
-    }
+        "model.hidden": args.hidden, "model.layers": args.layers, "model.heads": args.hidden // 64,
+        "model.kv_heads": max(1, args.hidden // 128), "model.ffn_hidden": args.hidden * 3,
+        "train.seq_len": args.seq_len, "train.global_batch_size": args.micro * world, "train.steps": 10**6,
+        "train.precision": args.precision, "train.device": "cpu", "optim.warmup_steps": 0,
+        "metrics.console": False, "metrics.jsonl": False, "metrics.tensorboard": False,
+    }  # fmt: skip
     trainers = {}
     for stage in range(4):
         o = {**base, "parallel.zero_stage": stage, "run.dir": f"{tmp}/s{stage}"}
@@ -80,78 +67,85 @@ def worker(args: argparse.Namespace) -> None:
             prepare_run_dir(cfg)
         dist.barrier()
         trainers[stage] = Trainer(cfg, mesh)
-    psi = num_params(trainers[0].args)
+    return trainers
 
-    def ds_engine(stage: int):
-        import deepspeed
 
-        from meshforge.models.llama import build_model
+def ds_engine(args: argparse.Namespace, stage: int, trainers: dict, world: int):
+    """A DeepSpeed ZeRO-``stage`` step on the same model, batch and data (the stage's sampler)."""
+    import deepspeed
+    import torch.nn.functional as F
 
-        model = build_model(trainers[0].args, device="cpu", seed=0)
-        config = {
-            "train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage},
-            "gradient_clipping": 1.0,
-            "steps_per_print": 10**9,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
-            },
-        }
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        sampler_trainer = trainers[stage]
+    from meshforge.models.llama import build_model
 
-        def step():
-            idx = sampler_trainer.state.sampler.next_batch(sampler_trainer.mesh.dp_rank, world)
-            batch = sampler_trainer.data.train.get(idx)
-            logits = engine(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            engine.backward(loss)
-            engine.step()
+    model = build_model(trainers[0].args, device="cpu", seed=0)
+    adamw = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True}
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": adamw},
+    }  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    tr = trainers[stage]
 
-        return step
+    def step():
+        idx = tr.state.sampler.next_batch(tr.mesh.dp_rank, world)
+        batch = tr.data.train.get(idx)
+        logits = engine(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        engine.backward(loss)
+        engine.step()
 
-    def timed(fn, steps: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        dist.barrier()
-        return (time.perf_counter() - t0) / steps
+    return step
 
-    results = []
-    for stage, tr in trainers.items():
+
+def timed(fn, steps: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+def measure_stage(args: argparse.Namespace, stage: int, trainers: dict, world: int, psi: int) -> dict:
+    """Memory, comm and step time of one stage (and DeepSpeed's, stages 2 and 3), in alternating blocks."""
+    tr = trainers[stage]
+    for _ in range(2):
+        tr.step_once()
+    mem = sum(tr.state_mem.values())
+    ours, paper = formulas(stage, world, args.precision)
+    ds_step = None
+    if stage in (2, 3) and not args.no_deepspeed:
+        ds_step = ds_engine(args, stage, trainers, world)
         for _ in range(2):
-            tr.step_once()
-        mem = sum(tr.state_mem.values())
-        ours, paper = formulas(stage, world, args.precision)
-        ds_step = None
-        if stage in (2, 3) and not args.no_deepspeed:
-            ds_step = ds_engine(stage)
-            for _ in range(2):
-                ds_step()
-        t_mf, t_ds = [], []
-        for _ in range(args.blocks):
-            t_mf.append(timed(tr.step_once, args.steps))
-            if ds_step:
-                t_ds.append(timed(ds_step, args.steps))
-        results.append(
-            {
-                "n": world,
-                "stage": stage,
-                "psi": psi,
-                "mem": mem,
-                "ours": ours * psi,
-                "paper": paper * psi,
-                "step": statistics.median(t_mf),
-                "ds": statistics.median(t_ds) if t_ds else None,
-                "comm": sum(sum(k.values()) for k in tr.comm_bytes.values()),
-            }
-        )
-    if rank == 0:
-        import json
+            ds_step()
+    t_mf, t_ds = [], []
+    for _ in range(args.blocks):
+        t_mf.append(timed(tr.step_once, args.steps))
+        if ds_step:
+            t_ds.append(timed(ds_step, args.steps))
+    return {
+        "n": world, "stage": stage, "psi": psi, "mem": mem, "ours": ours * psi, "paper": paper * psi,
+        "step": statistics.median(t_mf), "ds": statistics.median(t_ds) if t_ds else None,
+        "comm": sum(sum(k.values()) for k in tr.comm_bytes.values()),
+    }  # fmt: skip
 
+
+def worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import json
+
+    import torch.distributed as dist
+
+    from meshforge.models.flops import num_params
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    trainers = build_trainers(args, world, rank)
+    psi = num_params(trainers[0].args)
+    results = [measure_stage(args, stage, trainers, world, psi) for stage in trainers]
+    if rank == 0:
         for r in results:
             print(RESULT_TAG + json.dumps(r), flush=True)
     dist.barrier()
@@ -176,26 +170,11 @@ def main() -> None:
 
     rows = []
     for n in args.nproc:
-        fwd = [
-            f"--hidden={args.hidden}",
-            f"--layers={args.layers}",
-            f"--seq-len={args.seq_len}",
-            f"--micro={args.micro}",
-            f"--blocks={args.blocks}",
-            f"--steps={args.steps}",
-            f"--precision={args.precision}",
-        ]
+        keys = ("hidden", "layers", "seq_len", "micro", "blocks", "steps", "precision")
+        fwd = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
         fwd += ["--no-deepspeed"] if args.no_deepspeed else []
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={n}",
-            __file__,
-            "--worker",
-            *fwd,
-        ]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__]
+        cmd += ["--worker", *fwd]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode:

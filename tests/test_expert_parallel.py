@@ -1,8 +1,10 @@
 """Expert parallelism: the all-to-all dispatch computes what one device does (outputs and
 gradients, in real gloo groups) and moves the bytes the formula says; whole runs under ep
-reproduce the single-process run (fp32, gloo, CPU), dropless and with a capacity factor, and
-so do MoE runs under pp (ep 2 x pp 2 with 1F1B, pp 2 with GPipe) and cp (cp 2, ep 2 x cp 2);
-bad ep layouts are refused by key."""
+reproduce the single-process run (fp32, gloo, CPU), dropless and with a capacity factor,
+with dp_shard 4, with tensor parallelism (ep 2 x tp 2, with and without sequence
+parallelism) and with HSDP, and so do MoE runs under pp (ep 2 x pp 2 with 1F1B, pp 2 with
+GPipe) and cp (cp 2, ep 2 x cp 2); the balance bias survives a checkpoint resumed on another
+layout; bad ep layouts are refused by key."""
 
 import copy
 import json
@@ -12,10 +14,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from conftest import assert_run_matches, layout_runner, tiny_config
+from conftest import (
+    assert_run_matches,
+    assert_same_weights,
+    cli_args,
+    layout_runner,
+    run_cli,
+    tiny_config,
+    tiny_overrides,
+)
+from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.loss import drain_aux
@@ -115,7 +127,12 @@ def test_all_to_all_dispatch_matches_one_device():
         ({"parallel.ep": 3}, 6, r"parallel\.ep = 3 must divide model\.num_experts = 8"),
         ({"parallel.ep": 4, "parallel.dp_shard": 2, "parallel.pp": 1}, 2, r"parallel\.ep = 4 must divide parallel\."),
         ({"parallel.ep": 2, "model.preset": "debug"}, 2, r"parallel\.ep = 2 .* this model is dense"),
-        ({"parallel.ep": 2, "parallel.tp": 2}, 4, r"parallel\.tp = 2 with a mixture-of-experts model"),
+        ({"parallel.tp": 2}, 2, r"parallel\.tp = 2 with a mixture-of-experts model.* needs parallel\.ep >= 2"),
+        (
+            {"parallel.ep": 2, "parallel.tp": 2, "model.num_shared_experts": 1, "model.moe_ffn_hidden": 63},
+            4,
+            r"shared experts' 63 columns .* parallel\.tp = 2",
+        ),
         ({"parallel.cp": 2, "model.capacity_factor": 1.0}, 2, r"model\.capacity_factor = 1\.0 with parallel\.cp = 2"),
     ],
 )
@@ -143,11 +160,19 @@ COMMON = {
     "optim.lr": 1e-3,
 }
 CAPACITY = {"model.capacity_factor": 1.0, "model.load_balance": "bias", "model.bias_update_rate": 0.01}
+SHARED = {"model.num_shared_experts": 1}
 STAGES = {"parallel.pp": 2, "parallel.pp_layers": "[2,1]"}  # an MoE block on each stage: 0-1 | 2 + head
-LAYOUTS = {  # name: (ranks, overrides)
+TP2 = {"parallel.ep": 2, "parallel.tp": 2}  # ep 2 x tp 2 on 4 ranks (dp_shard 2, both borrowed by ep)
+LAYOUTS = {  # name: (ranks, overrides); the reference is the single process with the extras its name says
     "ep2": (2, {"parallel.ep": 2}),
     "ep2-dp_shard4-zero3": (4, {"parallel.ep": 2, "parallel.dp_shard": 4, "parallel.zero_stage": 3}),
     "ep2-capacity-bias": (2, {"parallel.ep": 2, **CAPACITY}),
+    "ep2-tp2": (4, TP2),  # sequence parallelism on (the default)
+    "ep2-tp2-nosp-shared": (4, {**TP2, "parallel.sequence_parallel": False, **SHARED}),
+    "ep2-hsdp-zero2": (
+        4,
+        {"parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 2},
+    ),
     # the first stage's balance and z-losses enter its own backward (parallel/pipeline_aux.py)
     "ep2-pp2-1f1b": (4, {"parallel.ep": 2, **STAGES, "parallel.pp_schedule": "1f1b"}),
     "pp2-gpipe": (2, {**STAGES, "parallel.pp_schedule": "gpipe"}),
@@ -157,10 +182,14 @@ LAYOUTS = {  # name: (ranks, overrides)
 }
 
 
+def _reference_name(layout: str) -> str:
+    return next((k for k in ("capacity", "shared") if k in layout), "dropless")
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus):
     out = {}
-    for name, extra in (("dropless", {}), ("capacity", CAPACITY)):
+    for name, extra in (("dropless", {}), ("capacity", CAPACITY), ("shared", SHARED)):
         d = tmp_path_factory.mktemp(name) / "run"
         train(tiny_config(d, corpus, **COMMON, **extra))
         out[name] = d
@@ -179,7 +208,7 @@ def _records(d):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_ep_layout_matches_single_process(name, references, layout_runs):
-    ref = references["capacity" if "capacity" in name else "dropless"]
+    ref = references[_reference_name(name)]
     got = layout_runs(name)
     if "capacity" in name:
         # Capacity decisions are discrete (of two near-tied slots the lower drops), so fp32
@@ -199,3 +228,41 @@ def test_ep_layout_matches_single_process(name, references, layout_runs):
         assert b["expert_load"].keys() == {"1", "2"}  # under pp: gathered from both stages
     if "capacity" in name:
         assert _records(ref)[0]["dropped_fraction"] > 0
+
+
+@pytest.mark.slow
+def test_balance_bias_survives_a_reshard(tmp_path, corpus):
+    """ep 2 on 2 ranks balancing by bias saves at step 3; one process resumes it (experts no
+    longer split): the checkpoint holds the trained, non-zero bias, and the resumed run goes on
+    like the uninterrupted one -- losses, grad norms and the final bias and weights."""
+    bias = {**COMMON, "model.load_balance": "bias", "model.bias_update_rate": 0.05, "train.steps": 6}
+    whole = tmp_path / "whole"
+    over = tiny_overrides(whole, corpus, **bias, **{"parallel.ep": 2, "checkpoint.interval": 3})
+    r = run_cli("train", "--nproc", "2", *cli_args(over))
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = whole / "checkpoints" / "step-00000003"
+    dcp_to_torch_save(saved, tmp_path / "saved.pt")
+    state = torch.load(tmp_path / "saved.pt", weights_only=True)
+    key = "layers.1.feed_forward.expert_bias"
+    saved_bias = next(v for k, v in _flat(state).items() if k.endswith(key))
+    assert saved_bias.abs().sum() > 0 and saved_bias.shape == (8,)
+
+    resumed = tmp_path / "resumed"
+    train(tiny_config(resumed, corpus, **bias, **{"checkpoint.load": str(saved)}))
+    a, b = _records(whole), _records(resumed)
+    assert [x["step"] for x in b] == [4, 5, 6]
+    for k in ("loss", "grad_norm", "aux_loss", "expert_load_max_mean"):
+        assert [x.get(k) for x in b] == pytest.approx([x.get(k) for x in a[3:]], rel=1e-5), k
+    final = [load_weights(d / "final").state_dict()[key] for d in (whole, resumed)]
+    assert final[1].tolist() == pytest.approx(final[0].tolist(), abs=1e-7)
+    assert not torch.equal(final[0], saved_bias)  # it kept moving after the resume
+    assert_same_weights(whole, resumed)
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}

@@ -121,6 +121,19 @@ def test_textbook_7b_on_8_gpus_needs_fsdp(port):
     assert fsdp["estimate"]["fits"] and fsdp["estimate"]["memory_gib"]["total"] < HBM
 
 
+def test_offload_moves_the_model_states_to_the_host(port):
+    kept = estimate(port, **SEVEN_B, zero=3)
+    off = estimate(port, **SEVEN_B, zero=3, offload="cpu")
+    assert off["runnable"] and off["layout"]["offload"] == "cpu"
+    states = ("params", "grads", "optimizer")
+    moved = sum(kept["estimate"]["memory_gib"][k] for k in states)
+    assert sum(off["estimate"]["memory_gib"][k] for k in states) == 0
+    assert off["estimate"]["host_memory_gib"]["total"] == pytest.approx(moved, rel=1e-6)
+    assert off["estimate"]["step_time_s"] == pytest.approx(sum(off["estimate"]["step_s"].values()), rel=1e-6)
+    refused = estimate(port, **SEVEN_B, zero=1, offload="cpu")  # the layout rule, in its words
+    assert not refused["exists"] and refused["problems"][0]["key"] == "parallel.offload"
+
+
 @pytest.mark.slow  # the first layout with pp > 1 imports torch.distributed.pipelining
 def test_textbook_405b_on_128_gpus_needs_tp8_pp_and_fsdp(port):
     big = {"model": "llama3.1-405b", "gpus": 128, "global_batch": 128, "recompute": "full"}
@@ -175,6 +188,8 @@ def test_config_download_is_a_runnable_train_config(port, tmp_path):
         ("micro_batch=9&global_batch=8", "micro_batch"),
         ("sp=maybe", "sp"),
         ("gpu=cpu&precision=fp8", "fp8"),
+        ("offload=disk", "offload"),
+        ("gpu=cpu&precision=fp32&offload=cpu", "offload"),
         ("q=" + "x" * 5000, "query"),
     ],
 )

@@ -43,9 +43,12 @@ def train_2(d, corpus, fault, extra=None, args=()):
 
 @pytest.fixture(scope="module")
 def skip_run(tmp_path_factory, corpus):
-    """NaN in one gradient of rank 1 at step 5 (skip), and rank 1's forward 4x slower."""
+    """NaN in one gradient of rank 1 at step 5 (skip), rank 1's forward 4x slower, and a loss
+    spike at step 7 (log), which is not a logged step: its loss is reduced asynchronously and
+    judged at step 8."""
     d = tmp_path_factory.mktemp("skip") / "run"
-    r = train_2(d, corpus, "nan:rank=1:step=5,slow:rank=1:factor=4", {"metrics.console": True})
+    extra = {"metrics.console": True, "metrics.log_interval": 4, "health.spike_threshold": 6.0}
+    r = train_2(d, corpus, "nan:rank=1:step=5,slow:rank=1:factor=4,spike:step=7", extra)
     assert r.returncode == 0, r.stderr[-4000:]
     return d, r.stdout
 
@@ -57,7 +60,9 @@ def reference_weights(tmp_path, corpus, skip: int | None):
     mesh = build_mesh(layout(cfg, 1), "cpu")
     cfg, _ = agree_on_start(cfg, mesh)
     tr = Trainer(cfg, mesh)
+    batches = {}  # step -> its global batch's sample indices
     for n in range(1, STEPS + 1):
+        batches[n] = tr.state.sampler.indices(tr.state.sampler.consumed, tr.state.sampler.batch).tolist()
         if n == skip:
             tr.state.sampler.next_batch()
             tr.state.advance()
@@ -66,7 +71,7 @@ def reference_weights(tmp_path, corpus, skip: int | None):
             tr.step_once(measure=False)
     tr.logger.close()
     names = [n for n, _ in tr.model.named_parameters()]
-    return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}, names
+    return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}, names, batches
 
 
 def max_rel_err(a: dict, b: dict) -> float:
@@ -78,14 +83,34 @@ def test_nonfinite_skip_equals_a_run_that_skipped_the_batch(skip_run, tmp_path, 
     d, stdout = skip_run
     got = load_weights(d / "final").state_dict()
     assert all(torch.isfinite(v).all() for v in got.values())
-    ref, names = reference_weights(tmp_path, corpus, skip=5)
-    assert max_rel_err(ref, got) < 1e-5
-    unskipped, _ = reference_weights(tmp_path, corpus, skip=None)
+    ref, names, batches = reference_weights(tmp_path, corpus, skip=5)
+    assert max_rel_err(ref, got) < 1e-5  # the logged spike changed nothing
+    unskipped, _, _ = reference_weights(tmp_path, corpus, skip=None)
     assert max_rel_err(unskipped, got) > 1e-3  # the skip mattered: the test can fail
     (ev,) = events(d, "nonfinite")
-    assert ev["step"] == 5 and ev["ranks"] == [1] and ev["action"] == "skip" and ev["where"] == ["grad_norm"]
-    assert ev["param"] == names[len(names) // 2] and ev["param_rank"] == 1  # the poisoned one, not the first
-    assert "warning: non-finite grad_norm at step 5 on rank(s) [1]" in stdout
+    assert ev["step"] == 5 and ev["ranks"] == [1] and ev["action"] == "skip"  # rank 1's loss started it
+    assert ev["where"] == ["loss", "grad_norm"] and ev["loss_ranks"] == [1] and ev["grad_ranks"] == [0, 1]
+    assert ev["param"] == names[0] and ev["param_rank"] == 0  # the reduction spread it to every rank
+    assert "warning: non-finite loss and grad_norm at step 5 on rank(s) [1]" in stdout
+    assert math.isfinite(json.loads((d / "summary.json").read_text())["final_loss"])  # the skipped loss is left out
+    (spike,) = events(d, "loss_spike")  # judged one step late, but named with its own step and batch
+    assert spike["step"] == 7 and spike["action"] == "log" and spike["score"] > 6
+    assert spike["samples"] == batches[7] != batches[8]
+    assert "warning: loss spike at step 7" in stdout
+
+
+@pytest.mark.slow
+def test_nonfinite_under_pp_is_caught_on_the_stage_that_runs_it(tmp_path, corpus):
+    """Under pp the model object is a view that forward never calls: the fault and the
+    timing hooks sit on the stages' parts. Every rank skips step 3, with no collective of
+    the guard's own (the stage group reduces the gradient norm)."""
+    d = tmp_path / "run"
+    r = train_2(d, corpus, "nan:rank=1:step=3,slow:rank=1:factor=4", {"parallel.pp": 2})
+    assert r.returncode == 0, r.stderr[-4000:]
+    (ev,) = events(d, "nonfinite")
+    assert ev["step"] == 3 and ev["ranks"] == [1] and ev["grad_ranks"] == [0, 1] and ev["action"] == "skip"
+    assert {e["rank"] for e in events(d, "straggler")} == {1}
+    assert math.isfinite(json.loads((d / "summary.json").read_text())["final_loss"])
 
 
 @pytest.mark.slow
@@ -201,7 +226,7 @@ def test_stop_and_max_skipped_end_the_run_naming_the_step(over, tmp_path, corpus
     monkeypatch.setenv("MESHFORGE_FAULT", "nan:rank=0:step=2")
     monkeypatch.setattr(faults, "_fired", set())
     cfg = tiny_config(tmp_path / "run", corpus, **{"train.steps": 4, "train.eval_batches": 0, **over})
-    with pytest.raises(HealthStop, match="non-finite grad_norm at step 2 on rank.s. .0."):
+    with pytest.raises(HealthStop, match="non-finite loss and grad_norm at step 2 on rank.s. .0."):
         train(cfg)
     (ev,) = events(tmp_path / "run", "nonfinite")
     assert ev["action"] == "stop" and ev["step"] == 2

@@ -265,13 +265,18 @@ def test_unknown_gpu_preset_suggests_the_closest():
 
 
 def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
+    no_offload = Fixed(offload="none")
     with pytest.raises(ConfigError) as e:
-        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", Fixed())
+        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", no_offload)
     msg = str(e.value)
     assert "fits no layout on 2 x a100-40g" in msg and "model states alone are 1051 GiB" in msg
     n = int(msg.split("that fits it (doubling --gpus) is ")[1].split()[0])
     assert n >= 32  # 1051 GiB of states over 40 GiB GPUs
-    assert search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), n, 8, 16, 4096, "bf16", Fixed())[0]
+    assert search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), n, 8, 16, 4096, "bf16", no_offload)[0]
+    with pytest.raises(ConfigError) as e:  # with CPU offload (auto) the states may live in host memory
+        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", Fixed())
+    msg = str(e.value)
+    assert int(msg.split("that fits it (doubling --gpus) is ")[1].split()[0]) < n and "with CPU offload" in msg
 
 
 # ----------------------------------------------------------------------------- command line

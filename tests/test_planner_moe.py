@@ -95,3 +95,18 @@ def test_emitted_ep_config_resolves(tmp_path):
     run(parse_plan_args([*shape_argv, *moe, *argv[2:], "--global-batch", "4", "--emit-config", str(out2)]))
     cfg2 = resolve(load_config(str(out2), {}), 2)
     assert cfg2.model.num_experts == 4 and cfg2.model.moe_ffn_hidden == 32 and cfg2.parallel.ep == 2
+
+
+def test_ep_times_tp_pays_the_slot_all_reduces():
+    """Under ep x tp every MoE block all-reduces its slots over tp (forward and backward,
+    parallel/moe_tensor_parallel.py): the planner's tp time carries exactly that on top of
+    the dense block's collectives, and it grows with the number of slots (top-k)."""
+    s = from_preset("mixtral-8x7b")
+    lay = {"tp": 4, "dp": 16, "ep": 8, "zero_stage": 2, "recompute": "selective", "micro_batch_size": 4}
+    with_moe = _est(s, **lay).time["tp_comm"]
+    dense_like = _est(Shape(**{**vars(s), "num_experts": 0}), **lay).time["tp_comm"]
+    extra = moe_costs.tp_seconds(s, Layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b)
+    assert with_moe > dense_like and extra > 0
+    wider = Shape(**{**vars(s), "experts_per_token": 4})
+    assert moe_costs.tp_seconds(wider, Layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b) > extra
+    assert moe_costs.tp_seconds(s, Layout(**{"pp": 1, **{**lay, "tp": 1}}), 4 * 4096, 2, lambda k, b: b) == 0

@@ -133,10 +133,15 @@ def dry_run(cfg: Any, world: int) -> int:
     from meshforge.planner.hardware import preset_for_device
     from meshforge.planner.plan import parse_plan_args, plan_from_args
     from meshforge.resolve import resolve
+    from meshforge.train.run_dir import check_precision_and_offload
 
     cfg = resolve(cfg, world)
     text = to_toml(cfg)
     print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{text}")
+    try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
+        check_precision_and_offload(cfg)
+    except MeshforgeError as e:
+        print(f"on this machine meshforge train refuses it: {e}")
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     gpu = preset_for_device(torch.cuda.get_device_name(0) if use_cuda and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as d:

@@ -4,8 +4,8 @@
 
 - ``kill:rank=R:step=S`` SIGKILLs rank R right after step S; ``kill:rank=R:save=S`` while
   the checkpoint of step S is being written (its shards on disk, the checkpoint incomplete);
-- ``nan:rank=R:step=S`` puts a NaN into one gradient of rank R at step S (after the
-  gradients were reduced: only that rank sees it, so the ranks must agree to skip);
+- ``nan:rank=R:step=S`` turns rank R's forward output non-finite at step S: its loss, and
+  through backward and the gradient reduction every rank's gradients (an overflow's path);
 - ``spike:step=S`` multiplies step S's loss, as every rank sees and logs it, by 20;
 - ``hang:rank=R:step=S`` makes rank R stop before step S's work and never come back;
 - ``slow:rank=R:factor=F`` makes rank R's forward passes F times as slow (every step).

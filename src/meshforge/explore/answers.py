@@ -45,6 +45,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
         virtual_stages=v["virtual_stages"] if pp > 1 else 1,
         schedule=v["schedule"] if pp > 1 else "none",
         sequence_parallel=v["sp"],
+        offload=v["offload"],
     )
     shape = shape_of(v)
     found = dims.problems(rules_view(shape), training_of(lay, v["seq_len"], v["global_batch"], v["gpus_per_node"]))
@@ -57,9 +58,10 @@ def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
     """One estimate in the page's terms: memory bars, communication by axis, step breakdown."""
     t, step = e.time, e.step_time_s
     recompute = e.budget["recompute"] * step
-    exposed = t["tp_comm"] + t["cp_comm"] + t["pp_p2p"] + t["dp_comm_exposed"]
+    exposed = t["tp_comm"] + t["cp_comm"] + t["pp_p2p"] + t["dp_comm_exposed"] + t["offload_copy"]
     return {
         "memory_gib": dict(e.memory),
+        "host_memory_gib": dict(e.host_memory),
         "hbm_gib": hw.hbm_gib,
         "fits": e.fits,
         "overflow": e.overflow,

@@ -16,6 +16,7 @@ from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware, get_hardware
+from meshforge.planner.offload_costs import can_offload
 from meshforge.planner.shape import Shape, from_preset
 
 MAX_GPUS = 16384
@@ -65,6 +66,9 @@ SPECS: dict[str, Spec] = {
     "schedule": Spec("choice", "1f1b", choices=SCHEDULES + V_SCHEDULES, help="pipeline schedule (pp > 1)"),
     "virtual_stages": Spec("int", 1, 1, 16, help="model chunks per pipeline rank"),
     "sp": Spec("bool", True, help="sequence parallelism with tp"),
+    "offload": Spec(
+        "choice", "none", choices=("none", "cpu"), help="CPU offload of the sharded model states (ZeRO-2/3)"
+    ),
     "top": Spec("int", 8, 1, 20, help="how many of the best layouts to list"),
 }
 
@@ -157,6 +161,8 @@ def hardware_of(v: dict[str, Any]) -> Hardware:
     hw = get_hardware(v["gpu"])
     if v["precision"] not in hw.peak_flops and v["peak_tflops"] is None:
         raise BadRequest(f"{hw.name} has no {v['precision']} peak; pick {', '.join(hw.peak_flops)} or set peak_tflops")
+    if v["offload"] == "cpu" and not can_offload(hw):
+        raise BadRequest(f"offload = 'cpu' on gpu = {hw.name}: no host to offload to; offload = none or a GPU preset")
     if v["hbm_gib"] is not None:
         hw = replace(hw, hbm_gib=v["hbm_gib"])
     if v["peak_tflops"] is not None:

@@ -1,8 +1,10 @@
 """Where a non-finite value came from: asked only after the step's flag said there is one.
 
-The good path costs one all-reduce of a flag (see guard.py); this bad path gathers from
-every rank whether its loss and its own gradients are finite, and the first parameter (in
-the model's order) whose local gradient is not.
+The good path has no collective (see guard.py); this bad path gathers from every rank
+whether its loss and its own gradients are finite, and the first parameter (in the model's
+order) whose local gradient is not. A rank's loss comes from its own data before any
+reduction, so the ranks with a non-finite loss are where it started; gradients are
+reduced, so by now every rank may hold the NaN.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def diagnose(model: nn.Module, loss: torch.Tensor, grad_norm: torch.Tensor, rank
     where = (["loss"] if bad_loss else []) + (["grad_norm"] if not math.isfinite(float(grad_norm)) or bad_grad else [])
     first = next((f for f in found if f["param"] is not None), None)
     return {
-        "ranks": sorted(set(bad_loss) | set(bad_grad)),
+        "ranks": bad_loss or bad_grad,  # the origin: a reduction spreads gradients, not losses
         "where": where or ["flag"],
         "loss_ranks": bad_loss,
         "grad_ranks": bad_grad,

@@ -24,12 +24,14 @@ PARTS = ("data_s", "compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "ot
 
 
 class StepClock:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommCounter | None, device):
+    def __init__(self, called: list[nn.Module], optimizer: torch.optim.Optimizer, comm: CommCounter | None, device):
+        """``called``: the modules forward runs (the model, or under pp this rank's stage parts)."""
         self.comm, self.device = comm, device
         self.measured, self.t0, self.t_end = False, 0.0, 0.0
         self.first_forward: float | None = None
         self.opt: list[float | None] = [None, None]
-        model.register_forward_pre_hook(self._forward)
+        for m in called:
+            m.register_forward_pre_hook(self._forward)
         optimizer.register_step_pre_hook(lambda *_: self._opt(0))
         optimizer.register_step_post_hook(lambda *_: self._opt(1))
 

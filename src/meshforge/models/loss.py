@@ -55,12 +55,15 @@ class LanguageModelLoss:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Training: the mean token loss plus the auxiliary terms ``model``'s layers reported."""
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # under tensor parallelism ``lm`` is a replicated DTensor (loss_parallel) and the terms are
+        # plain: they are added to its local value, else their gradients would come back as DTensors
+        lm_value = lm.to_local() if hasattr(lm, "to_local") else lm
         aux = drain_aux(model)
-        self.terms = {"lm_loss": lm.detach(), **{k: v.detach() for k, v in aux.items()}}
+        self.terms = {"lm_loss": lm_value.detach(), **{k: v.detach() for k, v in aux.items()}}
         for k, v in self.terms.items():  # device adds only: read on logged steps
             self._sums[k] = self._sums[k] + v if k in self._sums else v
         self._calls += 1
-        return lm + sum(aux.values()) if aux else lm
+        return lm_value + sum(aux.values()) if aux else lm
 
     def end_step(self) -> None:
         """After an optimizer step: the step's parts become ``step_terms`` (the mean over its

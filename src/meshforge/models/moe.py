@@ -12,7 +12,8 @@ counts go through ``MoE.dispatcher`` (a parameter-free module; expert parallelis
 for an all-to-all one, the way context parallelism swaps ``attention.core``), the balance
 loss counts a micro-batch's slots per expert through ``MoE.balance_counts`` (context
 parallelism sums them over the ranks holding the sequences' other shards), and the
-experts read their weights through ``local_weight`` (the local shard of a DTensor).
+experts and the router read their weights through ``local_weight`` (the local value of a
+DTensor).
 
 Parameter names (what checkpoints and Hugging Face export key on): ``router.weight``
 [E, hidden], ``experts.w1`` / ``experts.w3`` [E, ffn, hidden], ``experts.w2`` [E, hidden,
@@ -212,7 +213,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routing:
         """Scores in fp32, top-k choice, weights, capacity; reports the balance terms."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        logits = F.linear(x.float(), local_weight(self.router.weight).float())
         probs = logits.softmax(-1) if self.router_score == "softmax" else logits.sigmoid()
         choice = probs + self.expert_bias if self.load_balance == "bias" else probs
         experts = choice.topk(self.top_k, dim=-1).indices

@@ -284,14 +284,34 @@ def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[
         )
 
 
-def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
-    if t.offload == "cpu" and (t.zero_stage < 2 or not d.uses_fsdp(t.zero_stage)):
-        yield Problem(
+def offload_problem(d: ParallelDims, zero_stage: int, offload: str) -> Problem | None:
+    """Why ``parallel.offload = "cpu"`` cannot run on this layout (None: it can). FSDP2's
+    CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 over more than one
+    data-parallel rank; the experts' own FSDP units (ep > 1) take no offload policy yet.
+    The planner puts its fixed choices to this rule too."""
+    if offload != "cpu":
+        return None
+    if zero_stage < 2 or not d.uses_fsdp(zero_stage):
+        return Problem(
             "parallel.offload",
             f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3 with more than one "
-            f"data-parallel rank; here zero_stage = {t.zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
+            f"data-parallel rank; here zero_stage = {zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
             "or parallel.offload = 'none'",
         )
+    if d.ep > 1:
+        return Problem(
+            "parallel.offload",
+            f"parallel.offload = 'cpu' with parallel.ep = {d.ep}: the experts' FSDP units (over edp) are not "
+            "offloaded in this version; use parallel.ep = 1 or parallel.offload = 'none'",
+            "unsupported",
+        )
+    return None
+
+
+def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    found = offload_problem(d, t.zero_stage, t.offload)
+    if found:
+        yield found
 
 
 def _batch(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
@@ -524,6 +544,14 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
     if experts:
         yield from _moe_unsupported(d)
         yield from _moe_context_parallel(d, model)
+    shared = getattr(model, "num_shared_experts", 0) * (getattr(model, "moe_ffn_hidden", 0) or model.ffn_hidden)
+    if experts and d.tp > 1 and shared % d.tp:
+        yield Problem(
+            "model.num_shared_experts",
+            f"the shared experts' {shared} columns (model.num_shared_experts x model.moe_ffn_hidden) are not "
+            f"divisible by parallel.tp = {d.tp} (they are column/row tensor-parallel); use a parallel.tp that "
+            "divides them or a multiple of it for model.moe_ffn_hidden",
+        )
     if d.ep == 1:
         return
     if not experts:
@@ -546,20 +574,19 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
             f"parallel.ep = {d.ep} must divide model.num_experts = {experts} (whole experts per rank); use e.g. "
             f"parallel.ep = {max(fits)}",
         )
-    if d.dp_replicate > 1:
-        yield Problem(
-            "parallel.dp_replicate",
-            f"parallel.ep = {d.ep} with parallel.dp_replicate = {d.dp_replicate} (HSDP): expert parallelism does not "
-            f"yet compose with it in this version of meshforge; use parallel.dp_shard = {d.dp} with dp_replicate = 1",
-            "unsupported",
-        )
 
 
 def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
     """Mixtures of experts under axes that this version does not run them on (each is refused
-    until an equivalence test covers it): tp would shard the experts as if dense."""
+    until an equivalence test covers it): tp without ep would leave the experts to the dense
+    plan."""
     for key, degree, why in (
-        ("parallel.tp", d.tp, "the tensor-parallel plan does not yet cover the router and experts"),
+        (
+            "parallel.tp",
+            d.tp if d.ep == 1 else 1,
+            "tensor parallelism runs the experts expert-parallel, so it needs parallel.ep >= 2 "
+            "(e.g. parallel.ep = 2 with parallel.dp_shard = 2)",
+        ),
     ):
         if degree > 1:
             yield Problem(

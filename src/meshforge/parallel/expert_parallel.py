@@ -22,7 +22,9 @@ edp x ep ranks -- needs a further 1/ep. The dispatcher puts it into the backward
 the gradient entering the experts is scaled by 1/ep and the gradient leaving them for the
 tokens by ep, which leaves the token gradients exact and the weight gradients x 1/ep
 (an FSDP gradient divide factor would do the same, but its PREMUL_SUM reduction does not
-exist on gloo).
+exist on gloo). Under tp the experts are replicated over tp and each tp rank runs them on
+its share of the slots (parallel/moe_tensor_parallel.py): their gradients are summed over
+tp after FSDP's reduce-scatter. Under HSDP FSDP also averages them over dp_replicate.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from meshforge.models.moe import GroupedExperts, is_moe_layer, moe_layers
 from meshforge.parallel.collectives import all_gather_flat
 from meshforge.parallel.data_parallel import AllReduceScatter
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.moe_tensor_parallel import sum_over_tp
 
 
 class _AllToAll(torch.autograd.Function):
@@ -125,15 +128,20 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> None:
 
 def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> None:
     """FSDP over edp for every MoE layer's experts (before the blocks are wrapped, so the
-    blocks leave them alone); it averages their gradients over edp (the dispatcher adds the 1/ep)."""
-    edp = mesh.expert_mesh["edp"]
+    blocks leave them alone); it averages their gradients over edp (the dispatcher adds the 1/ep).
+    HSDP (dp_replicate > 1): sharded over edp, replicated and averaged over dp_replicate too.
+    tp > 1: the tp ranks ran the experts on other slots, so their gradients are summed over tp."""
+    hsdp = mesh.dims.dp_replicate > 1
+    fsdp_mesh = mesh.expert_mesh[("dp_replicate", "edp")] if hsdp else mesh.expert_mesh["edp"]
     # the MoE layer never changes the experts' output in place, which is what FSDP2's warning is about
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for moe in moe_layers(model).values():
-        unit = fully_shard(moe.experts, mesh=edp, mp_policy=mp, reshard_after_forward=zero_stage == 3)
-        if dist.get_backend(edp.get_group()) == "gloo":
+        unit = fully_shard(moe.experts, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=zero_stage == 3)
+        if dist.get_backend(fsdp_mesh.get_group("edp")) == "gloo":
             unit.set_custom_reduce_scatter(AllReduceScatter())
+        if mesh.dims.tp > 1:
+            unit.set_all_reduce_hook(sum_over_tp(mesh.group("tp")))
 
 
 def a2a_bytes_formula(args: Any, tokens: int, elem_bytes: int, ep: int) -> float:

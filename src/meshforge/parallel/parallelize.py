@@ -16,7 +16,9 @@ balance losses count the whole micro-batch (parallel/moe_context_parallel.py); i
 are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism splits
 each MoE layer's experts over ep data-parallel ranks and swaps its dispatcher for an
 all-to-all one (parallel/expert_parallel.py); FSDP then shards the experts over the
-remaining (edp) ranks and everything else as usual.
+remaining (edp) ranks and everything else as usual. Under tp an MoE block's router runs
+replicated over tp and each tp rank dispatches its share of the slots
+(parallel/moe_tensor_parallel.py).
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
 data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
@@ -45,6 +47,7 @@ from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.moe_context_parallel import apply_moe_cp
+from meshforge.parallel.moe_tensor_parallel import split_over_tp
 from meshforge.parallel.pipeline import (
     Pipeline,
     balanced_split,
@@ -95,6 +98,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     if mesh.dims.ep > 1:
         apply_ep(model, mesh)
+        if mesh.degrees["tp"] > 1:  # each tp rank dispatches its share of the slots
+            split_over_tp(model, mesh.group("tp"))
     if mesh.degrees["cp"] > 1:
         apply_cp(model, mesh, cfg)
         apply_moe_cp(model, mesh.group("cp"))

@@ -46,6 +46,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshforge.models.llama import Transformer
+from meshforge.models.moe import MoE
+from meshforge.parallel.moe_tensor_parallel import apply_moe_tp, is_moe_plan_key
 
 
 class ReplicateParallel(ParallelStyle):
@@ -115,12 +117,19 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
 
     A tied head shares the embedding's table: both are sharded on the vocab dimension
     (rows of the embedding, output features of the head), so after sharding the head is
-    re-pointed at the embedding's DTensor and the two stay one parameter.
+    re-pointed at the embedding's DTensor and the two stay one parameter. A block with a
+    mixture-of-experts feed-forward keeps the attention entries and takes its feed-forward's
+    plan from parallel/moe_tensor_parallel.py.
     """
     parallelize_module(model, tp_mesh, _present(model, outer_plan(sequence_parallel)))
     plan = block_plan(sequence_parallel)
+    attention_only = {k: v for k, v in plan.items() if not is_moe_plan_key(k)}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        if isinstance(block.feed_forward, MoE):
+            parallelize_module(block, tp_mesh, attention_only)
+            apply_moe_tp(block, tp_mesh, sequence_parallel)
+        else:
+            parallelize_module(block, tp_mesh, plan)
     model.tie_weights()
 
 

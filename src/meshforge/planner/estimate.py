@@ -18,7 +18,11 @@ Memory per GPU (the most loaded pipeline stage):
 - in-flight micro-batches by schedule on the first stage: GPipe all m, 1F1B min(m, p),
   interleaved 1F1B p·(1 + (p−1)/(p·v)) stage-chunks (Narayanan et al. 2021);
 - embedding/head on the first/last stage, the loss's fp32 logits (vocab-parallel under tp),
-  gathered parameters under ZeRO-2/3, communication buckets and a fixed reserve.
+  gathered parameters under ZeRO-2/3, communication buckets and a fixed reserve;
+- under CPU offload (``Layout.offload``, planner/offload_costs.py) the model states are in
+  host memory (``Estimate.host_memory``) and only fp32 staging copies stay on the device; the
+  host-link copies ride the data-parallel prefetch window and the optimizer step runs on the
+  CPU at host memory bandwidth.
 
 Time per step: GEMM FLOPs at a size-dependent efficiency, the attention core at its own
 efficiency, and memory-bound elementwise passes (norms, residuals, activations); TP
@@ -49,7 +53,7 @@ from meshforge.parallel.context_parallel_cost import (
 )
 from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
-from meshforge.planner import kernel_costs, moe_costs
+from meshforge.planner import kernel_costs, moe_costs, offload_costs
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.shape import Shape
 from meshforge.planner.zero1_partition import largest_share
@@ -74,13 +78,14 @@ class Layout:
     virtual_stages: int = 1
     schedule: str = "1f1b"
     sequence_parallel: bool = True
+    offload: str = "none"  # "cpu": FSDP2 keeps the sharded state in host memory (planner/offload_costs.py)
 
 
 @dataclass
 class Estimate:
     layout: Layout
     num_params: int
-    memory: dict[str, float]  # GiB
+    memory: dict[str, float]  # GiB on the device
     fits: bool
     overflow: str
     time: dict[str, float]  # seconds
@@ -90,6 +95,7 @@ class Estimate:
     hfu: float
     budget: dict[str, float] = field(default_factory=dict)  # fractions of the step
     not_runnable: str = ""  # why `meshforge train` refuses this layout (parallel/dims.py); "" if it runs
+    host_memory: dict[str, float] = field(default_factory=dict)  # GiB under CPU offload (per GPU, per_node)
 
     def as_json(self) -> dict[str, Any]:
         lay = asdict(self.layout)
@@ -103,7 +109,14 @@ class Estimate:
             "virtual_stages": lay["virtual_stages"],
             "schedule": lay["schedule"],
             "sequence_parallel": lay["sequence_parallel"],
+            "offload": lay["offload"],
             "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
+            "host_memory_gib": {k: round(v, 3) for k, v in self.host_memory.items()},
+            "memory_bytes": {
+                "device": round(self.memory["total"] * GIB),
+                "host": round(self.host_memory.get("total", 0.0) * GIB),
+                "host_per_node": round(self.host_memory.get("per_node", 0.0) * GIB),
+            },
             "fits": self.fits,
             "overflow": self.overflow,
             "runnable": not self.not_runnable,
@@ -199,14 +212,26 @@ def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
     return max(first, last), per_layer
 
 
-def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
-    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+def stage_state_bytes(shape: Shape, lay: Layout, precision: str) -> dict[str, float]:
+    """Parameters, gradients and optimizer state the most loaded GPU's rank allocates (experts included)."""
+    psi, _ = stage_params(shape, lay.tp, lay.pp)
     psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
     states = allocated_state_bytes(shape, lay, psi - psi_e, precision)
     experts = moe_costs.expert_state_bytes(
         shape, lay, psi_e, precision, lambda p: allocated_state_bytes(shape, lay, p, precision)
     )
-    states = {k: v + experts[k] for k, v in states.items()}
+    return {k: v + experts[k] for k, v in states.items()}
+
+
+def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
+    """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
+    states are on the host (``offload_costs``) and only their staging copies stay here."""
+    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+    psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
+    states = stage_state_bytes(shape, lay, precision)
+    offloaded = lay.offload == "cpu"
+    if offloaded:
+        states = {k: 0.0 for k in states}
     bpe = 4 if precision == "fp32" else 2
     act_layer = activation_bytes_per_layer(
         shape, local_tokens(seq, lay.cp), lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
@@ -235,6 +260,8 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
         gathered = 0.0
     gathered += moe_costs.gathered_delta_bytes(shape, lay, psi_e, w) if lay.dp > 1 else 0.0
     buffers = 2 * 25 * 2**20 + gathered
+    if offloaded:
+        buffers += offload_costs.staging_bytes(per_layer, lay.dp * lay.cp)
     out = {
         "params": states["params"] / GIB,
         "grads": states["grads"] / GIB,
@@ -340,7 +367,8 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     all-reduces of the block's activations in forward and two in backward (each a
     reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
     vocab-parallel embedding (forward) and the head's input (backward) one each, on the
-    stages holding them; the loss-parallel cross-entropy three small all-reduces."""
+    stages holding them; the loss-parallel cross-entropy three small all-reduces; under
+    ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds)."""
     tokens_mb = lay.micro_batch_size * seq / lay.cp
     act = tokens_mb * shape.hidden * _bytes_per_element(precision)
     per_mb = stage_layers(shape, lay.pp) * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
@@ -352,7 +380,8 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
         one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
     else:
         one = tp_coll("all_reduce", act)
-    return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4))
+    moe = moe_costs.tp_seconds(shape, lay, tokens_mb, _bytes_per_element(precision), tp_coll)
+    return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
 
 
 def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
@@ -453,6 +482,39 @@ def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> 
     return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw + fixed
 
 
+def _offload_time(
+    shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, dp_s: float, compute_s: float
+) -> tuple[float, float, float]:
+    """(exposed host-link seconds, all host-link seconds, CPU optimizer seconds) under CPU
+    offload (planner/offload_costs.py). The copies are chained to the data-parallel traffic: a
+    unit's shard goes up on the all-gather's copy-in stream right before its all-gather (so it
+    rides the same prefetch), its gradient shard down right after its reduce-scatter. So they
+    hide under the same window, in what the dp traffic leaves of it, as far as comm_overlap
+    allows, and the last unit's share waits: exposed is what dp traffic plus copies expose
+    beyond the dp traffic alone. Hidden copies cost the compute nothing (copy engines, no SMs;
+    ~50 GB/s is noise beside HBM's), so neither side charges interference."""
+    psi, _ = stage_params(shape, lay.tp, lay.pp)
+    link_s = offload_costs.link_seconds(psi, lay.dp * lay.cp, lay.zero_stage, lay.num_microbatches, hw)
+    exposed = _dp_exposed(dp_s + link_s, compute_s, shape, lay, hw, 0.0) - _dp_exposed(
+        dp_s, compute_s, shape, lay, hw, 0.0
+    )
+    opt_s = offload_costs.cpu_optimizer_seconds(stage_state_bytes(shape, lay, precision), hw)
+    return exposed, link_s, opt_s
+
+
+def _fit(mem: dict[str, float], host: dict[str, float], hw: Hardware) -> tuple[bool, str]:
+    """Whether the device memory fits, and (offload, where the node's host memory is known) the
+    host state of the node's ranks; else what overflows."""
+    if mem["total"] > hw.hbm_gib:
+        return False, overflow_reason(mem, hw.hbm_gib)
+    if host and hw.host_mem_gib and host["per_node"] > hw.host_mem_gib:
+        return False, (
+            f"host memory: the offloaded state of a node's ranks needs {host['per_node']:.0f} GiB of "
+            f"{hw.host_mem_gib:.0f} GiB per node; more GPUs (dp) or more sharding"
+        )
+    return True, ""
+
+
 def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str, float]:
     """Where the step goes, as fractions of it (useful work at peak first)."""
     return {
@@ -465,6 +527,7 @@ def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str
         "pp_p2p": time["pp_p2p"] / step,
         "ep_a2a": time["ep_a2a"] / step,
         "dp_exposed": time["dp_comm_exposed"] / step,
+        "offload_exposed": time["offload_copy"] / step,
         "bubble": time["bubble"] / step,
         "optimizer": time["optimizer"] / step,
     }
@@ -476,18 +539,20 @@ def estimate(
     """Memory and step time of one layout, each as a breakdown (see the module doc)."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     mem = memory(shape, lay, seq, precision, hw)
-    fits = mem["total"] <= hw.hbm_gib
-    overflow = "" if fits else overflow_reason(mem, hw.hbm_gib)
+    host: dict[str, float] = {}
+    if lay.offload == "cpu":
+        host = offload_costs.host_memory_gib(stage_state_bytes(shape, lay, precision), min(gpus_per_node, n_gpus))
+    fits, overflow = _fit(mem, host, hw)
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
     tp_s = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
     cp_s = _cp_time(shape, lay, seq, precision, hw, gpus_per_node)
     pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
     dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
-    if lay.ep > 1:  # the experts' 1/ep share is gathered and reduced over edp, not over all dp ranks
+    if lay.ep > 1:  # the experts' 1/ep share (whole on each tp rank) is gathered and reduced over edp only
         psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)
         edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
-        dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e / lay.ep, edp))
+        dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e * lay.tp / lay.ep, edp))
         dp_s = max(0.0, dp_s - _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
     ep_s = moe_costs.a2a_seconds(
         shape, lay, global_batch * seq / n_gpus, _bytes_per_element(precision), hw, gpus_per_node, lay.recompute
@@ -497,8 +562,11 @@ def estimate(
     pipelined = compute_s + tp_s + cp_s + pp_s + ep_s  # the bubble is over the per-micro-batch work
     bubble_s = pipelined * bubble / (1 - bubble)
     opt_s = _optimizer_time(shape, lay, precision, hw)
+    off_exposed = off_total = 0.0
+    if lay.offload == "cpu":
+        off_exposed, off_total, opt_s = _offload_time(shape, lay, precision, hw, gpus_per_node, dp_s, compute_s)
 
-    step = pipelined + bubble_s + dp_exposed + opt_s
+    step = pipelined + bubble_s + dp_exposed + off_exposed + opt_s
     tps = global_batch * seq / step / n_gpus
     peak = hw.peak(precision)
     mfu = shape.model_flops_per_token(seq) * tps / peak  # active parameters for an MoE (models/flops.py)
@@ -513,8 +581,10 @@ def estimate(
         "ep_a2a": ep_s,
         "dp_comm_total": dp_s,
         "dp_comm_exposed": dp_exposed,
+        "offload_copy": off_exposed,
+        "offload_copy_total": off_total,
         "bubble": bubble_s,
         "optimizer": opt_s,
     }
     budget = _budget(time, comp["recompute"], step)
-    return Estimate(lay, shape.num_params(), mem, fits, overflow, time, step, tps, mfu, hfu, budget)
+    return Estimate(lay, shape.num_params(), mem, fits, overflow, time, step, tps, mfu, hfu, budget, host_memory=host)

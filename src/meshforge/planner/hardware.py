@@ -55,6 +55,12 @@ class Hardware:
     # share of the hidden traffic's time the compute beside it loses (NCCL kernels occupy SMs and
     # memory bandwidth); 0 where communication has its own engine and memory path
     comm_interference: float = 0.7
+    # CPU offload (planner/offload_costs.py; 0: no separate host, as on a CPU, or not known): the
+    # host link's bytes/s per GPU and direction (PCIe, C2C); the host memory bandwidth one GPU's
+    # rank gets for its CPU optimizer step (bytes/s); host memory per node in GiB (0: not checked)
+    host_link_bw: float = 0.0
+    host_mem_bw: float = 0.0
+    host_mem_gib: float = 0.0
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
@@ -129,6 +135,29 @@ PRESETS: dict[str, Hardware] = {
 GPU_ATTENTION_HALF_SEQ = 1024.0  # FlashAttention-2 reaches half its rate around 1K-token sequences
 for _name in [k for k in PRESETS if k != "cpu"]:
     PRESETS[_name] = replace(PRESETS[_name], attention_half_seq=GPU_ATTENTION_HALF_SEQ)
+
+# The host side of CPU offload, per preset: (host link bytes/s per GPU and direction, host memory
+# bytes/s per GPU, host GiB per node). Host link: PCIe 5.0 x16 is 32 GT/s x 16 lanes x 128/130 =
+# 63 GB/s per direction, of which pinned cudaMemcpy reaches ~80-85% (~50-55 GB/s); we take 50 GB/s
+# since all GPUs of a node copy at once. PCIe 4.0 x16 (A100): 31.5 GB/s raw, ~25 GB/s effective.
+# Host memory bandwidth: the node's DRAM peak (channels x MT/s x 8 bytes) x 0.75 (what STREAM-class
+# streaming reaches) / 8 GPUs, on each vendor's 8-GPU system (datasheets): DGX A100 2 x EPYC 7742,
+# 8 x DDR4-3200 each (409.6 GB/s); DGX H100/H200 2 x Xeon 8480C, 8 x DDR5-4800 each (614.4 GB/s);
+# DGX B200 2 x Xeon 8570, 8 x DDR5-5600 each (716.8 GB/s); an MI300X platform 2 x EPYC 9654,
+# 12 x DDR5-4800 each (921.6 GB/s). Host memory: DGX A100 320 GB 1 TB, DGX A100 640 GB / DGX H100 /
+# DGX H200 / DGX B200 2 TB; 0 (not checked) where no reference system fixes it. No GH200 preset
+# (its 450 GB/s per direction NVLink-C2C would go in host_link_bw).
+HOST_SIDE = {
+    "a100-40g": (25e9, 409.6e9 * 0.75 / 8, 1024.0),
+    "a100-80g": (25e9, 409.6e9 * 0.75 / 8, 2048.0),
+    "h100-sxm": (50e9, 614.4e9 * 0.75 / 8, 2048.0),
+    "h100-pcie": (50e9, 614.4e9 * 0.75 / 8, 0.0),
+    "h200": (50e9, 614.4e9 * 0.75 / 8, 2048.0),
+    "b200": (50e9, 716.8e9 * 0.75 / 8, 2048.0),
+    "mi300x": (50e9, 921.6e9 * 0.75 / 8, 0.0),
+}
+for _name, (_link, _mem_bw, _mem_gib) in HOST_SIDE.items():
+    PRESETS[_name] = replace(PRESETS[_name], host_link_bw=_link, host_mem_bw=_mem_bw, host_mem_gib=_mem_gib)
 
 
 def get_hardware(name: str | None, path: str | None = None) -> Hardware:

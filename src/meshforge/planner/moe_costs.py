@@ -13,6 +13,7 @@ formula ``a2a_bytes_formula`` the training run logs beside its measured traffic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
@@ -50,7 +51,9 @@ def expert_state_bytes(shape: Shape, lay: Layout, psi_e: float, precision: str, 
     ``dense_states(psi)``: how the layout's ZeRO stage keeps ``psi`` ordinary parameters (ep = 1)."""
     if lay.ep <= 1:
         return dense_states(psi_e)
-    local = psi_e / (lay.dp * lay.cp)  # 1/ep of the experts, sharded over edp = dp x cp / ep
+    # 1/ep of the experts, sharded over edp = dp x cp / ep; replicated over tp (each tp rank runs
+    # them on its share of the slots: parallel/moe_tensor_parallel.py), so x tp of the /tp ``psi_e``
+    local = psi_e * lay.tp / (lay.dp * lay.cp)
     return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
 
 
@@ -61,11 +64,12 @@ def gathered_delta_bytes(shape: Shape, lay: Layout, psi_e: float, w: int) -> flo
     if lay.ep <= 1 or psi_e <= 0:
         return 0.0
     layers = max(1, moe_layers_on_stage(shape, lay.pp))
+    own = psi_e * lay.tp / lay.ep  # the E/ep experts, whole on every tp rank (see expert_state_bytes)
     if lay.zero_stage == 3:
-        return -2 * psi_e / layers * w * (1 - 1 / lay.ep)
+        return 2 * (own - psi_e) / layers * w
     if lay.zero_stage == 2:
-        return -psi_e * w * (1 - 1 / lay.ep)
-    return psi_e / lay.ep * w  # the experts' own FSDP units, kept gathered (no reshard)
+        return (own - psi_e) * w
+    return own * w  # the experts' own FSDP units, kept gathered (no reshard)
 
 
 def activation_delta_bytes(shape: Shape, tokens: float, tp: int, recompute: str, bpe: int) -> float:
@@ -99,3 +103,19 @@ def a2a_seconds(
         sent, exchanges = sent * 1.5, exchanges * 1.5
     bw, alpha = hw.link("all_to_all", lay.tp * lay.ep <= gpus_per_node)
     return sent / bw + exchanges * 1.25 * (lay.ep - 1) * alpha
+
+
+def tp_seconds(shape: Shape, lay: Layout, tokens_mb: float, bpe: int, coll: Callable[[str, float], float]) -> float:
+    """What ep x tp adds to a step's tensor-parallel traffic (parallel/moe_tensor_parallel.py):
+    per MoE block and micro-batch one all-reduce over tp of the slots' outputs in forward and
+    one of their input gradients in backward (tokens x k x hidden each; again in forward under
+    full recomputation), and once per step the all-reduce over tp that sums the expert
+    gradients' partial sums (this rank's fp32 FSDP shard of its experts). ``coll(kind, bytes)``
+    prices one collective over the tp group."""
+    if lay.tp <= 1 or shape.num_experts <= 0:
+        return 0.0
+    passes = 3 if lay.recompute == "full" else 2
+    slots = tokens_mb * shape.experts_per_token * shape.hidden * bpe
+    per_step = moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * passes * coll("all_reduce", slots)
+    grad_shard = expert_params_on_stage(shape, lay.tp, lay.pp) * lay.tp / (lay.dp * lay.cp) * 4
+    return per_step + coll("all_reduce", grad_shard)

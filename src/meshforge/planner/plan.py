@@ -13,7 +13,7 @@ from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
 from meshforge.planner import report
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
-from meshforge.planner.search import Fixed, Ranked, search
+from meshforge.planner.search import OFFLOAD, Fixed, Ranked, search
 from meshforge.planner.shape import Shape, from_args, from_preset
 
 
@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--recompute", choices=["none", "selective", "full"])
     f.add_argument("--schedule")
     f.add_argument(
+        "--offload",
+        choices=list(OFFLOAD),
+        help="CPU offload of the sharded model states (FSDP2, ZeRO-2/3; parallel.offload): auto (default) searches "
+        "it only when nothing fits without it, none never, cpu always",
+    )
+    f.add_argument(
         "--no-sequence-parallel",
         action="store_true",
         help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
@@ -123,6 +129,8 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
                 from_cfg[name] = getattr(p, key)
         if "zero_stage" in par:
             from_cfg["zero"] = p.zero_stage
+        if "offload" in par:
+            from_cfg["offload"] = p.offload
         if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
             from_cfg["dp"] = p.dp_shard * p.dp_replicate
         if "pp_schedule" in par and p.pp > 1:
@@ -216,6 +224,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         virtual_stages=pick("virtual_stages"),
         schedule=pick("schedule"),
         sequence_parallel=not args.no_sequence_parallel,
+        offload=pick("offload"),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)

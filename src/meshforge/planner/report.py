@@ -15,17 +15,33 @@ COLUMNS = (
     "data-parallel rank (gradient accumulation, or the pipeline's micro-batches); recompute: activation "
     "recomputation; schedule: pipeline schedule (v: model chunks per rank); mem GiB: predicted peak memory per GPU; "
     "step s: predicted time per optimizer step; MFU: model FLOPs (6N + attention) per second over the peak; HFU: the "
-    "same counting recomputed FLOPs; *: not runnable by meshforge train; !: does not fit"
+    "same counting recomputed FLOPs; host GiB (shown when a row offloads): the model states CPU offload keeps in "
+    "host memory per GPU (parallel.offload = cpu; -: not offloaded); *: not runnable by meshforge train; "
+    "!: does not fit"
 )
 
-TIME_PARTS = ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "ep_a2a", "dp_comm_exposed", "bubble", "optimizer")
+TIME_PARTS = (
+    "gemm",
+    "non_gemm",
+    "tp_comm",
+    "cp_comm",
+    "pp_p2p",
+    "ep_a2a",
+    "dp_comm_exposed",
+    "offload_copy",
+    "bubble",
+    "optimizer",
+)
 
 
 def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
-    """The ranking; then the faster layouts meshforge train does not run yet, with the reason."""
+    """The ranking; then the faster layouts meshforge train does not run yet, with the reason.
+    A host-memory column appears when some row offloads its model states to the CPU."""
+    offloads = any(e.layout.offload == "cpu" for e in results[:top])
+    host_head = f" {'host GiB':>8}" if offloads else ""
     head = (
         f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'cp':>3} {'ep':>3} {'zero':>4} {'mb':>3} {'m':>4} {'recompute':>9} "
-        f"{'schedule':>17} {'mem GiB':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6} {'HFU':>6}"
+        f"{'schedule':>17} {'mem GiB':>8}{host_head} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6} {'HFU':>6}"
     )
     rows, notes = [head, "-" * len(head)], []
     for i, e in enumerate(results[:top], 1):
@@ -33,8 +49,9 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
         sched = "-" if L.pp == 1 else (f"{L.schedule} v={L.virtual_stages}" if L.virtual_stages > 1 else L.schedule)
         rows.append(
             f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.ep:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
-            f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f} "
-            f"{e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
+            f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f}"
+            + (f" {_host(e):>8}" if offloads else "")
+            + f" {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
             + ("  *" if e.not_runnable else "")
             + ("  !" if not e.fits else "")
         )
@@ -55,19 +72,41 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
     return "\n".join(rows + notes + [COLUMNS])
 
 
+def _host(e: Estimate) -> str:
+    return f"{e.host_memory['total']:.1f}" if e.host_memory else "-"
+
+
 def explain(e: Estimate, hbm_gib: float) -> str:
     m, t, b = e.memory, e.time, e.budget
+    offload = e.layout.offload == "cpu"
     lines = [
         "memory per GPU (GiB): "
         + ", ".join(f"{k} {m[k]:.2f}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
         + f" = {m['total']:.2f} of {hbm_gib:.0f}"
         + (" (fits)" if e.fits else f" -- fits: false, {e.overflow}"),
         "time per step (s): "
-        + ", ".join(f"{k} {t[k]:.4f}" for k in TIME_PARTS if k != "ep_a2a" or e.layout.ep > 1)
+        + ", ".join(f"{k} {t[k]:.4f}" for k in TIME_PARTS if _shown(k, e))
         + f" -> {e.step_time_s:.4f} (dp traffic {t['dp_comm_total']:.4f} s, mostly hidden under compute)",
-        "where the time goes (fractions of the step): " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in b.items()),
+        "where the time goes (fractions of the step): "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in b.items() if k != "offload_exposed" or offload),
     ]
+    if offload:
+        h = e.host_memory
+        lines.insert(
+            1,
+            "CPU offload: host memory per GPU (GiB): "
+            + ", ".join(f"{k} {h[k]:.2f}" for k in ("params", "grads", "optimizer"))
+            + f" = {h['total']:.2f} ({h['per_node']:.1f} per node); host-link copies {t['offload_copy_total']:.4f} s "
+            f"per step ({t['offload_copy']:.4f} s exposed), optimizer step on the CPU {t['optimizer']:.4f} s",
+        )
     return "\n".join(lines)
+
+
+def _shown(part: str, e: Estimate) -> bool:
+    """Time parts shown only where they can be nonzero: experts' all-to-all, offload copies."""
+    if part == "ep_a2a":
+        return e.layout.ep > 1
+    return part != "offload_copy" or e.layout.offload == "cpu"
 
 
 def as_json(results: list[Estimate], top: int, shape: Shape, considered: int, refused: list[Estimate] = ()) -> str:
@@ -123,13 +162,14 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
         micro = 0
     else:
         pipe, micro = "", L.micro_batch_size
+    off = f'offload = "{L.offload}"\n' if L.offload == "cpu" else ""  # FSDP2's CPU offload (parallel/dims.py)
     return (
         f"# written by meshforge plan: predicted {e.step_time_s:.3f} s/step, "
         f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"
         f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp * L.pp * L.cp} (or torchrun)\n\n"
         f"[model]\n{model}\n"
         f"[parallel]\ntp = {L.tp}\n{pipe}cp = {L.cp}\nep = {L.ep}\ndp_shard = {L.dp}\ndp_replicate = 1\n"
-        f"zero_stage = {L.zero_stage}\n"
+        f"zero_stage = {L.zero_stage}\n{off}"
         f"sequence_parallel = {str(L.sequence_parallel).lower()}\n\n"
         f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {micro}\n"
         f'precision = "{precision}"\nactivation_checkpoint = "{ac}"\n'

@@ -9,13 +9,14 @@ ones, marked with the reason, so the planner never recommends a layout training 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from meshforge.errors import ConfigError
-from meshforge.parallel.dims import ParallelDims, Training, tp_divides_heads
+from meshforge.parallel.dims import ParallelDims, Training, offload_problem, tp_divides_heads
 from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, Layout, estimate
 from meshforge.planner.hardware import Hardware
+from meshforge.planner.offload_costs import can_offload
 from meshforge.planner.shape import Shape
 
 
@@ -34,6 +35,10 @@ class Fixed:
     virtual_stages: int | None = None
     schedule: str | None = None
     sequence_parallel: bool = True
+    offload: str | None = None  # "none" | "cpu"; None or "auto": CPU offload only when nothing fits without it
+
+
+OFFLOAD = ("auto", "none", "cpu")
 
 
 def _divisors(n: int) -> list[int]:
@@ -76,6 +81,32 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
         raise ConfigError(f"--recompute {f.recompute!r}: one of {', '.join(RECOMPUTE)}")
     if f.zero is not None and f.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {f.zero}: one of 0, 1, 2, 3")
+    _check_fixed_offload(f)
+
+
+def _check_fixed_offload(f: Fixed) -> None:
+    """An unknown --offload, or --offload cpu with a fixed ZeRO stage the layout rule refuses."""
+    if f.offload is not None and f.offload not in OFFLOAD:
+        raise ConfigError(f"--offload {f.offload!r}: one of {', '.join(OFFLOAD)}")
+    if f.offload == "cpu" and f.zero is not None:
+        dims = ParallelDims(pp=f.pp or 1, dp_shard=f.dp or 2, cp=f.cp or 1, tp=f.tp or 1, ep=f.ep or 1)
+        problem = offload_problem(dims, f.zero, "cpu")
+        if problem is not None and problem.kind == "invalid":
+            raise ConfigError(f"--offload cpu --zero {f.zero}: {problem.message}")
+
+
+def offload_modes(f: Fixed, hw: Hardware) -> list[str]:
+    """The offload settings to search, in order: a fixed one, or (auto) none first and CPU
+    offload only if nothing runnable fits without it, where the hardware has a host to offload to."""
+    mode = f.offload or "auto"
+    if mode == "cpu" and not can_offload(hw):
+        raise ConfigError(
+            f"--offload cpu: {hw.name} has no host to offload to (on a CPU the state already lives in host "
+            "memory; a calibrated profile needs host_link_bw and host_mem_bw); use --offload none or a GPU preset"
+        )
+    if mode == "auto":
+        return ["none", "cpu"] if can_offload(hw) else ["none"]
+    return [mode]
 
 
 def rules_view(shape: Shape) -> SimpleNamespace:
@@ -105,6 +136,7 @@ def training_of(lay: Layout, seq: int, global_batch: int, gpus_per_node: int) ->
         pp_virtual_stages=lay.virtual_stages,
         num_microbatches=lay.num_microbatches if pipelined else 0,
         ranks_per_node=gpus_per_node,
+        offload=lay.offload,
     )
 
 
@@ -154,13 +186,14 @@ def _per_rank_choices(
     tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Fixed, shape: Shape
 ) -> Iterator[Layout]:
     micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
+    offload = "cpu" if f.offload == "cpu" else "none"  # one setting per pass (offload_modes)
     for mb in micros:
         if local % mb:
             continue
         for zero in _zero_choices(dp * cp, ep, f):
             for rc in [f.recompute] if f.recompute else RECOMPUTE:
                 for sched, v in _schedules(pp, f):
-                    yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel)
+                    yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel, offload)
 
 
 def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
@@ -209,6 +242,34 @@ def _overflowing(found: list[Estimate]) -> Ranked:
     return ranked
 
 
+@dataclass
+class _Scan:
+    """One pass over the layouts with one offload setting."""
+
+    fitting: list[Estimate] = field(default_factory=list)
+    overflowing: list[Estimate] = field(default_factory=list)  # kept when every degree is fixed
+    smallest: Estimate | None = None
+    considered: int = 0
+
+
+def _scan(
+    shape: Shape, hw: Hardware, gpus: int, gpus_per_node: int, global_batch: int, seq: int, precision: str, f: Fixed
+) -> _Scan:
+    out, keep_all = _Scan(), fully_fixed(f)
+    for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node):
+        out.considered += 1
+        e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
+        e.not_runnable = reason
+        if e.fits:
+            out.fitting.append(e)
+        else:
+            if keep_all:
+                out.overflowing.append(e)
+            if out.smallest is None or e.memory["total"] < out.smallest.memory["total"]:
+                out.smallest = e
+    return out
+
+
 def search(
     shape: Shape,
     hw: Hardware,
@@ -225,26 +286,27 @@ def search(
     fit (e.g. every degree fixed to one train cannot run yet), they are the ranking, marked.
     With every degree fixed and nothing fitting, the overflowing layouts are the answer
     (``fits_nothing``); an open search that fits nothing is refused with what would fit.
-    When none fits, the error names the smallest cluster of up to ``max_gpus`` that does."""
+    When none fits, the error names the smallest cluster of up to ``max_gpus`` that does.
+    CPU offload (``fixed.offload``, ``offload_modes``) is searched only when nothing runnable
+    fits without it, unless fixed."""
     check_fixed(shape, gpus, fixed, gpus_per_node)
-    fitting, considered, smallest, keep_all = [], 0, None, fully_fixed(fixed)
-    overflowing: list[Estimate] = []
-    for lay, reason in layouts(shape, gpus, global_batch, seq, fixed, gpus_per_node):
-        considered += 1
-        e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
-        e.not_runnable = reason
-        if e.fits:
-            fitting.append(e)
-        else:
-            if keep_all:
-                overflowing.append(e)
-            if smallest is None or e.memory["total"] < smallest.memory["total"]:
-                smallest = e
+    modes = offload_modes(fixed, hw)
+    scans: list[_Scan] = []
+    for mode in modes:
+        scans.append(_scan(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, replace(fixed, offload=mode)))
+        if any(not e.not_runnable for e in scans[-1].fitting):
+            break
+    fitting = [e for sc in scans for e in sc.fitting]
+    overflowing = [e for sc in scans for e in sc.overflowing]
+    considered = sum(sc.considered for sc in scans)
     if not fitting and overflowing:
         return _overflowing(overflowing), considered
     if not fitting:
+        tried = [sc.smallest for sc in scans if sc.smallest is not None]
+        smallest = min(tried, key=lambda e: e.memory["total"]) if tried else None
         bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed, max_gpus)
-        raise ConfigError(no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger, max_gpus))
+        msg = no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger, max_gpus)
+        raise ConfigError(msg + (" (CPU offload searched too)" if "cpu" in modes and considered else ""))
     fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
     runs = Ranked(e for e in fitting if not e.not_runnable)
     if not runs:
@@ -265,17 +327,18 @@ def smallest_cluster(
     max_gpus: int = 2**20,
 ) -> tuple[int, Estimate] | None:
     """The first power-of-two multiple of ``gpus`` (up to ``max_gpus``) on which some layout
-    fits, with its fastest layout; the data-parallel degree is left free."""
-    free = Fixed(**{**f.__dict__, "dp": None})
+    fits, with its fastest layout; the data-parallel degree is left free, offload as in search."""
     n = gpus * 2
     while n <= max_gpus:
-        best = None
-        for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node):
-            e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
-            if e.fits and not reason and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
-                best = e
-        if best is not None:
-            return n, best
+        for mode in offload_modes(f, hw):  # at each size without offload first, as search does
+            best = None
+            free = Fixed(**{**f.__dict__, "dp": None, "offload": mode})
+            for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node):
+                e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
+                if e.fits and not reason and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
+                    best = e
+            if best is not None:
+                return n, best
         n *= 2
     return None
 
@@ -306,8 +369,9 @@ def no_fit_message(
         return msg + f"No cluster of up to {max_gpus} such GPUs fits it: use GPUs with more memory or a smaller model"
     n, e = bigger
     L = e.layout
+    offload = " with CPU offload" if L.offload == "cpu" else ""
     return msg + (
         f"The smallest cluster of this kind that fits it (doubling --gpus) is {n} GPUs, e.g. tp {L.tp} pp {L.pp} "
-        f"dp {L.dp} zero {L.zero_stage} recompute {L.recompute} at {e.memory['total']:.1f} GiB per GPU; "
+        f"dp {L.dp} zero {L.zero_stage} recompute {L.recompute}{offload} at {e.memory['total']:.1f} GiB per GPU; "
         "or use GPUs with more memory"
     )

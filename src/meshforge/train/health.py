@@ -54,7 +54,10 @@ class HealthKeeper:
         self.t = trainer
         mesh = trainer.mesh
         scale = mesh.degrees["pp"] / mesh.world_size
+        # the modules forward actually calls: under pp the stages' parts, not the model view
+        self.called = list(trainer.pipeline.parts) if trainer.pipeline is not None else [trainer.model]
         self.guard = StepGuard(trainer.cfg.health, trainer.model, mesh.rank, mesh.distributed, mesh.device, scale)
+        self.guard.forward_module = self.called[-1]
         trainer.runner.guard = self.guard
         self.watchdog = None
         if mesh.distributed and trainer.cfg.health.hang_timeout_s > 0:
@@ -81,10 +84,9 @@ class HealthKeeper:
         self.hooks = []
         self.t.runner.guard = None if paused else self.guard
         if not paused:
-            self.hooks = [
-                self.t.model.register_forward_pre_hook(self._forward_starts),
-                self.t.model.register_forward_hook(self._forward_ends),
-            ]
+            for m in self.called:
+                self.hooks.append(m.register_forward_pre_hook(self._forward_starts))
+                self.hooks.append(m.register_forward_hook(self._forward_ends))
 
     def _forward_starts(self, *_: Any) -> None:
         if self.logged and self.t.device.type == "cuda":
@@ -118,7 +120,7 @@ class HealthKeeper:
 
     def before_step(self, n: int) -> float:
         """Note that step ``n`` starts; returns its start time (perf_counter)."""
-        self.guard.step = n
+        self.guard.arm(n)
         cfg = self.t.cfg
         self.logged = n % cfg.metrics.log_interval == 0 or n == cfg.train.steps
         self.compute_s = 0.0
@@ -133,13 +135,13 @@ class HealthKeeper:
         if self.stragglers and self.logged:
             for found in self.stragglers.check(self.compute_s, n):
                 self.report({"event": "straggler", "action": "log", **found})
+        late, self.guard.late = self.guard.late, None
+        if late is not None:  # the previous step's logged spike: its batch is one further back
+            self.report(self._with_samples(late))
         v, self.guard.verdict = self.guard.verdict, None
         if v is None:
             return False
-        if v["event"] == "loss_spike":
-            sampler = self.t.state.sampler
-            v["samples"] = sampler.indices(sampler.consumed - sampler.batch, sampler.batch).tolist()
-        self.report(v)
+        self.report(self._with_samples(v) if v["event"] == "loss_spike" else v)
         if v["action"] == "stop":
             events = Path(self.t.cfg.run.dir) / "events.jsonl"
             raise HealthStop(describe(v).removeprefix("warning: ") + f"; see {events}")
@@ -147,6 +149,12 @@ class HealthKeeper:
             self.roll_back(n)
             return True
         return False
+
+    def _with_samples(self, v: dict[str, Any]) -> dict[str, Any]:
+        """A spike's event names its batch's sample indices (``lag`` steps before the current one)."""
+        sampler = self.t.state.sampler
+        start = sampler.consumed - (1 + v.pop("lag", 0)) * sampler.batch
+        return {**v, "samples": sampler.indices(start, sampler.batch).tolist()}
 
     def report(self, v: dict[str, Any]) -> None:
         self.t.event(v["event"], **{k: x for k, x in v.items() if k != "event"})

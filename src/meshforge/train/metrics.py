@@ -51,7 +51,8 @@ class StepMetrics:
         self.window.append(dt)
         if self.first_loss is None:
             self.first_loss = result.loss
-        self.recent.append(result.loss)
+        if not result.skipped:  # a skipped step's (non-finite, spiking) loss is not the run's
+            self.recent.append(result.loss)
 
     def recent_step_time(self) -> float:
         """Mean wall time of the last ten steps (for the Young/Daly checkpoint interval)."""

@@ -58,9 +58,10 @@ def moe_record(
     out.update(expert_load(model, mesh))
     elem = next((m.dispatcher.elem_bytes for m in moe_layers(model).values() if hasattr(m.dispatcher, "elem_bytes")), 0)
     if mesh.dims.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
+        tokens = tokens_per_rank // mesh.dims.tp  # under tp each tp rank dispatches its share of the slots
         every = sum(1 for i in range(args.layers) if is_moe_layer(args, i))
         mine = len(moe_layers(model))  # a pipeline stage holds some of the layers
-        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens_per_rank, elem, mesh.dims.ep) * mine / every
+        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens, elem, mesh.dims.ep) * mine / every
     return out
 
 

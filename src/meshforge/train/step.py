@@ -44,6 +44,7 @@ class StepResult:
     global_loss: float | None = None  # measured: the loss over the whole global batch
     state_mem: dict[str, int] | None = None  # measured: bytes of params, grads, optimizer state, gathered params
     state_mem_host: dict[str, int] | None = None  # measured, under CPU offload: the part of state_mem in host memory
+    skipped: bool = False  # the health guard refused the update (its loss stays out of the summary's)
 
 
 class StepRunner:
@@ -93,6 +94,8 @@ class StepRunner:
             out.grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.stage_group)
         if self.guard is None or self.guard.allow_update(loss, out.grad_norm, out.global_loss):
             self.optimizer.step()
+        else:
+            out.skipped = True
         if measure:
             out.state_mem = {**state_bytes(self.model, self.optimizer), "gathered_params": gathered}
             if self.offload:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from meshforge.config import to_dict
 from meshforge.metrics.profiler import StepProfiler
 from meshforge.metrics.time_breakdown import StepClock
@@ -21,7 +23,7 @@ class StepWatch:
         cfg, mesh = trainer.cfg, trainer.mesh
         self.health = HealthKeeper(trainer)
         self.profiler = StepProfiler(cfg.profile, mesh.rank, mesh.device, Path(cfg.run.dir), cfg.train.steps)
-        self.clock = StepClock(trainer.model, trainer.optimizer, trainer.comm, mesh.device)
+        self.clock = StepClock(first_forward(trainer), trainer.optimizer, trainer.comm, mesh.device)
         trainer.metrics.breakdown = self.breakdown
         if cfg.metrics.wandb and trainer.logger:
             trainer.logger.add_sink(WandbSink(Path(cfg.run.dir), to_dict(cfg)))
@@ -50,3 +52,12 @@ class StepWatch:
     def breakdown(self, pp_stats: dict[str, Any]) -> dict[str, Any]:
         """The last logged step's time breakdown (a gather: every rank calls it)."""
         return self.clock.breakdown(pp_stats.get("bubble_fraction", 0.0), self.t.mesh.distributed)
+
+
+def first_forward(trainer: Any) -> list[nn.Module]:
+    """Where a step's data time ends: the model's forward, or under pp the first stage's part
+    (a later stage's first forward waits for the pipeline to fill: that is bubble, not data)."""
+    pipe = trainer.pipeline
+    if pipe is None:
+        return [trainer.model]
+    return [pipe.parts[pipe.chunks.index(0)]] if pipe.has_first else []
