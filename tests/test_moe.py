@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from meshforge.config import fill, load_config
 from meshforge.errors import ConfigError
 from meshforge.models import flops
+from meshforge.models import moe as moe_module
 from meshforge.models.llama import build_model
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.models.moe import MoE, end_step, grouped_matmul, is_moe_layer, moe_layers
@@ -86,6 +87,20 @@ def test_grouped_gemm_equals_loop_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     manual = torch.cat([x0[0:5] @ w0[0].t(), x0[5:14] @ w0[2].t(), x0[14:16] @ w0[3].t()])
     torch.testing.assert_close(results[0][0].detach(), manual, rtol=1e-6, atol=1e-6)
+
+
+def test_first_forward_inside_a_checkpointed_block(monkeypatch):
+    """The grouped-GEMM probe runs in the first MoE forward of a process, which activation
+    checkpointing may wrap: the recomputation (which skips the cached probe) must save what
+    the forward saved. (A fresh ``meshforge train --train.activation_checkpoint full`` of an
+    MoE model failed this way before the first step.)"""
+    monkeypatch.setattr(moe_module, "_GROUPED_OK", {})  # as in a fresh process
+    layer = _layer()
+    layer.train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    (grad,) = torch.autograd.grad(out.square().sum(), [x])
+    assert torch.isfinite(grad).all()
 
 
 def test_capacity_drops_the_lowest_scores_and_counts_them():

@@ -80,21 +80,31 @@ _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here (probed once per device
-    type and dtype on a tiny problem with an empty group; a private API, wrapped here only)."""
+    type and dtype on a tiny problem with an empty group; a private API, wrapped here only).
+
+    The probe runs in the first MoE forward, which may be inside an activation-checkpointed
+    block: its own saved tensors are kept from the checkpoint's hooks (else the recomputation,
+    which skips the cached probe, saves fewer tensors and checkpointing refuses it), and it
+    draws no random numbers."""
     key = (device.type, dtype)
     if key not in _GROUPED_OK:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                x = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([8, 8, 32], device=device, dtype=torch.int32)
-                torch._grouped_mm(x, w, offs=offs).backward(torch.ones(32, 16, device=device, dtype=dtype))
+                with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), torch.enable_grad():
+                    x = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+                    w = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([8, 8, 32], device=device, dtype=torch.int32)
+                    torch._grouped_mm(x, w, offs=offs).backward(torch.ones(32, 16, device=device, dtype=dtype))
                 ok = w.grad is not None and bool(torch.isfinite(w.grad).all())
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _GROUPED_OK[key] = ok
     return _GROUPED_OK[key]
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
