@@ -12,8 +12,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
+from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.models.flops import num_params
 from meshforge.parallel.attention_kernels import KERNELS
 from meshforge.parallel.context_parallel import RingAttention, shard_index
 from meshforge.parallel.context_parallel_cost import local_tokens, ring_bytes, ring_saved_bytes_per_token
@@ -194,6 +196,19 @@ def test_cp_bytes_match_the_ring_formula(name, rotate, layout_runs):
     for g in got:
         assert g["all_gather"] == pytest.approx(want["forward_kv"] + want["backward_kv"], rel=1e-12)
         assert g["all_reduce"] - grad_sync == pytest.approx(want["backward_grads"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_cp_ranks_share_parameter_and_optimizer_state(layout_runs):
+    """cp ranks hold the same parameters, so they share the sharded state like dp ranks: HSDP
+    2 x cp 2 keeps 1/2 of parameters, gradients and Adam state per rank (sharded over
+    dp_shard x cp = 2, replicated over dp_replicate), ZeRO-1 under cp 2 a real fraction of Adam's."""
+    psi = num_params(load_weights(layout_runs("cp2-hsdp2") / "final").args)
+    mem = _metrics(layout_runs("cp2-hsdp2"))[-1]["state_mem_bytes"]
+    assert [mem["params"], mem["grads"], mem["optimizer"]] == pytest.approx([2 * psi, 2 * psi, 4 * psi], rel=1e-3)
+    mem = _metrics(layout_runs("cp2-zero1"))[-1]["state_mem_bytes"]
+    assert mem["params"] == pytest.approx(4 * psi, rel=1e-3)
+    assert 8 * psi / 2 * 0.8 < mem["optimizer"] < 8 * psi * 0.7  # partitioned by whole tensors over the 2 cp ranks
 
 
 def _metrics(run):
