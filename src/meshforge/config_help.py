@@ -70,8 +70,9 @@ HELP: dict[str, str] = {
     ),
     'parallel.cp': (
         'context-parallel degree: each sequence is split over cp ranks, attention runs over a ring '
-        '(see [parallelism.md](parallelism.md#context-parallelism)); composes with DDP, ZeRO-2/3 '
-        'and tp; refused with pp, HSDP and ZeRO-1'
+        '(see [parallelism.md](parallelism.md#context-parallelism)); composes with DDP, ZeRO-1/2/3,'
+        ' HSDP, tp (+SP) and pp; FSDP and ZeRO-1 shard over dp × cp; seq_len must be a multiple of '
+        '2 x cp (zigzag)'
     ),
     'parallel.ep': (
         "expert-parallel degree: each MoE block's experts split over this many data-parallel ranks "
