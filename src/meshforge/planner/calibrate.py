@@ -394,7 +394,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh) for kind in COLLECTIVES}
         _SYNC_COMPUTE[0] = True
         overlap = comm_overlap(dev, 3 if quick else 5)
-        kinds = {} if cuda else _slowest(layout_fixed_costs(world, 3 if quick else 5, _fixed_timer(quick)), world)
+        kinds = {} if cuda else _slowest(layout_fixed_costs(world, _fixed_timer(quick)), world)
         if rank == 0:
             res = {"compute": slowest, "points": points, "overlap": overlap, "layout_fixed": kinds}
             Path(out).write_text(json.dumps(res))

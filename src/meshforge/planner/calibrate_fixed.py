@@ -19,7 +19,6 @@ step's last micro-batch with the reduction, clipping and the optimizer step.
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -86,7 +85,7 @@ def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) 
     return micro, timed(step)
 
 
-def layout_fixed_costs(world: int, repeat: int, timed: Callable[..., float]) -> dict[str, dict[str, float]]:
+def layout_fixed_costs(world: int, timed: Callable[..., float]) -> dict[str, dict[str, float]]:
     """Per kind: seconds per block and for the ends (embedding, head, loss), per micro-batch
     (``block``, ``ends``) and per step on top of the last micro-batch's (``block_step``,
     ``ends_step``: gradient reduction, clipping, optimizer). ``timed(fn)``: seconds per call,
@@ -96,17 +95,12 @@ def layout_fixed_costs(world: int, repeat: int, timed: Callable[..., float]) -> 
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     out = {}
     for kind in KINDS:
-        rounds = []
-        for _ in range(max(1, repeat // 2)):
-            (m1, s1), (m3, s3) = (_tiny_step(kind, n, world, timed) for n in LAYERS)
-            block, block_last = (m3 - m1) / 2, (s3 - s1) / 2
-            rounds.append(
-                {
-                    "block": max(block, 0.0),
-                    "ends": max(m1 - block, 0.0),
-                    "block_step": max(block_last - block, 0.0),
-                    "ends_step": max(s1 - block_last - (m1 - block), 0.0),
-                }
-            )
-        out[kind] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        (m1, s1), (m3, s3) = (_tiny_step(kind, n, world, timed) for n in LAYERS)
+        block, block_last = (m3 - m1) / (LAYERS[1] - LAYERS[0]), (s3 - s1) / (LAYERS[1] - LAYERS[0])
+        out[kind] = {
+            "block": max(block, 0.0),
+            "ends": max(m1 - block, 0.0),
+            "block_step": max(block_last - block, 0.0),
+            "ends_step": max(s1 - block_last - (m1 - block), 0.0),
+        }
     return out
