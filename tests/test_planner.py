@@ -378,7 +378,7 @@ def test_emitted_config_trains_and_plans_back(tmp_path, corpus):
 @pytest.mark.slow
 def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
     out = tmp_path / "cpu.json"
-    r = run_cli("calibrate", "--quick", "--nproc", "2", "--out", str(out), timeout=180)
+    r = run_cli("calibrate", "--quick", "--nproc", "2", "--out", str(out), timeout=300)  # a loaded machine: minutes
     assert r.returncode == 0, r.stderr[-3000:]
     hw = get_hardware(None, str(out))
     assert hw.peak("fp32") > 1e9 and hw.intra_bw > 1e6 and 0 < hw.intra_latency < 0.1

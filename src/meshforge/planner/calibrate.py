@@ -405,7 +405,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
 
 def _fixed_timer(quick: bool):
     """Seconds per call of a tiny model's step, every rank making as many calls."""
-    return lambda fn: _timed(fn, 3 if quick else 5, calls=5 if quick else 10)
+    return lambda fn: _timed(fn, 3, calls=3) if quick else _timed(fn, 5, calls=10)
 
 
 def _slowest(costs: dict[str, dict[str, float]], world: int) -> dict[str, dict[str, float]]:
