@@ -120,6 +120,7 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
         f"batch {args.batch} x {args.seq_len}, fp32; profiles: "
         + "; ".join(
             f"{n} rank(s): {p.peak_flops['fp32'] / 1e9:.0f} GFLOP/s/rank, all-reduce {p.intra_bw / 1e9:.2f} GB/s"
+            + "".join(f", as {k} rank: {f['peak_flops']['fp32'] / 1e9:.0f} GFLOP/s" for k, f in p.by_ranks.items())
             for n, p in profiles.items()
         )
     )

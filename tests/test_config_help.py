@@ -5,6 +5,7 @@ or a key has no meaning. Regenerate after editing the docs: ``python tests/test_
 from __future__ import annotations
 
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -62,4 +63,7 @@ def test_every_key_has_a_meaning_in_train_help():
 if __name__ == "__main__":
     path = ROOT / "src" / "meshforge" / "config_help.py"
     path.write_text(render(meanings_from_docs()))
+    import subprocess  # the project's formatter, so the generated file stays `ruff format` clean
+
+    subprocess.run([sys.executable, "-m", "ruff", "format", "-q", str(path)], check=False)
     print(f"wrote {path}")

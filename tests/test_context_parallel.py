@@ -12,8 +12,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
+from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.models.flops import num_params
 from meshforge.parallel.attention_kernels import KERNELS
 from meshforge.parallel.context_parallel import RingAttention, shard_index
 from meshforge.parallel.context_parallel_cost import local_tokens, ring_bytes, ring_saved_bytes_per_token
@@ -111,9 +113,15 @@ def test_seq_len_under_cp_and_sequence_parallel_is_refused(tmp_path, corpus):
         resolve(cfg, 8)
 
 
-def test_cp_with_hsdp_is_refused_by_name(tmp_path, corpus):
-    over = {"parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 3}
-    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with parallel\.dp_replicate = 2 \(HSDP\)"):
+def test_cp_composes_with_hsdp_and_zero1(tmp_path, corpus):
+    """No longer refused: HSDP shards over dp_shard x cp and replicates over dp_replicate,
+    ZeRO-1 shards the optimizer over dp x cp (their equivalence runs are in LAYOUTS)."""
+    over = {"parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 3, "train.seq_len": 64}
+    assert resolve(_config(tmp_path, corpus, **over), 4).parallel.dp_replicate == 2
+    over = {"parallel.cp": 2, "parallel.zero_stage": 1, "train.seq_len": 64}
+    assert resolve(_config(tmp_path, corpus, **over), 2).parallel.zero_stage == 1
+    over["parallel.tp"] = 2  # ZeRO-1 under tp stays refused (its own rule), cp or not
+    with pytest.raises(ConfigError, match=r"parallel\.zero_stage = 1 with parallel\.tp = 2"):
         resolve(_config(tmp_path, corpus, **over), 4)
 
 
@@ -125,7 +133,7 @@ COMMON = {
     "model.ffn_hidden": 128,
     "model.layers": 2,
     "train.steps": STEPS,
-    "train.seq_len": 64,
+    "train.seq_len": 256,
     "train.global_batch_size": 4,
     "train.micro_batch_size": 2,
     "train.grad_clip": 0.5,
@@ -135,10 +143,16 @@ COMMON = {
 LAYOUTS = {  # name: (ranks, overrides)
     "cp2-zigzag-ring": (2, {"parallel.cp": 2}),
     "cp2-none-allgather": (2, {"parallel.cp": 2, "parallel.cp_balance": "none", "parallel.cp_rotate": "allgather"}),
+    # cp 4: both balances and both rotations in two launches
+    "cp4-zigzag-ring": (4, {"parallel.cp": 4}),
+    "cp4-none-allgather": (4, {"parallel.cp": 4, "parallel.cp_balance": "none", "parallel.cp_rotate": "allgather"}),
+    "cp2-zero1": (2, {"parallel.cp": 2, "parallel.zero_stage": 1}),  # optimizer state sharded over cp
     "cp2-dp_shard2-ddp": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 0}),
     "cp2-dp_shard2-zero3": (4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3}),
+    "cp2-hsdp2": (4, {"parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 3}),
     "cp2-tp2": (4, {"parallel.cp": 2, "parallel.tp": 2}),
     "cp2-pp2": (4, {"parallel.cp": 2, "parallel.pp": 2}),
+    "cp2-tp2-dp_shard2": (8, {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3}),
 }
 
 
@@ -182,6 +196,19 @@ def test_cp_bytes_match_the_ring_formula(name, rotate, layout_runs):
     for g in got:
         assert g["all_gather"] == pytest.approx(want["forward_kv"] + want["backward_kv"], rel=1e-12)
         assert g["all_reduce"] - grad_sync == pytest.approx(want["backward_grads"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_cp_ranks_share_parameter_and_optimizer_state(layout_runs):
+    """cp ranks hold the same parameters, so they share the sharded state like dp ranks: HSDP
+    2 x cp 2 keeps 1/2 of parameters, gradients and Adam state per rank (sharded over
+    dp_shard x cp = 2, replicated over dp_replicate), ZeRO-1 under cp 2 a real fraction of Adam's."""
+    psi = num_params(load_weights(layout_runs("cp2-hsdp2") / "final").args)
+    mem = _metrics(layout_runs("cp2-hsdp2"))[-1]["state_mem_bytes"]
+    assert [mem["params"], mem["grads"], mem["optimizer"]] == pytest.approx([2 * psi, 2 * psi, 4 * psi], rel=1e-3)
+    mem = _metrics(layout_runs("cp2-zero1"))[-1]["state_mem_bytes"]
+    assert mem["params"] == pytest.approx(4 * psi, rel=1e-3)
+    assert 8 * psi / 2 * 0.8 < mem["optimizer"] < 8 * psi * 0.7  # partitioned by whole tensors over the 2 cp ranks
 
 
 def _metrics(run):

@@ -43,7 +43,7 @@ def test_bf16_default_on_cuda(tmp_path, corpus):
     """`precision = "auto"` means bf16 on CUDA (fp32 on CPUs)."""
     d = tmp_path / "run"
     train(tiny_config(d, corpus, **CUDA))
-    assert "precision = \"bf16\"" in (d / "config.toml").read_text()
+    assert 'precision = "bf16"' in (d / "config.toml").read_text()
 
 
 def test_compile_matches_eager(tmp_path, corpus):

@@ -82,8 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--ac", choices=["none", "full"], default="none", help="activation checkpointing")
     p.add_argument("--attn", choices=["flex", "flex_flash", "varlen"], default="flex")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="torchtitan's default; --no-cuda-graphs to run forward+backward eagerly")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torchtitan's default; --no-cuda-graphs to run forward+backward eagerly",
+    )
     p.add_argument("--smoke", action="store_true", help="debug flavor, seq 128, batch 2, 4 steps; runs on CPU too")
     a = p.parse_args(argv)
     if a.smoke:
@@ -98,6 +102,7 @@ def install_datasets_placeholder() -> None:
     try:
         import datasets  # noqa: F401
     except ImportError:
+
         def missing(*_a: Any, **_k: Any) -> Any:
             raise RuntimeError("HF datasets is not installed; bench_torchtitan.py feeds random tokens")
 
@@ -125,8 +130,14 @@ def point_torchtitan_at_cpu() -> None:
     """torchtitan 0.3.0 picks "cuda" when no accelerator is found; rebind its device globals."""
     import importlib
 
-    for name in ("tools.utils", "components.metrics", "models.common.token_dispatcher",
-                 "distributed.parallel_dims", "distributed.utils", "tools.profiler"):
+    for name in (
+        "tools.utils",
+        "components.metrics",
+        "models.common.token_dispatcher",
+        "distributed.parallel_dims",
+        "distributed.utils",
+        "tools.profiler",
+    ):
         mod = importlib.import_module(f"torchtitan.{name}")
         if hasattr(mod, "device_type"):
             mod.device_type = "cpu"
@@ -139,8 +150,9 @@ def cpu_attention_stand_in() -> None:
     import torch.nn.functional as F
     from torchtitan.models.common.attention import FlexAttention
 
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, enable_gqa: bool,
-             **_flex: Any) -> tuple[torch.Tensor, None]:
+    def sdpa(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, enable_gqa: bool, **_flex: Any
+    ) -> tuple[torch.Tensor, None]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
 
     FlexAttention._compiled_flex_attn = staticmethod(sdpa)
@@ -159,8 +171,14 @@ def set_single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+    for k, v in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(port)),
+    ):
         os.environ.setdefault(k, v)
 
 

@@ -13,9 +13,9 @@ HSDP (dp_replicate > 1, stages 2/3) shards over ``dp_shard`` inside a group and
 replicates across groups: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh.
 
 Under context parallelism (cp > 1) the cp ranks hold the same parameters and see other
-tokens of the same sequences, so they join the reduction: DDP runs over ``dp_cp`` and
-FSDP2 shards over ``dp_shard_cp``; the mean over dp x cp equal-sized token sets is the
-global mean.
+tokens of the same sequences, so they join the reduction: DDP and ZeRO-1 run over
+``dp_cp``, FSDP2 shards over ``dp_shard_cp`` (HSDP: the 2-D (dp_replicate, dp_shard_cp)
+mesh); the mean over dp x cp equal-sized token sets is the global mean.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def apply_fsdp(
     """
     if zero_stage < 2:
         dims: tuple[str, ...] = ("dp", "cp")
-    elif mesh.degrees["dp_replicate"] > 1:
-        dims = ("dp_replicate", "dp_shard")
+    elif mesh.degrees["dp_replicate"] > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
+        dims = ("dp_replicate", "dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard")
     else:
         dims = ("dp_shard_cp",) if mesh.dims.cp > 1 else ("dp_shard",)
     fsdp_mesh = mesh.slice(dims)
@@ -136,16 +136,18 @@ def make_optimizer(
     precision: str = "fp32",
     grad_reduce_dtype: str = "fp32",
 ) -> torch.optim.Optimizer:
-    """Stage 1 shards the optimizer over the ``dp`` group; sharded stages shard it through their params.
-    bf16 stage 1 holds bf16 working state and shards fp32 master + Adam (parallel/zero1.py)."""
-    if uses_flat_zero1(precision, zero_stage, mesh.dp_size):
-        group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+    """Stage 1 shards the optimizer over the ``dp`` group (``dp_cp`` under cp > 1: cp ranks hold
+    the same parameters and gradients, so they share the state like dp ranks); sharded stages
+    shard it through their params. bf16 stage 1 holds bf16 working state and shards fp32
+    master + Adam (parallel/zero1.py)."""
+    group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+    if uses_flat_zero1(precision, zero_stage, mesh.dims.dp_cp):
         return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype)
-    if zero_stage == 1 and mesh.dp_size > 1:
+    if zero_stage == 1 and mesh.dims.dp_cp > 1:
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],
             optimizer_class=cls,
-            process_group=mesh.group("dp"),
+            process_group=group,
             weight_decay=groups[0]["weight_decay"],
             **kwargs,
         )

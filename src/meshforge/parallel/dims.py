@@ -17,13 +17,14 @@ Flattened sub-meshes give the axes the groups they need:
 
 - ``dp``          = dp_replicate x dp_shard: the data-parallel ranks (the sampler's slices)
 - ``dp_shard_cp`` = dp_shard x cp: what FSDP shards parameters over (cp ranks hold the same
-  parameters and see different tokens, so they shard and average like dp ranks)
+  parameters and see different tokens, so they shard and average like dp ranks); under HSDP
+  FSDP's 2-D mesh is (dp_replicate, dp_shard_cp)
 - ``dp_cp``       = dp_replicate x dp_shard x cp: the ranks that average the loss, and DDP's
-  group under cp > 1
+  and ZeRO-1's group under cp > 1
 
 A rule answers with ``Problem``s: ``invalid`` layouts cannot exist (a degree that does not
 divide the heads), ``unsupported`` ones could, but this version of meshforge does not run
-them (context parallelism under pipelining, ZeRO-1 under tp). Each problem names the key
+them (ZeRO-1 under tp, a mixture of experts under tp). Each problem names the key
 and the fix.
 """
 
@@ -408,28 +409,6 @@ def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterat
             f"parallelism splits each cp rank's seq_len / cp tokens over the tp ranks); use e.g. "
             f"{-(-t.seq_len // (d.cp * d.tp * 2)) * d.cp * d.tp * 2} or set parallel.sequence_parallel = false",
         )
-    yield from _context_parallel_unsupported(d, t)
-
-
-def _context_parallel_unsupported(d: ParallelDims, t: Training) -> Iterator[Problem]:
-    """Compositions with cp that this version does not run (each is tested before it is allowed)."""
-    others = [
-        (
-            "parallel.dp_replicate",
-            d.dp_replicate > 1,
-            f"parallel.dp_replicate = {d.dp_replicate} (HSDP)",
-            f"use parallel.dp_shard = {d.dp} with dp_replicate = 1",
-        ),
-        ("parallel.zero_stage", t.zero_stage == 1, "parallel.zero_stage = 1", "use parallel.zero_stage = 0, 2 or 3"),
-    ]
-    for key, hit, what, fix in others:
-        if hit:
-            yield Problem(
-                key,
-                f"parallel.cp = {d.cp} with {what}: context parallelism does not yet compose with it in this "
-                f"version of meshforge; {fix}, or set parallel.cp = 1",
-                "unsupported",
-            )
 
 
 def _pipeline(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:

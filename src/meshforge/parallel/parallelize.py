@@ -132,7 +132,7 @@ def parallelize(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -
     Returns the module to train (``model`` itself, or a DDP wrapper around it)."""
     sharded = _apply(model, cfg, mesh, seed)
     precision = resolve_precision(cfg.train.precision, mesh.device)
-    flat_zero1 = uses_flat_zero1(precision, cfg.parallel.zero_stage, mesh.dp_size)
+    flat_zero1 = uses_flat_zero1(precision, cfg.parallel.zero_stage, mesh.dims.dp_cp)
     if mesh.dims.dp_cp > 1 and not sharded and not flat_zero1:  # (bf16 ZeRO-1 reduces in its optimizer)
         return apply_ddp(model, mesh, cfg.parallel.ddp_bucket_mb)
     return model

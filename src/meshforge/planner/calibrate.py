@@ -42,6 +42,7 @@ from meshforge.errors import ConfigError
 from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
 from meshforge.parallel.collectives import all_gather_flat
 from meshforge.parallel.data_parallel import AllReduceScatter
+from meshforge.planner.calibrate_fixed import layout_fixed_costs
 from meshforge.planner.hardware import PRESETS, Hardware, cost_coefficients
 
 
@@ -186,24 +187,6 @@ def block_fixed_costs(device: torch.device, dtype: torch.dtype, repeat: int) -> 
     opt = torch.optim.AdamW(block.parameters(), lr=1e-4, foreach=device.type == "cpu")
     t_opt = _timed(opt.step, repeat, MIN_S)
     return t_block, t_opt
-
-
-def tp_block_fixed(device: torch.device, mesh, repeat: int) -> float:
-    """Seconds a tensor-parallel (+SP) Llama block costs whatever its size, forward + backward,
-    over ``mesh`` (every rank calls this): the block of ``block_fixed_costs`` sharded as
-    training shards it, on a few tokens, so DTensor's dispatch (sharding propagation,
-    redistributes, wrapping) and the collectives' latency are everything."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from meshforge.parallel.tensor_parallel import block_plan
-
-    n = mesh.size()
-    args = ModelArgs(hidden=64, layers=1, heads=2 * n, kv_heads=n, ffn_hidden=128, vocab_size=256, max_seq_len=8)
-    block = Block(args, 0).to(device)
-    parallelize_module(block, mesh, block_plan(True))
-    x = torch.randn(1, 4 // n if 4 % n == 0 else 1, 64, device=device, requires_grad=True)
-    cos, sin = rope_cos_sin(rope_inv_freq(args, device), torch.arange(4, device=device))
-    return _timed(lambda: block(x, cos, sin).sum().backward(), repeat, calls=10)
 
 
 def compute_profile(device: torch.device, quick: bool) -> dict:
@@ -411,13 +394,25 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh) for kind in COLLECTIVES}
         _SYNC_COMPUTE[0] = True
         overlap = comm_overlap(dev, 3 if quick else 5)
-        tp_fixed = 0.0 if cuda else tp_block_fixed(dev, mesh, 3 if quick else 5)
+        kinds = {} if cuda else _slowest(layout_fixed_costs(world, _fixed_timer(quick)), world)
         if rank == 0:
-            res = {"compute": slowest, "points": points, "overlap": overlap, "tp_fixed": tp_fixed}
+            res = {"compute": slowest, "points": points, "overlap": overlap, "layout_fixed": kinds}
             Path(out).write_text(json.dumps(res))
         dist.destroy_process_group()
     else:
         Path(out).write_text(json.dumps({"compute": mine, "points": {}, "overlap": 1.0}))
+
+
+def _fixed_timer(quick: bool):
+    """Seconds per call of a tiny model's step, every rank making as many calls."""
+    return lambda fn: _timed(fn, 3, calls=3) if quick else _timed(fn, 5, calls=10)
+
+
+def _slowest(costs: dict[str, dict[str, float]], world: int) -> dict[str, dict[str, float]]:
+    """Each figure's largest value over the ranks (the step waits for the slowest)."""
+    every: list = [None] * world
+    dist.all_gather_object(every, costs)
+    return {k: {f: max(c[k][f] for c in every) for f in costs[k]} for k in costs}
 
 
 def fit_alpha_beta(points: list, nproc: int, kind: str = "all_reduce") -> tuple[float, float]:
@@ -441,6 +436,10 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         raise ConfigError(f"--nproc {nproc}: only {torch.cuda.device_count()} GPU(s) are visible")
     threads = max(1, (os.cpu_count() or 1) // nproc)
     out = tempfile.mktemp(suffix=".json")
+    single = None
+    if not cuda and nproc > 1:  # `meshforge train --nproc 1` gives its one rank every core's thread
+        torch.set_num_threads(os.cpu_count() or 1)
+        single = compute_profile(torch.device("cpu"), quick)
     if nproc == 1:
         _worker(0, 1, 0, quick, threads, out)
     else:
@@ -453,9 +452,6 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
     c, points = res["compute"], res["points"]
     fits = {kind: list(fit_alpha_beta(pts, nproc, kind)) for kind, pts in points.items()}
     alpha, link = fits.get("all_reduce", (10e-6, 1e10))
-    # the tp block's collectives are priced apart (their fitted α): its fixed cost is the rest
-    tp_latency = 4 * sum(fits.get(k, (0.0, 1.0))[0] for k in ("dtensor_all_gather", "dtensor_reduce_scatter"))
-    tp_fixed = max(res.get("tp_fixed", 0.0) - tp_latency, c.get("fixed", 0.0)) if res.get("tp_fixed") else 0.0
     base = PRESETS["cpu"] if not cuda else PRESETS["h100-sxm"]
     return Hardware(
         name=("cuda:" + torch.cuda.get_device_name()) if cuda else f"cpu/{nproc}",
@@ -473,13 +469,27 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         elementwise_bytes_per_hidden=c["elem"],
         block_fixed_s=c.get("fixed", 0.0),
         optimizer_fixed_s=c.get("opt", 0.0),
-        tp_block_fixed_s=tp_fixed,
+        layout_fixed_s=res.get("layout_fixed", {}),
+        by_ranks={"1": _compute_fields(single)} if single else {},
         reserve_gib=base.reserve_gib,
         collectives=fits,
         comm_overlap=res["overlap"],
         source="calibrated",
         extra={"threads_per_rank": threads, "nproc": nproc, "collective_points": points, "time": time.time()},
     )
+
+
+def _compute_fields(c: dict) -> dict:
+    """A compute profile (``compute_profile``) as the Hardware fields it sets."""
+    return {
+        "peak_flops": c["peaks"],
+        "hbm_bw": c["bw"],
+        "gemm_half_flop": c["half"],
+        "attention_efficiency": c["attn"],
+        "elementwise_bytes_per_hidden": c["elem"],
+        "block_fixed_s": c.get("fixed", 0.0),
+        "optimizer_fixed_s": c.get("opt", 0.0),
+    }
 
 
 def _ram_gib() -> float:
@@ -498,9 +508,16 @@ def run(args: argparse.Namespace) -> int:
         + ", "
         f"GEMM half-efficiency at {hw.gemm_half_flop / 1e6:.1f} MFLOP, attention {100 * hw.attention_efficiency:.0f}% "
         f"of peak, memory {hw.hbm_bw / 1e9:.1f} GB/s, elementwise {hw.elementwise_bytes_per_hidden:.1f} B/h, "
-        f"per block fixed {hw.block_fixed_s * 1e3:.2f} ms (fwd+bwd; {hw.tp_block_fixed_s * 1e3:.2f} ms under tp) + "
-        f"{hw.optimizer_fixed_s * 1e3:.2f} ms (AdamW), "
-        f"between {args.nproc} ranks: "
+        f"per block fixed {hw.block_fixed_s * 1e3:.2f} ms (fwd+bwd) + {hw.optimizer_fixed_s * 1e3:.2f} ms (AdamW), "
+        + "".join(
+            f"under {k}: block {v['block'] * 1e3:.2f} ms, ends {v['ends'] * 1e3:.2f} ms per micro-batch, "
+            f"+ {v['block_step'] * 1e3:.2f} / {v['ends_step'] * 1e3:.2f} ms per step, "
+            for k, v in hw.layout_fixed_s.items()
+        )
+        + "".join(
+            f"as {n} rank(s): peak fp32 {f['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, " for n, f in hw.by_ranks.items()
+        )
+        + f"between {args.nproc} ranks: "
         + ", ".join(f"{k} α {a * 1e6:.0f} us B {b / 1e9:.2f} GB/s" for k, (a, b) in hw.collectives.items())
         + (f"; {100 * hw.comm_overlap:.0f}% of an all-reduce hides under compute" if args.nproc > 1 else "")
     )

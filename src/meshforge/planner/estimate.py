@@ -302,11 +302,14 @@ def ring_time(kind: str, payload: float, n: int, bw: float, alpha: float) -> flo
     return mult * payload / bw + steps * alpha
 
 
-def collective_time(hw: Hardware, kind: str, payload: float, inner: int, n: int, gpus_per_node: int) -> float:
+def collective_time(
+    hw: Hardware, kind: str, payload: float, inner: int, n: int, gpus_per_node: int, latency: bool = True
+) -> float:
     """A ``kind`` collective over ``n`` ranks at stride ``inner``, on the link it crosses
-    (with the profile's own figures for that collective where calibrated)."""
+    (with the profile's own figures for that collective where calibrated). ``latency``:
+    False where the layout's measured fixed costs include it (``_layout_fixed``)."""
     bw, alpha = hw.link(kind, inner * n <= gpus_per_node)
-    return ring_time(kind, payload, n, bw, alpha)
+    return ring_time(kind, payload, n, bw, alpha if latency else 0.0)
 
 
 def gemm_efficiency(hw: Hardware, flop: float) -> float:
@@ -353,13 +356,30 @@ def _compute_time(
     }
 
 
+def _layout_fixed(lay: Layout, hw: Hardware) -> dict[str, float] | None:
+    """The measured fixed costs of this layout's kind (hw.layout_fixed_s, a calibrated CPU):
+    tensor parallelism's (DTensor) if tp > 1, else FSDP2's for ZeRO-2/3 over several ranks;
+    None for plain modules (hw.block_fixed_s and hw.optimizer_fixed_s price those)."""
+    if not hw.layout_fixed_s:
+        return None
+    if lay.tp > 1:
+        return hw.layout_fixed_s.get("tp")
+    if lay.zero_stage >= 2 and lay.dp * lay.cp > 1:
+        return hw.layout_fixed_s.get("fsdp")
+    return None
+
+
 def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
-    """Per-op costs whatever the size (hw.block_fixed_s, measured on a CPU): every block on
-    the stage, every micro-batch, forward + backward (+ the recomputed forward), plus the
-    embedding, head and loss as about one block more."""
+    """Per-op costs whatever the size (measured on a CPU): every block on the stage, every
+    micro-batch, forward + backward (+ the recomputed forward), plus the embedding, head and
+    loss - as measured for the layout's kind (``_layout_fixed``), or as about one plain block more."""
     passes = 4 / 3 if lay.recompute != "none" else 1.0
+    blocks = stage_layers(shape, lay.pp) * passes
+    kind = _layout_fixed(lay, hw)
+    if kind:
+        return lay.num_microbatches * (kind["block"] * blocks + kind["ends"])
     per_block = hw.tp_block_fixed_s if lay.tp > 1 and hw.tp_block_fixed_s else hw.block_fixed_s
-    return per_block * lay.num_microbatches * (stage_layers(shape, lay.pp) * passes + 1)
+    return per_block * lay.num_microbatches * (blocks + 1)
 
 
 def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
@@ -373,8 +393,10 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     act = tokens_mb * shape.hidden * _bytes_per_element(precision)
     per_mb = stage_layers(shape, lay.pp) * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
 
+    latency = _layout_fixed(lay, hw) is None  # else measured with the layout's fixed costs
+
     def tp_coll(kind: str, payload: float) -> float:
-        return collective_time(hw, "dtensor_" + kind, payload, 1, lay.tp, gpus_per_node)
+        return collective_time(hw, "dtensor_" + kind, payload, 1, lay.tp, gpus_per_node, latency)
 
     if lay.sequence_parallel:
         one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
@@ -445,8 +467,13 @@ def _dp_time(
         return dp_s
     gathers = (2 if lay.zero_stage == 3 else 1) * lay.num_microbatches
     units = max(1, round(stage_layers(shape, lay.pp)))
-    return gathers * units * dp_coll("fsdp_all_gather", psi * w / units) + units * dp_coll(
-        "fsdp_reduce_scatter", grad_bytes / units
+    latency = group is not None or _layout_fixed(lay, hw) is None  # else in the measured fixed costs
+
+    def unit_coll(kind: str, payload: float) -> float:
+        return collective_time(hw, kind, payload / units, stride, dp_n, gpus_per_node, latency)
+
+    return gathers * units * unit_coll("fsdp_all_gather", psi * w) + units * unit_coll(
+        "fsdp_reduce_scatter", grad_bytes
     )
 
 
@@ -478,7 +505,11 @@ def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> 
     """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
-    fixed = hw.optimizer_fixed_s * (stage_layers(shape, lay.pp) + 1)  # per-tensor costs, per block's tensors
+    kind = _layout_fixed(lay, hw)  # per-tensor costs (and, for a measured kind, reduction and clipping)
+    if kind:
+        fixed = kind["block_step"] * stage_layers(shape, lay.pp) + kind["ends_step"]
+    else:
+        fixed = hw.optimizer_fixed_s * (stage_layers(shape, lay.pp) + 1)
     return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw + fixed
 
 
@@ -538,6 +569,7 @@ def estimate(
 ) -> Estimate:
     """Memory and step time of one layout, each as a breakdown (see the module doc)."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    hw = hw.for_ranks(min(n_gpus, gpus_per_node))  # a CPU rank's threads: cores / local ranks
     mem = memory(shape, lay, seq, precision, hw)
     host: dict[str, float] = {}
     if lay.offload == "cpu":

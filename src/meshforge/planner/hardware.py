@@ -47,6 +47,14 @@ class Hardware:
     block_fixed_s: float = 0.0
     optimizer_fixed_s: float = 0.0
     tp_block_fixed_s: float = 0.0  # the block's fixed cost sharded over tp (DTensor dispatch), less its collectives' α
+    # per layout kind ("tp", "fsdp"): seconds a tiny model trained that way costs whatever its size
+    # (planner/calibrate_fixed.py): "block" and "ends" (embedding, head, loss) per micro-batch,
+    # "block_step" and "ends_step" per step (gradient reduction, clipping, optimizer); they include
+    # that kind's collectives' latency. Replace block_fixed_s/optimizer_fixed_s for that kind.
+    layout_fixed_s: dict = field(default_factory=dict)
+    # a CPU profile's compute figures for another count of ranks on this machine (each rank gets
+    # cores / ranks threads): str(ranks) -> {field: value}, see for_ranks
+    by_ranks: dict = field(default_factory=dict)
     # measured inside one node by `meshforge calibrate`, per collective as training issues it:
     # kind -> [α seconds per ring step, bandwidth bytes/s]; kinds not listed use intra_*
     collectives: dict = field(default_factory=dict)
@@ -68,6 +76,12 @@ class Hardware:
         if precision not in self.peak_flops:
             raise ConfigError(f"{self.name} has no {precision} peak; known: {', '.join(self.peak_flops)}")
         return self.peak_flops[precision]
+
+    def for_ranks(self, ranks: int) -> Hardware:
+        """The profile as each of ``ranks`` ranks on one machine sees it: a CPU profile
+        measured as N ranks prices a 1-rank run at the rate of all the cores' threads."""
+        figures = self.by_ranks.get(str(ranks)) if self.by_ranks else None
+        return replace(self, **figures) if figures else self
 
     def link(self, kind: str, intra: bool) -> tuple[float, float]:
         """Bandwidth and per-step latency of a ``kind`` collective inside a node or across."""
