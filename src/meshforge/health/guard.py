@@ -2,24 +2,23 @@
 
 Good path, no collective of its own: the verdict on non-finite values reads the global
 gradient norm, which clipping already reduced and which every rank holds equal (a NaN or
-infinity in any rank's loss reaches it through backward), so every rank skips or none
-does; the one host read of it is the step's only sync. Spike detection needs the global
-batch's loss: logged steps pass the runner's exact reduced loss; on other steps this
-rank's loss is summed over the world (x pp / world is the global mean: tensor-parallel
-ranks hold the same loss, only the last pipeline stage a non-zero one). With
-``on_spike = "log"`` that all-reduce is asynchronous and judged at the next step, so it
-overlaps the optimizer step and the next forward (the event still names the step it
-belongs to); ``skip`` and ``rollback`` must judge before the update and wait for it.
+infinity in any rank's loss reaches it through backward and the gradient reduction), so
+every rank skips or none does; the one host read of it is the step's only sync. Spike
+detection needs the global batch's loss. With ``on_spike = "log"`` each step's local loss
+is kept on the device and judged on the next logged step, where the losses since the last
+one are reduced in one collective (``reduce``: the step runner's loss reduction) and judged
+in order; the events come up to ``metrics.log_interval`` steps late but name their own step
+and batch. ``skip`` and ``rollback`` must judge before the update: they reduce every step.
 Only when something is wrong does it gather the details (nonfinite.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshforge import faults
@@ -32,17 +31,21 @@ class StepGuard:
     """One per rank; ``step`` is set by the loop to the (1-based) step about to run."""
 
     def __init__(
-        self, cfg: HealthConfig, model: nn.Module, rank: int, distributed: bool, device: torch.device, loss_scale: float
+        self,
+        cfg: HealthConfig,
+        model: nn.Module,
+        rank: int,
+        distributed: bool,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
     ):
-        self.cfg, self.model, self.rank, self.distributed, self.device = cfg, model, rank, distributed, device
-        self.loss_scale = loss_scale  # pp / world: the world's summed losses -> the global mean loss
+        self.cfg, self.model, self.rank, self.distributed, self.reduce = cfg, model, rank, distributed, reduce
         self.spikes = SpikeDetector(cfg.spike_threshold, cfg.spike_window) if cfg.spike_threshold > 0 else None
         self.forward_module = model  # the module the nan fault poisons (under pp: a stage's part)
         self.step = 0
         self.skipped = 0
         self.verdict: dict[str, Any] | None = None  # what the loop reports after the step
-        self.late: dict[str, Any] | None = None  # the previous step's spike, judged late (on_spike = log)
-        self.pending: tuple[Any, torch.Tensor, int] | None = None  # (work, summed loss, step): on_spike = log
+        self.late: list[dict[str, Any]] = []  # logged spikes of earlier steps, judged on this logged step
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, local loss) not yet judged: on_spike = log
 
     def arm(self, step: int) -> None:
         """Step ``step`` is about to run: set the injected nan fault (tests) on this rank's
@@ -64,28 +67,23 @@ class StepGuard:
         return loss
 
     def allow_update(self, loss: torch.Tensor, grad_norm: torch.Tensor, global_loss: float | None) -> bool:
-        """Whether the optimizer may step; a refusal (or a logged spike) leaves its reason in ``verdict``."""
-        self.verdict, self.late = None, self._judge_pending()
+        """Whether the optimizer may step; a refusal (or a logged spike) leaves its reason in ``verdict``.
+        ``global_loss``: on logged steps, the global batch's loss (a collective every rank made)."""
+        self.verdict, self.late = None, []
         if not math.isfinite(float(grad_norm)):
             found = diagnose(self.model, loss, grad_norm, self.rank, self.distributed)
             return self._refuse("nonfinite", self.cfg.on_nonfinite, found)
         if self.spikes is None:
             return True
-        if global_loss is None:
-            summed = loss.detach().float().sum().reshape(1)
-            if self.distributed and self.cfg.on_spike == "log":
-                self.pending = (dist.all_reduce(summed, async_op=True), summed, self.step)
-                return True
-            if self.distributed:
-                dist.all_reduce(summed)
-            global_loss = float(summed) * self.loss_scale
-        found = self._spike(global_loss)
-        if found is None:
-            return True
         if self.cfg.on_spike == "log":
-            self.verdict = {"event": "loss_spike", "step": self.step, "action": "log", "lag": 0, **found}
+            self.pending.append((self.step, loss.detach().float()))
+            if global_loss is not None:  # a logged step: every rank is here, judge what waited
+                self.late = self._judge_pending()
             return True
-        return self._refuse("loss_spike", self.cfg.on_spike, found)
+        if global_loss is None:
+            global_loss = float(self.reduce(loss.detach().float()))
+        found = self._spike(global_loss)
+        return True if found is None else self._refuse("loss_spike", self.cfg.on_spike, found)
 
     def _spike(self, global_loss: float) -> dict[str, Any] | None:
         assert self.spikes is not None
@@ -93,17 +91,16 @@ class StepGuard:
         score = self.spikes.check(global_loss)
         return None if score is None else {"loss": global_loss, "median": median, "score": round(score, 2)}
 
-    def _judge_pending(self) -> dict[str, Any] | None:
-        """The previous step's asynchronous loss reduce (on_spike = log): wait, then judge it."""
-        if self.pending is None:
-            return None
-        work, summed, step = self.pending
-        self.pending = None
-        work.wait()
-        found = self._spike(float(summed) * self.loss_scale)
-        if found is None:
-            return None
-        return {"event": "loss_spike", "step": step, "action": "log", "lag": self.step - step, **found}
+    def _judge_pending(self) -> list[dict[str, Any]]:
+        """The kept steps' global losses, from one reduction, judged in step order."""
+        steps, losses = zip(*self.pending, strict=True)
+        self.pending = []
+        found = []
+        for step, value in zip(steps, self.reduce(torch.stack(losses)).tolist(), strict=True):
+            spike = self._spike(value)
+            if spike is not None:
+                found.append({"event": "loss_spike", "step": step, "action": "log", "lag": self.step - step, **spike})
+        return found
 
     def _refuse(self, event: str, action: str, found: dict[str, Any]) -> bool:
         self.skipped += 1

@@ -53,10 +53,10 @@ class HealthKeeper:
     def __init__(self, trainer: Any):  # the Trainer (not imported: the loop imports this part)
         self.t = trainer
         mesh = trainer.mesh
-        scale = mesh.degrees["pp"] / mesh.world_size
         # the modules forward actually calls: under pp the stages' parts, not the model view
         self.called = list(trainer.pipeline.parts) if trainer.pipeline is not None else [trainer.model]
-        self.guard = StepGuard(trainer.cfg.health, trainer.model, mesh.rank, mesh.distributed, mesh.device, scale)
+        h = trainer.cfg.health
+        self.guard = StepGuard(h, trainer.model, mesh.rank, mesh.distributed, trainer.runner.reduce_loss)
         self.guard.forward_module = self.called[-1]
         trainer.runner.guard = self.guard
         self.watchdog = None
@@ -65,7 +65,6 @@ class HealthKeeper:
             run_dir = Path(trainer.cfg.run.dir)
             self.watchdog = HangWatchdog(trainer.cfg.health.hang_timeout_s, mesh.rank, mesh.world_size, axes, run_dir)
             self.watchdog.start()
-        h = trainer.cfg.health
         self.stragglers = None
         if mesh.distributed and h.straggler_factor > 0:
             self.stragglers = StragglerCheck(h.straggler_factor, mesh.rank, mesh.world_size, mesh.device)
@@ -135,9 +134,9 @@ class HealthKeeper:
         if self.stragglers and self.logged:
             for found in self.stragglers.check(self.compute_s, n):
                 self.report({"event": "straggler", "action": "log", **found})
-        late, self.guard.late = self.guard.late, None
-        if late is not None:  # the previous step's logged spike: its batch is one further back
-            self.report(self._with_samples(late))
+        late, self.guard.late = self.guard.late, []
+        for v in late:  # logged spikes of earlier steps, judged now: their batches are further back
+            self.report(self._with_samples(v))
         v, self.guard.verdict = self.guard.verdict, None
         if v is None:
             return False
@@ -165,6 +164,7 @@ class HealthKeeper:
         order past the bad step's batch: the batches in between are skipped (PaLM's recipe)."""
         t = self.t
         t.checkpoints.checkpointer.wait()
+        self.guard.pending = []  # steps about to be undone
         consumed = t.state.sampler.consumed  # just past the bad batch
         root = Path(t.cfg.run.dir) / "checkpoints"
         found = [str(resolve_load("latest", root, t.event)[0] or "")] if t.mesh.is_main else [""]
