@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -302,20 +302,20 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {name.split(".")[1]: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
-def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Every MoE layer's ``end_step`` with the step's load summed over ``group`` (the
-    data-parallel ranks) in one all-reduce -- only when some layer balances by bias (it
-    needs the global load every step); otherwise the load stays local until metrics ask."""
+def end_step(model: nn.Module, sum_over_ranks: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Every MoE layer's ``end_step``. ``sum_over_ranks`` -- given by the run when other
+    data-parallel ranks see other tokens -- sums the stacked loads across them in place; it
+    is called only when some layer balances by bias (which needs the global load every
+    step); otherwise the load stays local until metrics ask."""
     layers = list(moe_layers(model).values())
     if not layers:
         return
     loads = torch.stack([m.load for m in layers])
-    distributed = group is not None and dist.get_world_size(group) > 1
-    reduce = distributed and any(m.load_balance == "bias" for m in layers)
-    if reduce:
-        dist.all_reduce(loads, group=group)
+    summed = sum_over_ranks is not None and any(m.load_balance == "bias" for m in layers)
+    if summed:
+        sum_over_ranks(loads)
     for m, load in zip(layers, loads, strict=True):
-        m.end_step(load, reduce or not distributed)
+        m.end_step(load, summed or sum_over_ranks is None)
 
 
 def build_moe(args: ArgsLike) -> MoE:

@@ -35,10 +35,13 @@ def install_step_hook(optimizer: torch.optim.Optimizer, model: nn.Module, loss: 
     group = data_group(mesh)
     has_moe = bool(moe_layers(model))
 
+    def sum_over_ranks(loads: torch.Tensor) -> None:
+        dist.all_reduce(loads, group=group)
+
     def hook(*_: Any) -> None:
         loss.end_step()
         if has_moe:
-            end_step(model, group)
+            end_step(model, sum_over_ranks if group is not None else None)
 
     optimizer.register_step_post_hook(hook)
 
