@@ -9,20 +9,28 @@ from __future__ import annotations
 import heapq
 from functools import lru_cache
 
+from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.planner.shape import Shape
 
 
 def param_groups(shape: Shape, tp: int, pp: int) -> tuple[list[int], list[int]]:
     """Element counts of the parameter tensors on the first pipeline stage's GPU, in the
     optimizer's two groups (train/optimizer.py): matrices with weight decay, then the
-    embedding and norms without. Matrices are split over tp; norms are replicated."""
+    embedding and norms (QK-norm's too) without. Matrices are split over tp; norms are replicated. An MoE
+    block (models/moe.py) has the router, the stacked experts (three E x f_e x h tensors,
+    whole: ZeRO-1 runs without ep) and the shared experts' SwiGLU instead of the MLP."""
     h, f, hd = shape.hidden, shape.ffn_hidden, shape.head_dim
     q, kv = shape.heads * hd, shape.kv_dim
+    attention = [h * q, h * kv, h * kv, q * h]
     mlp = [h * f] * (2 if shape.mlp == "gelu" else 3)
-    block = [h * q, h * kv, h * kv, q * h, *mlp]
+    fe = expert_ffn(shape)
+    moe = [shape.num_experts * h] + [shape.num_experts * fe * h] * 3
+    moe += [fe * shape.num_shared_experts * h // tp] * 3 if shape.num_shared_experts else []
     layers = -(-shape.layers // pp)
-    decay = [x // tp for x in block] * layers
-    no_decay = [shape.vocab * h // tp] + [h] * (2 * layers)
+    decay: list[int] = []
+    for i in range(layers):
+        decay += [x // tp for x in attention] + (moe if is_moe_layer(shape, i) else [x // tp for x in mlp])
+    no_decay = [shape.vocab * h // tp] + [h] * (2 * layers) + [hd] * (2 * layers if shape.qk_norm else 0)
     if pp == 1:
         no_decay.append(h)  # the final norm
         if not shape.tie_embeddings:
@@ -43,8 +51,7 @@ def greedy_largest(groups: tuple[list[int], ...], n: int) -> int:
 
 @lru_cache(maxsize=4096)
 def _share(key: tuple, tp: int, pp: int, n: int) -> float:
-    shape = Shape(*key)
-    groups = param_groups(shape, tp, pp)
+    groups = param_groups(Shape(**dict(key)), tp, pp)
     total = sum(map(sum, groups))
     return greedy_largest(groups, n) / total if total else 1.0 / n
 
@@ -54,6 +61,4 @@ def largest_share(shape: Shape, tp: int, pp: int, n: int) -> float:
     (1/n for an even split)."""
     if n <= 1:
         return 1.0
-    key = (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden, shape.vocab, shape.mlp)
-    key += (shape.tie_embeddings, shape.max_positions, shape.name, shape.head_dim)
-    return _share(key, tp, pp, n)
+    return _share(tuple(sorted(vars(shape).items())), tp, pp, n)  # every field: a new one cannot be missed
