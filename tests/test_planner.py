@@ -317,6 +317,20 @@ def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
     assert int(msg.split("that fits it (doubling --gpus) is ")[1].split()[0]) < n and "with CPU offload" in msg
 
 
+def test_fits_nowhere_says_what_overflows_and_what_caps_the_cluster():
+    """405B on 8 H100 with 8 sequences: offload makes the device side small, so the message
+    names the host memory that overflows; without offload no power-of-two cluster fits because
+    the batch caps dp at 8, and the message says so instead of just blaming the GPUs."""
+    with pytest.raises(ConfigError) as e:
+        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", Fixed())
+    assert "with CPU offload, needs" in str(e.value) and "overflows host memory" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", Fixed(offload="none"))
+    msg = str(e.value)
+    assert "the smallest needs 760.6 GiB per GPU" in msg and "data-parallel degree is at most 8" in msg
+    assert msg.endswith("use GPUs with more memory, a larger batch or a smaller model")
+
+
 # ----------------------------------------------------------------------------- command line
 
 

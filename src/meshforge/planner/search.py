@@ -305,7 +305,7 @@ def search(
         tried = [sc.smallest for sc in scans if sc.smallest is not None]
         smallest = min(tried, key=lambda e: e.memory["total"]) if tried else None
         bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed, max_gpus)
-        msg = no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger, max_gpus)
+        msg = no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger, max_gpus, global_batch)
         raise ConfigError(msg + (" (CPU offload searched too)" if "cpu" in modes and considered else ""))
     fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
     runs = Ranked(e for e in fitting if not e.not_runnable)
@@ -352,6 +352,7 @@ def no_fit_message(
     precision: str,
     bigger: tuple[int, Estimate] | None = None,
     max_gpus: int = 2**20,
+    global_batch: int = 0,
 ) -> str:
     if considered == 0:
         return (
@@ -360,13 +361,22 @@ def no_fit_message(
         )
     need = shape.num_params() * 16 / 2**30  # Adam in mixed precision or fp32: 16 bytes per parameter
     lowest = smallest.memory["total"] if smallest else float("nan")
+    least = f"the smallest needs {lowest:.1f} GiB per GPU"
+    if smallest is not None and smallest.layout.offload == "cpu":  # small on the device, too big for the host
+        least = f"the smallest, with CPU offload, needs {lowest:.1f} GiB per GPU but overflows {smallest.overflow}"
     msg = (
         f"{shape.name} ({shape.num_params() / 1e9:.1f}B parameters) fits no layout on {gpus} x {hw.name} "
-        f"({hw.hbm_gib:.0f} GiB each): the smallest needs {lowest:.1f} GiB per GPU; its model states alone are "
-        f"{need:.0f} GiB (16 bytes per parameter). "
+        f"({hw.hbm_gib:.0f} GiB each): {least}; its model states alone are {need:.0f} GiB (16 bytes per parameter). "
     )
     if bigger is None:
-        return msg + f"No cluster of up to {max_gpus} such GPUs fits it: use GPUs with more memory or a smaller model"
+        batch = (
+            f" (with a global batch of {global_batch} sequences the data-parallel degree is at most "
+            f"{global_batch}, so more GPUs cannot share the state: a larger --global-batch lets them)"
+            if global_batch
+            else ""
+        )
+        end = "use GPUs with more memory, a larger batch or a smaller model"
+        return msg + f"No cluster of up to {max_gpus} such GPUs fits it{batch}: {end}"
     n, e = bigger
     L = e.layout
     offload = " with CPU offload" if L.offload == "cpu" else ""
