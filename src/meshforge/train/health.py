@@ -23,6 +23,7 @@ from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
 from meshforge.train.optimizer import build_scheduler
 from meshforge.train.run_dir import trim_metrics
+from meshforge.train.trainer_view import TrainerView
 
 
 class HealthStop(MeshforgeError):
@@ -50,7 +51,7 @@ def describe(v: dict[str, Any]) -> str:
 class HealthKeeper:
     """One per rank: before_step / after_step around every step."""
 
-    def __init__(self, trainer: Any):  # the Trainer (not imported: the loop imports this part)
+    def __init__(self, trainer: TrainerView):
         self.t = trainer
         mesh = trainer.mesh
         # the modules forward actually calls: under pp the stages' parts, not the model view

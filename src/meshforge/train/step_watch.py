@@ -15,10 +15,11 @@ from meshforge.metrics.profiler import StepProfiler
 from meshforge.metrics.time_breakdown import StepClock
 from meshforge.metrics.wandb_sink import WandbSink
 from meshforge.train.health import HealthKeeper
+from meshforge.train.trainer_view import TrainerView
 
 
 class StepWatch:
-    def __init__(self, trainer: Any):  # the Trainer (not imported: the loop imports this part)
+    def __init__(self, trainer: TrainerView):
         self.t = trainer
         cfg, mesh = trainer.cfg, trainer.mesh
         self.health = HealthKeeper(trainer)
@@ -54,7 +55,7 @@ class StepWatch:
         return self.clock.breakdown(pp_stats.get("bubble_fraction", 0.0), self.t.mesh.distributed)
 
 
-def first_forward(trainer: Any) -> list[nn.Module]:
+def first_forward(trainer: TrainerView) -> list[nn.Module]:
     """Where a step's data time ends: the model's forward, or under pp the first stage's part
     (a later stage's first forward waits for the pipeline to fill: that is bubble, not data)."""
     pipe = trainer.pipeline

@@ -1,0 +1,44 @@
+"""What the trainer's parts (health checks, the step watch) read and set on the Trainer.
+
+A Protocol, so those parts are typed without importing train/loop.py, which imports them;
+the types themselves are imported for the type checker only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from meshforge.config import Config
+    from meshforge.metrics.sinks import MetricsLogger
+    from meshforge.parallel.comm_stats import CommCounter
+    from meshforge.parallel.mesh import Mesh
+    from meshforge.parallel.pipeline import Pipeline
+    from meshforge.train.checkpointing import CheckpointManager
+    from meshforge.train.metrics import StepMetrics
+    from meshforge.train.state import TrainState
+    from meshforge.train.step import PipelineStep, PlainStep
+
+
+class TrainerView(Protocol):
+    cfg: Config
+    mesh: Mesh
+    device: torch.device
+    model: nn.Module  # under pp a view over this rank's stage parts (forward runs the parts)
+    pipeline: Pipeline | None
+    runner: PlainStep | PipelineStep
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    state: TrainState
+    checkpoints: CheckpointManager
+    metrics: StepMetrics
+    logger: MetricsLogger | None
+    comm: CommCounter | None
+
+    def event(self, name: str, **fields: Any) -> None: ...
+
+    def say(self, text: str) -> None: ...
