@@ -3,9 +3,10 @@
 Two gloo ranks (DDP) train a small model; the steps run in blocks, detectors on and off
 alternating (on: the step guard's host read of the gradient norm, spike detection with
 on_spike = log, the default: each step's loss kept, the losses reduced together on the
-logged step; the straggler gather on logged steps, forward timing hooks; off: none of them). In both: the PyTorch flight recorder, which the watchdog reads (it is set
-before the process group starts), and the watchdog thread with its per-step beat. Step time is the host
-clock per step (CPU: no device to wait for). Printed: ms/step median over blocks for both,
+logged step; the straggler gather on logged steps, forward timing hooks; off: none of
+them). In both: the PyTorch flight recorder, which the watchdog reads (it is set before the
+process group starts), and the watchdog thread with its per-step beat. Step time is the
+host clock per step (CPU: no device to wait for). Printed: ms/step median over blocks for both,
 and the ratio on/off three ways: of the medians, the median of the ratios of neighbouring
 (off, on) blocks (robust to a machine whose load drifts), and of the best blocks (1.00:
 free; the target is within 1%).
