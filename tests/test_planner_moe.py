@@ -5,13 +5,14 @@ meshforge train's config check accepts."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models import flops
 from meshforge.models.presets import PRESETS
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
-from meshforge.planner import moe_costs, report
+from meshforge.planner import kernel_costs, moe_costs, report
 from meshforge.planner.estimate import Layout, estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run
@@ -123,3 +124,92 @@ def test_zero1_partition_sees_every_parameter_tensor(preset):
     dense_twin = Shape(**{**vars(s), "num_experts": 0})
     if s.num_experts:  # a few huge expert tensors split less evenly than the dense twin's
         assert largest_share(s, 1, 1, 8) != largest_share(dense_twin, 1, 1, 8)
+
+
+_H100 = get_hardware("h100-sxm")
+_MOE = dict(layers=8, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000)
+
+
+def test_expert_gemms_slow_down_as_rows_per_expert_shrink():
+    few = Shape(**_MOE, num_experts=8, experts_per_token=2)
+    many = Shape(**_MOE, num_experts=64, experts_per_token=2)  # same active FLOPs, 8x fewer rows per expert
+    assert few.model_flops_per_token(4096) == many.model_flops_per_token(4096)
+    lay = Layout(1, 1, 64, ep=1, recompute="none")
+    assert moe_costs.rows_per_expert(few, lay, 4096) == 8 * moe_costs.rows_per_expert(many, lay, 4096)
+    per_token = {
+        s.num_experts: moe_costs.expert_gemm_seconds(s, lay, 4096, 4096, _H100, "bf16")[0] for s in (few, many)
+    }
+    assert per_token[64] > per_token[8] > 0
+    # and it reaches the step: the same active FLOPs take longer in the GEMMs
+    gemm = {s.num_experts: _est(s, recompute="none").time["gemm"] for s in (few, many)}
+    assert gemm[64] - gemm[8] == pytest.approx(per_token[64] - per_token[8], rel=1e-9)
+
+
+def test_rows_per_expert_follow_the_dispatch():
+    """Mean rows per local expert as expert_parallel's dispatch and moe_tensor_parallel's tp
+    shares hand them out, against the planner's formula."""
+    from meshforge.parallel.expert_parallel import _by_local_expert
+    from meshforge.parallel.moe_tensor_parallel import _share
+
+    s = from_preset("debug-moe")
+    e, k, tokens_mb = s.num_experts, s.experts_per_token, 96
+    gen = torch.Generator().manual_seed(0)
+    for ep, tp in ((1, 1), (2, 1), (4, 1), (2, 2), (8, 2)):
+        local = e // ep
+        # each ep rank routes its own micro-batch (the whole micro-batch on each of its tp ranks)
+        counts = [
+            torch.bincount(torch.rand(tokens_mb, e, generator=gen).topk(k).indices.flatten(), minlength=e)
+            for _ in range(ep)
+        ]
+        rows = []
+        for t in range(tp):
+            shares = [_share(c, t, tp)[1].tolist() for c in counts]
+            for d in range(ep):  # what ep rank d's grouped GEMM gets per local expert
+                _, local_counts = _by_local_expert([sh[d * local : (d + 1) * local] for sh in shares], "cpu")
+                rows += local_counts.tolist()
+        lay = Layout(tp, 1, 8, ep=ep)
+        assert sum(rows) / len(rows) == pytest.approx(moe_costs.rows_per_expert(s, lay, tokens_mb))
+
+
+def test_dense_compute_time_is_the_dense_formula():
+    s = from_preset("llama3.1-8b")
+    assert moe_costs.routed_flops_per_token(s, "full") == 0.0
+    lay = Layout(2, 1, 32, zero_stage=1, micro_batch_size=2, num_microbatches=1, recompute="selective")
+    e = estimate(s, lay, 4096, 64, "bf16", _H100, 8)
+    rate = kernel_costs.gemm_rate(_H100, 2 * 2 * 4096 * s.hidden * s.ffn_hidden / 2, "bf16")
+    tokens = 64 * 4096 / 64
+    attn = 3.0 * flops.attention_flops_per_token(s, 4096) * tokens * 4 / 3
+    attn_s = kernel_costs.attention_seconds(s, _H100, 4096, tokens, s.layers, "selective", "bf16", rate)
+    hw_flops = s.hardware_flops_per_token(4096, "selective") * tokens
+    assert e.time["gemm"] == pytest.approx((hw_flops - attn) / rate + attn_s, rel=1e-12)
+
+
+def test_capacity_factor_caps_the_imbalance():
+    dropless = from_preset("mixtral-8x7b")
+    assert dropless.capacity_factor == 0
+    capped = {cf: Shape(**{**dropless.__dict__, "capacity_factor": cf}) for cf in (1.0, 1.1, 2.0)}
+    one_per_rank = Layout(1, 1, 64, ep=8)  # 8 experts on 8 ranks: a rank's load is its expert's
+    default = moe_costs.DEFAULT_EXPERT_IMBALANCE
+    assert moe_costs.expert_imbalance(dropless, one_per_rank) == default
+    assert moe_costs.expert_imbalance(capped[1.1], one_per_rank) == pytest.approx(1.1)
+    assert moe_costs.expert_imbalance(capped[1.0], one_per_rank) == 1.0
+    assert moe_costs.expert_imbalance(capped[2.0], one_per_rank) == default  # the cap is above the default
+    # more experts per rank average some of it out; ep = 1 computes exactly its own slots
+    by_ep = [moe_costs.expert_imbalance(dropless, Layout(1, 1, 64, ep=ep)) for ep in (1, 2, 4, 8)]
+    assert by_ep[0] == 1.0 and by_ep == sorted(by_ep) and len(set(by_ep)) == 4
+    gemm = {s.capacity_factor: _est(s, ep=8).time["gemm"] for s in (dropless, capped[1.1])}
+    assert gemm[1.1] < gemm[0.0]
+
+
+def test_capacity_factor_flag_is_checked_and_emitted(tmp_path):
+    argv = ["--model", "debug-moe", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2", "--seq-len", "64"]
+    out = tmp_path / "cf.toml"
+    run(
+        parse_plan_args(
+            [*argv, "--global-batch", "4", "--ep", "2", "--capacity-factor", "1.25", "--emit-config", str(out)]
+        )
+    )
+    cfg = resolve(load_config(str(out), {}), 2)
+    assert cfg.model.capacity_factor == 1.25 and cfg.model.num_experts == 8 and cfg.parallel.ep == 2
+    with pytest.raises(ConfigError, match="--capacity-factor"):
+        plan_from_args(parse_plan_args([*argv, "--capacity-factor", "-1"]))

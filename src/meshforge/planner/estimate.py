@@ -24,7 +24,9 @@ Memory per GPU (the most loaded pipeline stage):
   host-link copies ride the data-parallel prefetch window and the optimizer step runs on the
   CPU at host memory bandwidth.
 
-Time per step: GEMM FLOPs at a size-dependent efficiency, the attention core at its own
+Time per step: GEMM FLOPs at a size-dependent efficiency (an MoE's routed experts at the
+size of one expert's GEMM, times the busiest ep rank's load: moe_costs.expert_gemm_seconds),
+the attention core at its own
 efficiency, and memory-bound elementwise passes (norms, residuals, activations); TP
 collectives on the critical path (4 all-reduces per layer and micro-batch, each a
 reduce-scatter + all-gather pair under SP, 2 more with full recompute, and the
@@ -324,8 +326,9 @@ def _compute_time(
     shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
 ) -> dict[str, float]:
     """This GPU's share of the hardware FLOPs, in seconds (planner/kernel_costs.py): GEMMs at
-    the rate of their typical size, the attention core by kernel and sequence length, and the
-    block type's memory-bound element-wise work. The slowest (most loaded) pipeline stage
+    the rate of their typical size (an MoE's routed experts at theirs, planner/moe_costs.py),
+    the attention core by kernel and sequence length, and the block type's memory-bound
+    element-wise work. The slowest (most loaded) pipeline stage
     sets the pace."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     peak = hw.peak(precision)
@@ -339,14 +342,19 @@ def _compute_time(
     typical_gemm = 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp
     rate = kernel_costs.gemm_rate(hw, typical_gemm, precision)
     attn_s = kernel_costs.attention_seconds(shape, hw, seq, tokens_gpu, shape.layers, lay.recompute, precision, rate)
-    gemm_s = imbalance * ((flops_step - attn_flops) / rate + attn_s)
+    # the routed experts' GEMMs at their own (smaller) size and load (moe_costs; 0 if dense)
+    routed_flops = moe_costs.routed_flops_per_token(shape, lay.recompute) * tokens_gpu
+    expert_s, expert_recompute_s = moe_costs.expert_gemm_seconds(shape, lay, tokens_mb, tokens_gpu, hw, precision)
+    gemm_s = imbalance * ((flops_step - attn_flops - routed_flops) / rate + attn_s) + expert_s
     bpe = _bytes_per_element(precision)
     other_s = imbalance * kernel_costs.elementwise_seconds(
         shape, hw, tokens_gpu, shape.layers, lay.recompute, bpe, 1 if lay.sequence_parallel else lay.tp
     )
-    recompute_s = (
-        (shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq)) * tokens_gpu / rate
-    )
+    recompute_flops = (
+        shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq)
+    ) * tokens_gpu
+    routed_recompute = routed_flops / 4 if lay.recompute == "full" else 0.0
+    recompute_s = (recompute_flops - routed_recompute) / rate + expert_recompute_s
     other_s += _dispatch_time(shape, lay, hw)
     return {
         "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,

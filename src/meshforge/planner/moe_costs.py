@@ -9,6 +9,11 @@ any precision (the fp32 shards of parameters and gradients plus Adam's), but a g
 only brings in the rank's own E/ep experts, over edp ranks. Under ep = 1 the experts are
 ordinary parameters and follow the ZeRO stage like the rest. The all-to-all bytes are the
 formula ``a2a_bytes_formula`` the training run logs beside its measured traffic.
+
+The routed experts' GEMMs are priced at their own size (``expert_gemm_seconds``): per
+micro-batch a local expert sees tokens x k x ep / (E x tp) rows, far fewer than a dense
+GEMM's, so it runs lower on the same efficiency curve; and the busiest ep rank sets the
+pace (``expert_imbalance``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,14 @@ from typing import Any
 from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
+from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.shape import Shape
+
+# Busiest expert's load over the mean under dropless routing when the user's run is not known:
+# a default, not a measurement of that run. bench/bench_moe.py measured 1.22 with aux_loss
+# balancing at the end of 300 steps (debug-moe, 8 experts, top-2; docs/benchmarks.md).
+DEFAULT_EXPERT_IMBALANCE = 1.2
 
 Layout = Any  # planner/estimate.py's Layout (which imports this module)
 
@@ -119,3 +130,53 @@ def tp_seconds(shape: Shape, lay: Layout, tokens_mb: float, bpe: int, coll: Call
     per_step = moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * passes * coll("all_reduce", slots)
     grad_shard = expert_params_on_stage(shape, lay.tp, lay.pp) * lay.tp / (lay.dp * lay.cp) * 4
     return per_step + coll("all_reduce", grad_shard)
+
+
+def rows_per_expert(shape: Shape, lay: Layout, tokens_mb: float) -> float:
+    """Rows of one local expert's GEMM per micro-batch of ``tokens_mb`` tokens on a rank, at
+    balance: the rank routes tokens x k slots over E experts; under ep its E/ep experts take the
+    slots of its ep group's ep ranks (parallel/expert_parallel.py), and under ep x tp each tp
+    rank takes 1/tp of them (parallel/moe_tensor_parallel.py; its tokens_mb is the whole
+    micro-batch, gathered in front of the MoE block)."""
+    return tokens_mb * shape.experts_per_token * lay.ep / (shape.num_experts * lay.tp)
+
+
+def expert_imbalance(shape: Shape, lay: Layout) -> float:
+    """Busiest ep rank's expert rows over the mean. Per expert: min(capacity_factor, default)
+    with a capacity factor (the cap is cf x the mean), else the default. It is per rank that
+    counts: one expert's time is (flop + half_flop) / rate_max on the gemm_rate curve, so a
+    rank's grouped GEMM costs its total rows plus a constant per local expert however those
+    rows split among them. A rank holds n = E/ep experts; its load is the mean of n of the
+    E loads, whose excess over the mean shrinks like a mean of n draws without replacement,
+    by sqrt((E - n) / (n (E - 1))): the whole excess at one expert per rank, none under
+    ep = 1 (every rank holds all experts and computes exactly its own tokens x k slots)."""
+    e = shape.num_experts
+    cf = shape.capacity_factor
+    per_expert = min(cf, DEFAULT_EXPERT_IMBALANCE) if cf > 0 else DEFAULT_EXPERT_IMBALANCE
+    if per_expert <= 1.0 or e <= 1:  # capped at or below the mean: every expert is (about) full
+        return per_expert
+    n = e // lay.ep
+    return 1.0 + (per_expert - 1.0) * ((e - n) / (n * (e - 1))) ** 0.5
+
+
+def routed_flops_per_token(shape: Shape, recompute: str) -> float:
+    """Hardware FLOPs of the routed experts per token over all MoE blocks: 6 x the k chosen
+    experts' parameters (forward + backward), 8 x under full recomputation."""
+    per_pass = 2.0 * moe_layers_on_stage(shape, 1) * shape.experts_per_token * 3 * shape.hidden * expert_ffn(shape)
+    return per_pass * (4 if recompute == "full" else 3)
+
+
+def expert_gemm_seconds(
+    shape: Shape, lay: Layout, tokens_mb: float, tokens_gpu: float, hw: Hardware, precision: str
+) -> tuple[float, float]:
+    """(seconds, of which recomputation) of the routed experts' GEMMs on the busiest rank of
+    the most loaded stage: this GPU's share of their FLOPs at the gemm_rate of one expert's
+    GEMM (``rows_per_expert`` x hidden x expert ffn), times ``expert_imbalance``."""
+    if shape.num_experts <= 0:
+        return 0.0, 0.0
+    flop = 2 * rows_per_expert(shape, lay, tokens_mb) * shape.hidden * expert_ffn(shape)
+    rate = kernel_costs.gemm_rate(hw, flop, precision)
+    stage = moe_layers_on_stage(shape, lay.pp) * lay.pp / max(1, moe_layers_on_stage(shape, 1))
+    total = routed_flops_per_token(shape, lay.recompute) * tokens_gpu / rate * stage * expert_imbalance(shape, lay)
+    recompute = total / 4 if lay.recompute == "full" else 0.0
+    return total, recompute

@@ -90,6 +90,7 @@ MOE_FLAGS = {  # flag -> Shape field
     "top_k": "experts_per_token",
     "moe_ffn_hidden": "moe_ffn_hidden",
     "shared_experts": "num_shared_experts",
+    "capacity_factor": "capacity_factor",
 }
 
 
@@ -99,6 +100,12 @@ def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
     m.add_argument("--top-k", type=int, help="experts each token is sent to (default 2)")
     m.add_argument("--moe-ffn-hidden", type=int, help="hidden size of one expert (default: --ffn-hidden)")
     m.add_argument("--shared-experts", type=int, help="always-on experts of --moe-ffn-hidden each (default 0)")
+    m.add_argument(
+        "--capacity-factor",
+        type=float,
+        help="expert capacity (model.capacity_factor): 0 dropless (default), > 0 caps each expert at cf x its mean "
+        "load, which caps the planner's load imbalance",
+    )
 
 
 def _with_moe_flags(shape: Shape, args: argparse.Namespace) -> tuple[Shape, bool]:

@@ -138,6 +138,8 @@ def moe_keys(shape: Shape) -> str:
         lines.append(f"head_dim = {shape.head_dim}")
     if shape.qk_norm:
         lines.append("qk_norm = true")
+    if shape.capacity_factor > 0:
+        lines.append(f"capacity_factor = {shape.capacity_factor}")
     return "\n".join(lines) + "\n"
 
 

@@ -119,6 +119,7 @@ def rules_view(shape: Shape) -> SimpleNamespace:
         vocab_size=shape.vocab,
         tie_embeddings=shape.tie_embeddings,
         num_experts=shape.num_experts,
+        capacity_factor=shape.capacity_factor,
     )
 
 

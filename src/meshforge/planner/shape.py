@@ -32,13 +32,15 @@ class Shape:
     # softmax and dropout written out (Megatron-LM before FlashAttention)
     attention: str = "flash"
     # mixture of experts (models/moe.py; 0 experts: dense): routed experts, top-k, one expert's
-    # hidden size (0: ffn_hidden), always-on experts, every n-th block MoE from first_dense_layers
+    # hidden size (0: ffn_hidden), always-on experts, every n-th block MoE from first_dense_layers;
+    # capacity_factor: 0 dropless, > 0 each expert takes at most cf x tokens x k / E per micro-batch
     num_experts: int = 0
     experts_per_token: int = 2
     moe_ffn_hidden: int = 0
     num_shared_experts: int = 0
     moe_interval: int = 1
     first_dense_layers: int = 0
+    capacity_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention not in ("flash", "materialized"):
@@ -98,6 +100,8 @@ def _check_experts(s: Shape) -> None:
     """Refuse an MoE shape that cannot exist, naming the flag."""
     if s.num_experts < 0 or s.num_shared_experts < 0 or s.moe_ffn_hidden < 0:
         raise ConfigError("--experts, --shared-experts and --moe-ffn-hidden must be >= 0")
+    if s.capacity_factor < 0:
+        raise ConfigError(f"--capacity-factor {s.capacity_factor} must be >= 0 (0: dropless, e.g. 1.25)")
     if s.num_experts and not 1 <= s.experts_per_token <= s.num_experts:
         raise ConfigError(
             f"--top-k {s.experts_per_token} must be between 1 and --experts {s.num_experts} (experts per token)"
@@ -130,4 +134,5 @@ def from_args(a: ModelArgs, name: str = "config") -> Shape:
         num_shared_experts=a.num_shared_experts,
         moe_interval=a.moe_interval,
         first_dense_layers=a.first_dense_layers,
+        capacity_factor=a.capacity_factor,
     )
