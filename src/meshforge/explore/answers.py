@@ -16,6 +16,7 @@ from meshforge.planner import report
 from meshforge.planner.estimate import Estimate, Layout, estimate
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
+from meshforge.planner.offload_costs import can_offload
 from meshforge.planner.search import Fixed, rules_view, search, training_of
 from meshforge.planner.shape import Shape, from_preset
 
@@ -207,6 +208,7 @@ def presets() -> dict[str, Any]:
                 "peak_tflops": {k: f / 1e12 for k, f in hw.peak_flops.items()},
                 "intra_bw_gbs": hw.intra_bw / 1e9,
                 "inter_bw_gbs": hw.inter_bw / 1e9,
+                "can_offload": can_offload(hw),
             }
             for name, hw in GPU_PRESETS.items()
         },
