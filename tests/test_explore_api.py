@@ -78,6 +78,8 @@ def test_presets_list_models_gpus_and_ranges(port):
     assert "llama3.1-405b" in p["models"] and p["models"]["llama3.1-405b"]["num_params"] > 4e11
     assert p["gpus"]["h100-sxm"]["hbm_gib"] == HBM
     assert p["params"]["gpus"]["max"] >= 16384 and "zero_bubble" in p["params"]["schedule"]["choices"]
+    assert p["models"]["mixtral-8x7b"]["num_experts"] == 8 and p["models"]["llama3.1-8b"]["num_experts"] == 0
+    assert p["gpus"]["h100-sxm"]["can_offload"] and not p["gpus"]["cpu"]["can_offload"]
 
 
 def test_estimate_answers_with_the_planners_breakdown(port):
@@ -132,6 +134,29 @@ def test_offload_moves_the_model_states_to_the_host(port):
     assert off["estimate"]["step_time_s"] == pytest.approx(sum(off["estimate"]["step_s"].values()), rel=1e-6)
     refused = estimate(port, **SEVEN_B, zero=1, offload="cpu")  # the layout rule, in its words
     assert not refused["exists"] and refused["problems"][0]["key"] == "parallel.offload"
+
+
+def test_ep_on_an_moe_preset_adds_the_all_to_all(port):
+    moe = {"model": "mixtral-8x7b", "gpus": 8, "zero": 3}
+    one, eight = estimate(port, **moe)["estimate"], estimate(port, **moe, ep=8)
+    assert "ep" not in one["comm_s"] and eight["layout"]["ep"] == 8 and eight["runnable"], eight["problems"]
+    e = eight["estimate"]
+    assert e["comm_s"]["ep"] == e["ep_a2a_s"] > 0 and e["comm_exposed_s"]["ep"] == e["ep_a2a_s"]
+    assert e["step_time_s"] == pytest.approx(sum(e["step_s"].values()), rel=1e-6)  # the all-to-all is in the bars
+    assert e["memory_gib"]["total"] != one["memory_gib"]["total"]
+    status, _, toml = request(port, "/api/config?model=debug-moe&gpus=4&ep=2&zero=3&global_batch=4&seq_len=64")
+    assert status == 200 and b"ep = 2" in toml and b"dp_shard = 4" in toml
+
+
+def test_best_searches_ep_or_keeps_a_given_one(port):
+    moe = {"model": "mixtral-8x7b", "gpus": 16, "top": 20}
+    status, free = api(port, "best", **moe)
+    assert status == 200 and any(L["ep"] > 1 for L in free["layouts"])
+    status, fixed = api(port, "best", **moe, ep=4)
+    assert status == 200 and fixed["layouts"] and {L["ep"] for L in fixed["layouts"]} == {4}
+    for bad, words in ((dict(ep=3), "model.num_experts = 8"), (dict(model="llama3.1-8b", ep=2), "dense")):
+        status, err = api(port, "best", **{**moe, **bad})
+        assert status == 400 and words in err["error"] and "parallel.ep" in err["error"]
 
 
 @pytest.mark.slow  # the first layout with pp > 1 imports torch.distributed.pipelining
@@ -190,6 +215,11 @@ def test_config_download_is_a_runnable_train_config(port, tmp_path):
         ("gpu=cpu&precision=fp8", "fp8"),
         ("offload=disk", "offload"),
         ("gpu=cpu&precision=fp32&offload=cpu", "offload"),
+        ("ep=0", "ep"),
+        ("model=llama3.1-8b&ep=2", "dense (model.num_experts = 0); set parallel.ep = 1"),
+        ("model=mixtral-8x7b&gpus=16&ep=16", "must divide model.num_experts = 8"),
+        ("model=mixtral-8x7b&gpus=12&ep=8", "must divide parallel.dp_shard x parallel.cp = 12"),
+        ("model=mixtral-8x7b&gpus=4&ep=8", "ep = 8 is more than gpus = 4"),
         ("q=" + "x" * 5000, "query"),
     ],
 )

@@ -13,6 +13,7 @@ import pytest
 from meshforge.explore import make_server
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
@@ -51,8 +52,19 @@ def text(driver, element_id: str) -> str:
 
 def changed(driver, element_id: str, old: str) -> str:
     """Wait until the page shows a new figure in ``element_id`` (the answer to a change)."""
-    WebDriverWait(driver, WAIT_S).until(lambda d: text(d, element_id) not in (old, "", "\u2013"))
+    wait(driver).until(lambda d: text(d, element_id) not in (old, "", "\u2013"))
     return text(driver, element_id)
+
+
+def wait(driver) -> WebDriverWait:
+    """A wait that looks again when the page re-renders what it looked at."""
+    return WebDriverWait(driver, WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
+
+
+def cell(row, column: str) -> str:
+    """A best-layouts row's cell under the header ``column``."""
+    heads = [th.text for th in row.find_elements(By.XPATH, "ancestor::table//th")]
+    return row.find_elements(By.TAG_NAME, "td")[heads.index(column)].text
 
 
 def test_page_loads_with_the_planners_figures(page):
@@ -84,8 +96,7 @@ def test_zero1_under_tp_shows_the_rule_in_words(page):
 
 def test_a_best_layout_loads_with_one_click(page):
     rows = WebDriverWait(page, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#best tbody tr"))
-    tp_of_row = rows[0].find_elements(By.TAG_NAME, "td")[1].text
-    mem_of_row = rows[0].find_elements(By.TAG_NAME, "td")[9].text
+    tp_of_row, mem_of_row = cell(rows[0], "tp"), cell(rows[0], "GiB")
     before = text(page, "mem-total")
     rows[0].find_element(By.TAG_NAME, "button").click()
     WebDriverWait(page, WAIT_S).until(
@@ -93,3 +104,45 @@ def test_a_best_layout_loads_with_one_click(page):
     )
     if before != mem_of_row:
         assert changed(page, "mem-total", before) == mem_of_row
+
+
+def best_row(driver, column: str, wanted):
+    """The first best-layouts row whose ``column`` satisfies ``wanted`` (waits for the search)."""
+
+    def found(d):
+        rows = d.find_elements(By.CSS_SELECTOR, "#best tbody tr")
+        return next((r for r in rows if wanted(cell(r, column))), False)
+
+    return wait(driver).until(found)
+
+
+def test_moe_ep_and_offload_controls(page):
+    page.get(page.current_url)  # a fresh page: the defaults, a dense model
+    changed(page, "mem-total", "")
+    assert not page.find_element(By.ID, "ep").is_enabled() and "dense" in text(page, "layout-note")
+    Select(page.find_element(By.ID, "gpu")).select_by_value("cpu")
+    wait(page).until(lambda d: not d.find_element(By.ID, "offload").is_enabled())
+    Select(page.find_element(By.ID, "gpu")).select_by_value("h100-sxm")
+    Select(page.find_element(By.ID, "zero")).select_by_value("3")
+    mem0 = changed(page, "mem-total", text(page, "mem-total"))
+    Select(page.find_element(By.ID, "model")).select_by_value("mixtral-8x7b")
+    mem1 = changed(page, "mem-total", mem0)
+    assert page.find_element(By.ID, "ep").is_enabled() and text(page, "a2a") == ""
+    Select(page.find_element(By.ID, "ep")).select_by_value("8")
+    wait(page).until(lambda d: "all-to-all" in text(d, "a2a"))
+    assert changed(page, "mem-total", mem1) != mem1
+    # on 8 GPUs the fastest fitting Mixtral layouts offload to the host: a loaded one keeps it
+    row = best_row(page, "offload", lambda v: v == "cpu")
+    row.find_element(By.TAG_NAME, "button").click()
+    wait(page).until(lambda d: d.find_element(By.ID, "offload").get_attribute("value") == "cpu")
+    wait(page).until(lambda d: "host memory" in text(d, "host-mem"))
+    for field in ("gpus", "global_batch"):  # Mixtral on 16 GPUs: the fastest layouts split the experts
+        page.find_element(By.ID, field).clear()
+        page.find_element(By.ID, field).send_keys("16")
+    row = best_row(page, "ep", lambda v: v.isdigit() and int(v) > 1)
+    ep_of_row = cell(row, "ep")
+    row.find_element(By.TAG_NAME, "button").click()
+    wait(page).until(lambda d: d.find_element(By.ID, "ep").get_attribute("value") == ep_of_row)
+    wait(page).until(lambda d: "all-to-all" in text(d, "a2a"))
+    errors = [e for e in page.get_log("browser") if e["level"] == "SEVERE" and "400" not in e["message"]]
+    assert not errors, errors

@@ -5,16 +5,18 @@ Nothing here models memory or time itself."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import Any
 
 from meshforge.errors import ConfigError
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
-from meshforge.parallel.dims import ParallelDims
+from meshforge.parallel.dims import ParallelDims, Problem, Training
 from meshforge.planner import report
 from meshforge.planner.estimate import Estimate, Layout, estimate
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
+from meshforge.planner.offload_costs import can_offload
 from meshforge.planner.search import Fixed, rules_view, search, training_of
 from meshforge.planner.shape import Shape, from_preset
 
@@ -25,9 +27,11 @@ MAX_SEARCH_GPUS = 65536  # how far the "smallest cluster that fits" hint looks
 
 def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
     """The layout the degrees and options describe (dp = gpus / (tp x pp x cp)), and the rules
-    it breaks in the layout rules' own words; no layout when dp or the micro-batches are not whole."""
+    it breaks in the layout rules' own words; no layout when dp or the micro-batches are not whole.
+    An ep the expert rules refuse (dense model, ep not dividing the experts or dp x cp) is a
+    refused parameter (BadRequest), in the rule's words."""
     try:
-        dims = ParallelDims.resolve(v["gpus"], pp=v["pp"], dp_shard=-1, cp=v["cp"], tp=v["tp"])
+        dims = ParallelDims.resolve(v["gpus"], pp=v["pp"], dp_shard=-1, cp=v["cp"], tp=v["tp"], ep=v["ep"] or 1)
     except ConfigError as e:
         return None, [{"key": "parallel", "message": str(e), "kind": "invalid"}]
     pp = dims.pp
@@ -38,6 +42,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
         pp=pp,
         dp=dp,
         cp=dims.cp,
+        ep=dims.ep,
         zero_stage=v["zero"] if dp * dims.cp > 1 else 0,
         micro_batch_size=v["micro_batch"],
         num_microbatches=max(1, local // v["micro_batch"]),
@@ -49,24 +54,45 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
     )
     shape = shape_of(v)
     found = dims.problems(rules_view(shape), training_of(lay, v["seq_len"], v["global_batch"], v["gpus_per_node"]))
+    _refuse_ep(found)
     problems = [asdict(p) for p in found]
     whole = v["global_batch"] % dp == 0 and local % v["micro_batch"] == 0
     return (lay if whole else None), problems
+
+
+def _refuse_ep(found: list[Problem]) -> None:
+    """An invalid ep is answered 400 with the expert rule's own message (parallel/dims.py)."""
+    refused = [p.message for p in found if p.key == "parallel.ep" and p.kind == "invalid"]
+    if refused:
+        raise BadRequest("; and ".join(refused))
+
+
+def _check_best_ep(shape: Shape, v: dict[str, Any]) -> None:
+    """A fixed ep for the search, put to the same expert rules on a layout whose dp_shard every
+    candidate divides (so the rule's suggestion is any divisor of the experts): what is left to
+    refuse is a dense model or ep not dividing the experts."""
+    dims = ParallelDims(dp_shard=math.lcm(v["ep"], max(1, shape.num_experts)), ep=v["ep"])
+    _refuse_ep(dims.problems(rules_view(shape), Training(v["seq_len"], v["global_batch"])))
 
 
 def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
     """One estimate in the page's terms: memory bars, communication by axis, step breakdown."""
     t, step = e.time, e.step_time_s
     recompute = e.budget["recompute"] * step
-    exposed = t["tp_comm"] + t["cp_comm"] + t["pp_p2p"] + t["dp_comm_exposed"] + t["offload_copy"]
+    exposed = t["tp_comm"] + t["cp_comm"] + t["pp_p2p"] + t["ep_a2a"] + t["dp_comm_exposed"] + t["offload_copy"]
+    comm = {"tp": t["tp_comm"], "cp": t["cp_comm"], "pp": t["pp_p2p"], "dp": t["dp_comm_total"]}
+    comm_exposed = {"tp": t["tp_comm"], "cp": t["cp_comm"], "pp": t["pp_p2p"], "dp": t["dp_comm_exposed"]}
+    if e.layout.ep > 1:  # the expert all-to-alls (dispatch and combine) sit on the critical path
+        comm["ep"] = comm_exposed["ep"] = t["ep_a2a"]
     return {
         "memory_gib": dict(e.memory),
         "host_memory_gib": dict(e.host_memory),
         "hbm_gib": hw.hbm_gib,
         "fits": e.fits,
         "overflow": e.overflow,
-        "comm_s": {"tp": t["tp_comm"], "cp": t["cp_comm"], "pp": t["pp_p2p"], "dp": t["dp_comm_total"]},
-        "comm_exposed_s": {"tp": t["tp_comm"], "cp": t["cp_comm"], "pp": t["pp_p2p"], "dp": t["dp_comm_exposed"]},
+        "comm_s": comm,
+        "comm_exposed_s": comm_exposed,
+        "ep_a2a_s": t["ep_a2a"],
         "step_s": {
             "compute": t["gemm"] + t["non_gemm"] - recompute,
             "recompute": recompute,
@@ -114,8 +140,11 @@ def evaluate(v: dict[str, Any]) -> dict[str, Any]:
 
 
 def best(v: dict[str, Any]) -> dict[str, Any]:
-    """The planner's fastest fitting layouts for this model, cluster and batch (degrees free)."""
+    """The planner's fastest fitting layouts for this model, cluster and batch (degrees free;
+    ep too unless given)."""
     shape, hw = shape_of(v), hardware_of(v)
+    if v["ep"] is not None:
+        _check_best_ep(shape, v)
     out = _context(shape, hw, v)
     try:
         ranked, considered = search(
@@ -126,7 +155,7 @@ def best(v: dict[str, Any]) -> dict[str, Any]:
             v["global_batch"],
             v["seq_len"],
             v["precision"],
-            Fixed(),
+            Fixed(ep=v["ep"]),
             max_gpus=max(v["gpus"], MAX_SEARCH_GPUS),
         )
     except ConfigError as e:
@@ -162,6 +191,8 @@ def _shape_fields(shape: Shape) -> dict[str, Any]:
         "ffn_hidden": shape.ffn_hidden,
         "vocab": shape.vocab,
         "tie_embeddings": shape.tie_embeddings,
+        "num_experts": shape.num_experts,
+        "experts_per_token": shape.experts_per_token,
     }
 
 
@@ -177,6 +208,7 @@ def presets() -> dict[str, Any]:
                 "peak_tflops": {k: f / 1e12 for k, f in hw.peak_flops.items()},
                 "intra_bw_gbs": hw.intra_bw / 1e9,
                 "inter_bw_gbs": hw.inter_bw / 1e9,
+                "can_offload": can_offload(hw),
             }
             for name, hw in GPU_PRESETS.items()
         },

@@ -74,13 +74,16 @@ text-align:right}th:last-child,td:last-child{text-align:left}#status{color:var(-
 <label>virtual stages<input id="virtual_stages" data-p="virtual_stages" data-layout type="number" min="1"
 value="1"></label>
 <label>cp<input id="cp" data-p="cp" data-layout type="number" min="1" value="1"></label>
+<label>ep (experts)<select id="ep" data-p="ep" data-layout></select></label>
 <label>ZeRO stage<select id="zero" data-p="zero" data-layout><option value="0">0 (DDP)</option>
 <option value="1">1 (optimizer)</option><option value="2">2 (+ gradients)</option>
 <option value="3">3 (FSDP)</option></select></label>
 <label>micro-batch<input id="micro_batch" data-p="micro_batch" data-layout type="number" min="1" value="1"></label>
 <label>recompute<select id="recompute" data-p="recompute" data-layout></select></label>
 <label>sequence parallel<input id="sp" data-p="sp" data-layout type="checkbox" checked></label>
-<p class="derived" id="dp"></p></fieldset>
+<label>offload<select id="offload" data-p="offload" data-layout><option value="none">none</option>
+<option value="cpu">cpu (host memory)</option></select></label>
+<p class="derived" id="dp"></p><p class="derived" id="layout-note"></p></fieldset>
 </aside>
 <section>
 <div class="tiles">
@@ -90,14 +93,16 @@ value="1"></label>
 <div class="tile"><b id="mfu">&ndash;</b><span>MFU</span></div>
 <div class="tile"><b id="hfu">&ndash;</b><span>HFU</span></div></div>
 <div class="card"><h2>Memory per GPU <span id="fit"></span></h2><div id="mem-chart"></div>
-<div class="legend" id="mem-legend"></div></div>
+<div class="legend" id="mem-legend"></div><p class="derived" id="host-mem"></p></div>
 <div class="card"><h2>Step time</h2><div id="time-chart"></div><div class="legend" id="time-legend"></div></div>
-<div class="card"><h2>Communication per step, by axis</h2><div id="comm-chart"></div></div>
+<div class="card"><h2>Communication per step, by axis</h2><div id="comm-chart"></div>
+<p class="derived" id="a2a"></p></div>
 <div class="card"><h2>Layout rules</h2><ul class="problems" id="problems"></ul>
 <p><button id="download">download meshforge train config</button> <span id="download-msg"></span></p></div>
 <div class="card"><h2>The planner's best layouts for this model and cluster</h2><p id="best-msg"></p>
-<table id="best"><thead><tr><th>#</th><th>tp</th><th>pp</th><th>dp</th><th>cp</th><th>ZeRO</th><th>mb</th>
-<th>recompute</th><th>schedule</th><th>GiB</th><th>step s</th><th>tok/s/GPU</th><th>MFU</th><th></th></tr></thead>
+<table id="best"><thead><tr><th>#</th><th>tp</th><th>pp</th><th>dp</th><th>cp</th><th>ep</th><th>ZeRO</th>
+<th>offload</th><th>mb</th><th>recompute</th><th>schedule</th><th>GiB</th>
+<th>step s</th><th>tok/s/GPU</th><th>MFU</th><th></th></tr></thead>
 <tbody></tbody></table></div>
 </section></main>
 <script>
@@ -108,7 +113,8 @@ const TIME = ["compute", "recompute", "exposed_comm", "bubble", "optimizer"];
 const SEVEN_B = {model: "custom", layers: 32, hidden: 4096, heads: 32, kv_heads: 32, ffn_hidden: 11008,
   vocab: 32000, tie_embeddings: false};
 const BASE = {gpu: "h100-sxm", gpus: 8, gpus_per_node: 8, seq_len: 4096, global_batch: 8, precision: "bf16",
-  tp: 1, pp: 1, cp: 1, zero: 0, micro_batch: 1, recompute: "none", schedule: "1f1b", virtual_stages: 1, sp: true};
+  tp: 1, pp: 1, cp: 1, ep: 1, offload: "none", zero: 0, micro_batch: 1, recompute: "none", schedule: "1f1b",
+  virtual_stages: 1, sp: true};
 const CASES = {
   dp7b: {...BASE, ...SEVEN_B},
   fsdp7b: {...BASE, ...SEVEN_B, zero: 3},
@@ -141,6 +147,7 @@ function setValues(v) {
     if (el.type === "checkbox") el.checked = !!x; else el.value = x;
   }
   modelChanged(); gpuChanged();
+  for (const k of ["ep", "offload"]) if (k in v && !$(k).disabled) $(k).value = String(v[k]);  // options refilled
 }
 function modelChanged() {
   const name = $("model").value, custom = name === "custom";
@@ -151,12 +158,28 @@ function modelChanged() {
       if (el.type === "checkbox") el.checked = m[el.dataset.p]; else el.value = m[el.dataset.p];
     }
   }
+  const experts = custom ? 0 : P.models[name].num_experts, prev = $("ep").value;
+  const eps = experts ? [...Array(experts).keys()].map((i) => i + 1).filter((d) => experts % d === 0) : [1];
+  fill($("ep"), eps);
+  $("ep").value = eps.map(String).includes(prev) ? prev : "1";
+  $("ep").disabled = !experts;
+  note();
+}
+function note() {
+  const notes = [];
+  if ($("ep").disabled) notes.push("ep: this model is dense; expert parallelism needs an MoE preset " +
+    "(" + Object.keys(P.models).filter((k) => P.models[k].num_experts).join(", ") + ")");
+  if ($("offload").disabled) notes.push(`offload: ${$("gpu").value} has no host to offload to`);
+  $("layout-note").textContent = notes.join("; ");
 }
 function gpuChanged() {
   const g = P.gpus[$("gpu").value], prec = $("precision").value;
   $("hbm_gib").value = g.hbm_gib; $("peak_tflops").value = g.peak_tflops[prec] ?? "";
   $("intra_bw_gbs").value = g.intra_bw_gbs; $("inter_bw_gbs").value = g.inter_bw_gbs;
   for (const el of document.querySelectorAll("[data-hw]")) delete el.dataset.dirty;
+  if (!g.can_offload) $("offload").value = "none";
+  $("offload").disabled = !g.can_offload;
+  note();
 }
 async function getJSON(url) {
   const r = await fetch(url);
@@ -201,14 +224,17 @@ function commChart(total, exposed) {
 function render(a) {
   const e = a.estimate;
   $("nparams").textContent = `${fmt(a.model.num_params / 1e9, 2)}B parameters`;
-  $("dp").textContent = a.layout ? `dp = gpus / (tp x pp x cp) = ${a.layout.dp}; ` +
-    `${a.layout.num_microbatches} micro-batch(es) per step` : "dp: the degrees do not divide the GPUs";
+  const L = a.layout, experts = L && L.ep > 1 ? `; ep = ${L.ep} splits the experts over ${L.ep} of ` +
+    `the dp x cp ranks (each expert sharded over edp = ${L.dp * L.cp / L.ep})` : "";
+  $("dp").textContent = L ? `dp = gpus / (tp x pp x cp) = ${L.dp}; ` +
+    `${L.num_microbatches} micro-batch(es) per step${experts}` : "dp: the degrees do not divide the GPUs";
   const probs = a.problems.map((p) => `<li class="${p.kind === "invalid" ? "bad" : ""}"><b>${esc(p.kind)}</b> ` +
     `${esc(p.message)}</li>`);
   $("problems").innerHTML = probs.length ? probs.join("") :
     `<li class="ok">meshforge train runs this layout</li>`;
   for (const id of ["mem-total", "step", "tps", "mfu", "hfu"]) if (!e) $(id).textContent = "\u2013";
-  if (!e) { for (const id of ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit"])
+  if (!e) { for (const id of ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit",
+    "host-mem", "a2a"])
     $(id).innerHTML = ""; return; }
   const m = e.memory_gib, memParts = MEM.map((k) => [k, m[k]]), gib = (v) => fmt(v, 2) + " GiB";
   $("mem-total").textContent = fmt(m.total, 1);
@@ -221,6 +247,11 @@ function render(a) {
   $("time-chart").innerHTML = bar(tParts, tc, e.step_time_s, 0, secs);
   $("time-legend").innerHTML = legend(tParts, tc, secs);
   $("comm-chart").innerHTML = commChart(e.comm_s, e.comm_exposed_s);
+  $("a2a").textContent = "ep" in e.comm_s ? `expert-parallel all-to-all (dispatch and combine): ` +
+    `${secs(e.ep_a2a_s)} per step, on the critical path` : "";
+  const h = e.host_memory_gib;
+  $("host-mem").textContent = h.total ? `host memory (CPU offload): ${gib(h.total)} per GPU, ` +
+    `${gib(h.per_node)} per node` : "";
   $("step").textContent = secs(e.step_time_s);
   $("tps").textContent = fmt(e.tokens_per_s_per_gpu, 0);
   $("mfu").textContent = pct(e.mfu); $("hfu").textContent = pct(e.hfu);
@@ -243,12 +274,13 @@ async function update() {
 function loadLayout(L) {
   setValues({tp: L.tp, pp: L.pp, cp: L.cp, zero: L.zero_stage, micro_batch: L.micro_batch_size,
     recompute: L.recompute, schedule: L.pp > 1 ? L.schedule : $("schedule").value,
-    virtual_stages: L.virtual_stages, sp: L.sequence_parallel});
+    virtual_stages: L.virtual_stages, sp: L.sequence_parallel, ep: L.ep, offload: L.offload});
   update();
 }
 async function updateBest() {
   const mine = ++bestSeq, q = query();
-  for (const k of ["tp", "pp", "cp", "zero", "micro_batch", "recompute", "schedule", "virtual_stages", "sp"])
+  for (const k of ["tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "schedule", "virtual_stages", "sp",
+    "offload"])
     q.delete(k);
   $("best-msg").textContent = "searching\u2026";
   try {
@@ -256,7 +288,8 @@ async function updateBest() {
     if (mine !== bestSeq) return;
     $("best-msg").textContent = b.message || `${b.considered} layouts considered; the fastest that fit:`;
     $("best").tBodies[0].innerHTML = b.layouts.map((L, i) => `<tr><td>${i + 1}</td><td>${L.tp}</td>` +
-      `<td>${L.pp}</td><td>${L.dp}</td><td>${L.cp}</td><td>${L.zero_stage}</td><td>${L.micro_batch_size}</td>` +
+      `<td>${L.pp}</td><td>${L.dp}</td><td>${L.cp}</td><td>${L.ep}</td><td>${L.zero_stage}</td>` +
+      `<td>${esc(L.offload)}</td><td>${L.micro_batch_size}</td>` +
       `<td>${esc(L.recompute)}</td><td>${esc(L.pp > 1 ? L.schedule : "-")}</td>` +
       `<td>${fmt(L.memory_total_gib, 1)}</td><td>${fmt(L.step_time_s, 3)}</td>` +
       `<td>${fmt(L.tokens_per_s_per_gpu, 0)}</td><td>${pct(L.mfu)}</td>` +

@@ -60,6 +60,9 @@ SPECS: dict[str, Spec] = {
     "tp": Spec("int", 1, 1, 64, help="tensor-parallel degree"),
     "pp": Spec("int", 1, 1, 1024, help="pipeline-parallel degree"),
     "cp": Spec("int", 1, 1, 1024, help="context-parallel degree"),
+    "ep": Spec(
+        "int", None, 1, 1024, help="expert-parallel degree (MoE models; default 1; /api/best searches it unless given)"
+    ),
     "zero": Spec("int", 0, 0, 3, help="ZeRO stage of the data-parallel ranks (3: FSDP)"),
     "micro_batch": Spec("int", 1, 1, 1048576, help="sequences per forward pass per rank"),
     "recompute": Spec("choice", "none", choices=RECOMPUTE, help="activation recomputation"),
@@ -123,8 +126,8 @@ def parse(query: dict[str, list[str]]) -> dict[str, Any]:
 
 def _cross_check(out: dict[str, Any], given: dict[str, Any]) -> None:
     """Checks between parameters that no single range expresses."""
-    for k in ("tp", "pp", "cp"):
-        if out[k] > out["gpus"]:
+    for k in ("tp", "pp", "cp", "ep"):
+        if (out[k] or 1) > out["gpus"]:
             raise BadRequest(f"{k} = {out[k]} is more than gpus = {out['gpus']}")
     if out["micro_batch"] > out["global_batch"]:
         raise BadRequest(f"micro_batch = {out['micro_batch']} is more than global_batch = {out['global_batch']}")
