@@ -2,25 +2,28 @@
 config check give the same verdict on every layout, and the import graph has no cycles."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import ParallelDims, Training, rank_layout
 from meshforge.planner import report
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.search import Fixed, candidates, judge
-from meshforge.planner.shape import Shape
 from meshforge.resolve import resolve
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 GPUS, PER_NODE, BATCH = 8, 8, 16
 
 
-def _verdicts(shape: Shape, seq: int, fixed: Fixed):
+def _verdicts(shape: ModelShape, seq: int, fixed: Fixed):
     hw = get_hardware("h100-sxm")
     for lay in candidates(shape, GPUS, BATCH, seq, fixed, PER_NODE):
         exists, reason = judge(lay, shape, seq, BATCH, PER_NODE)
@@ -37,7 +40,7 @@ def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq
     as runnable exactly when `meshforge train`'s config check accepts its emitted config,
     and when either refuses, both give the same reason."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(PER_NODE))
-    shape = Shape(4, 64, 4, 2, 128, 512, tie_embeddings=tie)
+    shape = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512, tie_embeddings=tie)
     seen = {"runs": 0, "refused": 0, "invalid": 0}
     for i, (lay, exists, reason, toml) in enumerate(_verdicts(shape, seq, fixed)):
         path = tmp_path / f"{i}.toml"
@@ -75,7 +78,7 @@ def test_dims_infers_one_degree_and_names_the_fix():
     assert not ParallelDims.resolve(2, dp_shard=2).uses_fsdp(0)
     with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
         ParallelDims.resolve(8, pp=-1, dp_shard=-1)
-    model = Shape(4, 64, 4, 2, 128, 512)
+    model = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512)
     problems = ParallelDims(tp=8).problems(
         type("M", (), {**vars(model), "vocab_size": 512})(), Training(seq_len=32, global_batch=8)
     )
@@ -150,8 +153,11 @@ def test_config_imports_nothing_from_parallel_or_planner():
             reach.add(n)
             todo.append(n)
     assert not {m for m in reach if m.startswith(("meshforge.parallel", "meshforge.planner"))}, reach
-    # and the layout rules are pure: no process groups, no torch at all
-    assert not {m for m in graph["meshforge.parallel.dims"] if m != "meshforge.errors"}
+    # and the layout rules are pure: no process groups, no torch at all; they read the shared core only
+    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.parallel.layout"}
+    assert not {m for m in graph["meshforge.parallel.dims"] if m not in core}
+    code = "import sys, meshforge.parallel.dims; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)}).returncode == 0
     assert "import torch" not in (SRC / "meshforge/parallel/dims.py").read_text()
 
 

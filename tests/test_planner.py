@@ -10,15 +10,28 @@ import pytest
 
 from conftest import run_cli
 from meshforge.errors import ConfigError
+from meshforge.models.shape import ModelShape
 from meshforge.planner.calibrate import COLLECTIVES, fit_alpha_beta
 from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
 from meshforge.planner.hardware import cost_coefficients, get_hardware
 from meshforge.planner.search import Fixed, search
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
 # GPT-3 175B: the model Korthikanti et al. 2022 work through (a = 96, h = 12288, s = 2048)
-GPT3 = Shape(96, 12288, 96, 96, 4 * 12288, 51200, "gelu", True, 2048, "gpt3-175b", attention="materialized")
+GPT3 = ModelShape(
+    layers=96,
+    hidden=12288,
+    heads=96,
+    kv_heads=96,
+    ffn_hidden=4 * 12288,
+    vocab_size=51200,
+    mlp="gelu",
+    tie_embeddings=True,
+    max_positions=2048,
+    name="gpt3-175b",
+    attention="materialized",
+)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -87,7 +100,7 @@ def test_pipeline_stage_memory_by_schedule():
         s: estimate(shape, Layout(**lay, schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
         for s in ("gpipe", "1f1b")
     }
-    logits = 8192 * shape.vocab / 8 * (2 + 4 + 4) / 2**30
+    logits = 8192 * shape.vocab_size / 8 * (2 + 4 + 4) / 2**30
     assert (mem["gpipe"] - logits) / (mem["1f1b"] - logits) == pytest.approx(32 / 8)
 
 

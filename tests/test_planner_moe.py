@@ -11,16 +11,17 @@ from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models import flops
 from meshforge.models.presets import PRESETS
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
 from meshforge.planner import kernel_costs, moe_costs, report
 from meshforge.planner.estimate import Layout, estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 
 
-def _est(shape: Shape, **kw):
+def _est(shape: ModelShape, **kw):
     lay = Layout(**{"tp": 1, "pp": 1, "dp": 64, "zero_stage": 3, "recompute": "full", **kw})
     return estimate(shape, lay, 4096, 64, "bf16", get_hardware("h100-sxm"), 8)
 
@@ -105,10 +106,10 @@ def test_ep_times_tp_pays_the_slot_all_reduces():
     s = from_preset("mixtral-8x7b")
     lay = {"tp": 4, "dp": 16, "ep": 8, "zero_stage": 2, "recompute": "selective", "micro_batch_size": 4}
     with_moe = _est(s, **lay).time["tp_comm"]
-    dense_like = _est(Shape(**{**vars(s), "num_experts": 0}), **lay).time["tp_comm"]
+    dense_like = _est(ModelShape(**{**vars(s), "num_experts": 0}), **lay).time["tp_comm"]
     extra = moe_costs.tp_seconds(s, Layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b)
     assert with_moe > dense_like and extra > 0
-    wider = Shape(**{**vars(s), "experts_per_token": 4})
+    wider = ModelShape(**{**vars(s), "experts_per_token": 4})
     assert moe_costs.tp_seconds(wider, Layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b) > extra
     assert moe_costs.tp_seconds(s, Layout(**{"pp": 1, **{**lay, "tp": 1}}), 4 * 4096, 2, lambda k, b: b) == 0
 
@@ -121,18 +122,18 @@ def test_zero1_partition_sees_every_parameter_tensor(preset):
 
     s = from_preset(preset)
     assert sum(map(sum, param_groups(s, 1, 1))) == s.num_params()
-    dense_twin = Shape(**{**vars(s), "num_experts": 0})
+    dense_twin = ModelShape(**{**vars(s), "num_experts": 0})
     if s.num_experts:  # a few huge expert tensors split less evenly than the dense twin's
         assert largest_share(s, 1, 1, 8) != largest_share(dense_twin, 1, 1, 8)
 
 
 _H100 = get_hardware("h100-sxm")
-_MOE = dict(layers=8, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000)
+_MOE = dict(layers=8, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000)
 
 
 def test_expert_gemms_slow_down_as_rows_per_expert_shrink():
-    few = Shape(**_MOE, num_experts=8, experts_per_token=2)
-    many = Shape(**_MOE, num_experts=64, experts_per_token=2)  # same active FLOPs, 8x fewer rows per expert
+    few = ModelShape(**_MOE, num_experts=8, experts_per_token=2)
+    many = ModelShape(**_MOE, num_experts=64, experts_per_token=2)  # same active FLOPs, 8x fewer rows per expert
     assert few.model_flops_per_token(4096) == many.model_flops_per_token(4096)
     lay = Layout(1, 1, 64, ep=1, recompute="none")
     assert moe_costs.rows_per_expert(few, lay, 4096) == 8 * moe_costs.rows_per_expert(many, lay, 4096)
@@ -187,7 +188,7 @@ def test_dense_compute_time_is_the_dense_formula():
 def test_capacity_factor_caps_the_imbalance():
     dropless = from_preset("mixtral-8x7b")
     assert dropless.capacity_factor == 0
-    capped = {cf: Shape(**{**dropless.__dict__, "capacity_factor": cf}) for cf in (1.0, 1.1, 2.0)}
+    capped = {cf: ModelShape(**{**dropless.__dict__, "capacity_factor": cf}) for cf in (1.0, 1.1, 2.0)}
     one_per_rank = Layout(1, 1, 64, ep=8)  # 8 experts on 8 ranks: a rank's load is its expert's
     default = moe_costs.DEFAULT_EXPERT_IMBALANCE
     assert moe_costs.expert_imbalance(dropless, one_per_rank) == default

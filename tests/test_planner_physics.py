@@ -7,13 +7,23 @@ from dataclasses import replace
 
 import pytest
 
+from meshforge.models.shape import ModelShape
 from meshforge.planner import kernel_costs
 from meshforge.planner.estimate import Layout, estimate
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.shape import Shape
 
 A100, H100 = get_hardware("a100-80g"), get_hardware("h100-sxm")
-GPT = Shape(24, 2304, 24, 24, 4 * 2304, 51200, "gelu", True, 0, "gpt-1.7b")
+GPT = ModelShape(
+    layers=24,
+    hidden=2304,
+    heads=24,
+    kv_heads=24,
+    ffn_hidden=4 * 2304,
+    vocab_size=51200,
+    mlp="gelu",
+    tie_embeddings=True,
+    name="gpt-1.7b",
+)
 
 
 def test_materialized_scores_cost_traffic_that_grows_with_the_sequence():

@@ -26,16 +26,17 @@ else:  # pragma: no cover
 
 from meshforge.config_help import HELP
 from meshforge.errors import ConfigError, suggest
-from meshforge.models.llama import ModelArgs
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
+from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
 
 def _model_config() -> type:
-    """[model]: a preset name, then every shape field of ModelArgs as an optional override
-    (None: the preset's value), then where to start from. Derived from ModelArgs so that a
+    """[model]: a preset name, then every shape field of ModelShape as an optional override
+    (None: the preset's value), then where to start from. Derived from ModelShape so that a
     new model field is a config key without being written twice."""
-    hints = typing.get_type_hints(ModelArgs)
-    shape = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
+    hints = typing.get_type_hints(ModelShape)
+    keys = [f.name for f in dataclasses.fields(ModelShape) if f.name not in ANALYSIS_ONLY]
+    shape = [(k, hints[k] | None, field(default=None)) for k in keys]
     # init_from: start from these weights instead of a random init: a Hugging Face Llama
     # directory or a meshforge weights directory (see `meshforge convert`)
     return dataclasses.make_dataclass(
@@ -396,9 +397,10 @@ def fill(cfg: Config) -> Config:
     value-checked. Layout rules (degrees, divisibility) are not checked here: see
     ``meshforge.resolve.resolve``."""
     cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s)) for s in SECTIONS})
-    args = model_args_from_config(cfg.model)
+    args = model_shape(cfg.model)
     for f in dataclasses.fields(args):
-        setattr(cfg.model, f.name, getattr(args, f.name))
+        if f.name not in ANALYSIS_ONLY:
+            setattr(cfg.model, f.name, getattr(args, f.name))
     if cfg.optim.warmup_steps < 0:
         cfg.optim.warmup_steps = min(100, cfg.train.steps // 10)
     check_values(cfg)
@@ -451,7 +453,7 @@ def _check_health(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
     t = cfg.train
-    max_seq = cfg.model.max_seq_len or model_args_from_config(cfg.model).max_seq_len
+    max_seq = cfg.model.max_seq_len or model_shape(cfg.model).max_seq_len
     _need(t.steps > 0, f"train.steps = {t.steps} must be > 0")
     _need(t.seq_len > 0, f"train.seq_len = {t.seq_len} must be > 0")
     _need(

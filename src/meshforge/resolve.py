@@ -13,7 +13,7 @@ import dataclasses
 
 from meshforge import launch_env
 from meshforge.config import Config, fill
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
 from meshforge.parallel.dims import ParallelDims, Training
 
 
@@ -48,7 +48,7 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     cfg = fill(cfg)
     dims = layout(cfg, world_size)
     settings = training_settings(cfg, launch_env.local_world_size())
-    dims.check(model_args_from_config(cfg.model), settings)
+    dims.check(model_shape(cfg.model), settings)
     for k, v in dims.degrees().items():
         setattr(cfg.parallel, k, v)
     if dims.pp > 1 and not cfg.parallel.num_microbatches:

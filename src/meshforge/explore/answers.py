@@ -11,14 +11,15 @@ from typing import Any
 
 from meshforge.errors import ConfigError
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import ParallelDims, Problem, Training
 from meshforge.planner import report
 from meshforge.planner.estimate import Estimate, Layout, estimate
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.search import Fixed, rules_view, search, training_of
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.search import Fixed, search, training_of
+from meshforge.planner.shape import from_preset
 
 from .params import SPECS, BadRequest, hardware_of, shape_of
 
@@ -53,7 +54,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
         offload=v["offload"],
     )
     shape = shape_of(v)
-    found = dims.problems(rules_view(shape), training_of(lay, v["seq_len"], v["global_batch"], v["gpus_per_node"]))
+    found = dims.problems(shape, training_of(lay, v["seq_len"], v["global_batch"], v["gpus_per_node"]))
     _refuse_ep(found)
     problems = [asdict(p) for p in found]
     whole = v["global_batch"] % dp == 0 and local % v["micro_batch"] == 0
@@ -67,12 +68,12 @@ def _refuse_ep(found: list[Problem]) -> None:
         raise BadRequest("; and ".join(refused))
 
 
-def _check_best_ep(shape: Shape, v: dict[str, Any]) -> None:
+def _check_best_ep(shape: ModelShape, v: dict[str, Any]) -> None:
     """A fixed ep for the search, put to the same expert rules on a layout whose dp_shard every
     candidate divides (so the rule's suggestion is any divisor of the experts): what is left to
     refuse is a dense model or ep not dividing the experts."""
     dims = ParallelDims(dp_shard=math.lcm(v["ep"], max(1, shape.num_experts)), ep=v["ep"])
-    _refuse_ep(dims.problems(rules_view(shape), Training(v["seq_len"], v["global_batch"])))
+    _refuse_ep(dims.problems(shape, Training(v["seq_len"], v["global_batch"])))
 
 
 def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
     }
 
 
-def _context(shape: Shape, hw: Hardware, v: dict[str, Any]) -> dict[str, Any]:
+def _context(shape: ModelShape, hw: Hardware, v: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": {"name": shape.name, "num_params": shape.num_params(), **_shape_fields(shape)},
         "cluster": {
@@ -182,14 +183,14 @@ def train_config(v: dict[str, Any]) -> str:
     return report.train_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
 
 
-def _shape_fields(shape: Shape) -> dict[str, Any]:
+def _shape_fields(shape: ModelShape) -> dict[str, Any]:
     return {
         "layers": shape.layers,
         "hidden": shape.hidden,
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
         "ffn_hidden": shape.ffn_hidden,
-        "vocab": shape.vocab,
+        "vocab": shape.vocab_size,
         "tie_embeddings": shape.tie_embeddings,
         "num_experts": shape.num_experts,
         "experts_per_token": shape.experts_per_token,

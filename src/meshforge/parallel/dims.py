@@ -33,9 +33,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any
 
 from meshforge.errors import ConfigError, suggest
+from meshforge.models.shape import ModelShape
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see above)
@@ -56,17 +57,6 @@ SCHEDULES = {
 }
 SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b", "zb": "zero_bubble"}
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank placed in a V
-
-
-class ModelShape(Protocol):
-    """What the rules read of a model (a ModelArgs, or the planner's Shape)."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab_size: int
-    tie_embeddings: bool
 
 
 @dataclass(frozen=True)

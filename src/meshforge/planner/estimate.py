@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshforge.models import flops
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.context_parallel_cost import (
     local_tokens,
     ring_bytes,
@@ -57,7 +58,6 @@ from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.dims import V_SHAPED, bubble_fraction
 from meshforge.planner import kernel_costs, moe_costs, offload_costs
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
-from meshforge.planner.shape import Shape
 from meshforge.planner.zero1_partition import largest_share
 
 # the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
@@ -145,7 +145,7 @@ def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[st
     }
 
 
-def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
+def allocated_state_bytes(shape: ModelShape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
     """What meshforge allocates for parameters, gradients and optimizer state on the most
     loaded GPU (held equal to a run's ``state_mem_bytes`` by tests/test_planner_memory.py).
     ZeRO-2/3 are FSDP2, which keeps fp32 shards of parameters and gradients (the sharded
@@ -165,7 +165,7 @@ def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str)
 
 
 def activation_bytes_per_layer(
-    shape: Shape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
+    shape: ModelShape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
 ) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch (see module doc)."""
     s, b, h, a = seq, micro, shape.hidden, shape.heads
@@ -198,12 +198,12 @@ def in_flight(schedule: str, p: int, m: int, v: int) -> float:
     return float(min(m, p))
 
 
-def stage_layers(shape: Shape, pp: int) -> int:
+def stage_layers(shape: ModelShape, pp: int) -> int:
     """Blocks on the most loaded stage (stages may be uneven: the first ceil(L/p))."""
     return -(-shape.layers // pp)
 
 
-def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
+def stage_params(shape: ModelShape, tp: int, pp: int) -> tuple[float, float]:
     """Parameters on the most loaded stage's GPU, and the per-layer parameters on it."""
     per_layer = shape.block_params() / tp
     layers = stage_layers(shape, pp)
@@ -214,7 +214,7 @@ def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
     return max(first, last), per_layer
 
 
-def stage_state_bytes(shape: Shape, lay: Layout, precision: str) -> dict[str, float]:
+def stage_state_bytes(shape: ModelShape, lay: Layout, precision: str) -> dict[str, float]:
     """Parameters, gradients and optimizer state the most loaded GPU's rank allocates (experts included)."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
@@ -225,7 +225,7 @@ def stage_state_bytes(shape: Shape, lay: Layout, precision: str) -> dict[str, fl
     return {k: v + experts[k] for k, v in states.items()}
 
 
-def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
+def memory(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
     """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
     states are on the host (``offload_costs``) and only their staging copies stay here."""
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
@@ -251,7 +251,7 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
     )
     acts = act_layer * layers_per_stage * in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
     tokens = lay.micro_batch_size * seq // lay.cp
-    logits = tokens * shape.vocab / lay.tp * (bpe + 4 + 4)  # logits, fp32 copy, its gradient
+    logits = tokens * shape.vocab_size / lay.tp * (bpe + 4 + 4)  # logits, fp32 copy, its gradient
     acts += logits
     w = 2 if precision != "fp32" else 4
     if lay.zero_stage == 2 and lay.dp > 1:
@@ -323,7 +323,7 @@ def _bytes_per_element(precision: str) -> int:
 
 
 def _compute_time(
-    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
+    shape: ModelShape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
 ) -> dict[str, float]:
     """This GPU's share of the hardware FLOPs, in seconds (planner/kernel_costs.py): GEMMs at
     the rate of their typical size (an MoE's routed experts at theirs, planner/moe_costs.py),
@@ -377,7 +377,7 @@ def _layout_fixed(lay: Layout, hw: Hardware) -> dict[str, float] | None:
     return None
 
 
-def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
+def _dispatch_time(shape: ModelShape, lay: Layout, hw: Hardware) -> float:
     """Per-op costs whatever the size (measured on a CPU): every block on the stage, every
     micro-batch, forward + backward (+ the recomputed forward), plus the embedding, head and
     loss - as measured for the layout's kind (``_layout_fixed``), or as about one plain block more."""
@@ -390,7 +390,7 @@ def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
     return per_block * lay.num_microbatches * (blocks + 1)
 
 
-def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _tp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
     """Tensor-parallel collectives, all on the critical path. Per layer and micro-batch two
     all-reduces of the block's activations in forward and two in backward (each a
     reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
@@ -414,7 +414,7 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
 
 
-def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
     """Ring attention: K/V blocks passed around the cp ranks, half of it exposed beside the
     attention compute."""
     if lay.cp <= 1:
@@ -430,7 +430,7 @@ def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     return 0.5 * layers_stage * lay.num_microbatches * per_layer
 
 
-def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _pp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
     """Activations (forward) and their gradients (backward) between stages, per micro-batch
     and model chunk."""
     if lay.pp <= 1:
@@ -446,7 +446,7 @@ def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
 
 
 def _dp_time(
-    shape: Shape,
+    shape: ModelShape,
     lay: Layout,
     precision: str,
     hw: Hardware,
@@ -486,7 +486,7 @@ def _dp_time(
 
 
 def _dp_exposed(
-    dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
+    dp_s: float, compute_s: float, shape: ModelShape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
 ) -> float:
     """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
     reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
@@ -509,7 +509,7 @@ def _dp_link_share(lay: Layout, hw: Hardware, gpus_per_node: int) -> float:
     return min(1.0, hw.inter_bw / hw.intra_bw)
 
 
-def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> float:
+def _optimizer_time(shape: ModelShape, lay: Layout, precision: str, hw: Hardware) -> float:
     """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
@@ -522,7 +522,7 @@ def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> 
 
 
 def _offload_time(
-    shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, dp_s: float, compute_s: float
+    shape: ModelShape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, dp_s: float, compute_s: float
 ) -> tuple[float, float, float]:
     """(exposed host-link seconds, all host-link seconds, CPU optimizer seconds) under CPU
     offload (planner/offload_costs.py). The copies are chained to the data-parallel traffic: a
@@ -573,7 +573,7 @@ def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str
 
 
 def estimate(
-    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
+    shape: ModelShape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
 ) -> Estimate:
     """Memory and step time of one layout, each as a breakdown (see the module doc)."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp

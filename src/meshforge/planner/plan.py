@@ -10,11 +10,12 @@ from pathlib import Path
 
 from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
+from meshforge.models.shape import ModelShape
 from meshforge.planner import report
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Fixed, Ranked, search
-from meshforge.planner.shape import Shape, from_args, from_preset
+from meshforge.planner.shape import check_flags, from_preset, named
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
 
 
-MOE_FLAGS = {  # flag -> Shape field
+MOE_FLAGS = {  # flag -> ModelShape field
     "experts": "num_experts",
     "top_k": "experts_per_token",
     "moe_ffn_hidden": "moe_ffn_hidden",
@@ -108,21 +109,21 @@ def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
     )
 
 
-def _with_moe_flags(shape: Shape, args: argparse.Namespace) -> tuple[Shape, bool]:
+def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelShape, bool]:
     """The shape with the MoE flags given laid over it (re-checked), and whether any was given."""
     given = {field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if getattr(args, flag, None) is not None}
     if not given:
         return shape, False
-    return Shape(**{**shape.__dict__, **given}), True
+    return check_flags(ModelShape(**{**shape.__dict__, **given})), True
 
 
-def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | None]:
+def _shape_and_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict, str | None]:
     """The model, training defaults taken from --config, and the preset name (if any)."""
     from_cfg: dict = {}
     preset = None
     if args.config:
         cfg = load_config(args.config, {})
-        shape = from_args(model_args_from_config(cfg.model), Path(args.config).stem)
+        shape = named(model_shape(cfg.model), Path(args.config).stem)
         preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
         # fix only what the file itself sets (a run's resolved config.toml sets everything)
         raw = _raw_toml(args.config)
@@ -165,18 +166,20 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
             + ", ".join("--" + k.replace("_", "-") for k in missing)
             + ")"
         )
-    shape = Shape(
-        args.layers,
-        args.hidden,
-        args.heads,
-        args.kv_heads or args.heads,
-        args.ffn_hidden,
-        args.vocab,
-        args.mlp,
-        args.tie_embeddings,
-        args.max_positions or 0,
+    shape = ModelShape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads or args.heads,
+        ffn_hidden=args.ffn_hidden,
+        vocab_size=args.vocab,
+        mlp=args.mlp,
+        tie_embeddings=args.tie_embeddings,
+        max_positions=args.max_positions or 0,
         attention=args.attention,
+        name="custom",
     )
+    check_flags(shape)
     return shape, from_cfg, None
 
 
@@ -191,7 +194,7 @@ class Planned:
 
     results: Ranked
     considered: int
-    shape: Shape
+    shape: ModelShape
     hw: Hardware
     global_batch: int
     seq: int

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import Estimate
-from meshforge.planner.shape import Shape
 
 COLUMNS = (
     "columns: tp, pp, dp, cp: tensor-, pipeline-, data- and context-parallel degrees; ep: expert-parallel degree "
@@ -109,7 +109,7 @@ def _shown(part: str, e: Estimate) -> bool:
     return part != "offload_copy" or e.layout.offload == "cpu"
 
 
-def as_json(results: list[Estimate], top: int, shape: Shape, considered: int, refused: list[Estimate] = ()) -> str:
+def as_json(results: list[Estimate], top: int, shape: ModelShape, considered: int, refused: list[Estimate] = ()) -> str:
     return json.dumps(
         {
             "model": shape.name,
@@ -128,7 +128,7 @@ def runnable(e: Estimate) -> bool:
     return not e.not_runnable
 
 
-def moe_keys(shape: Shape) -> str:
+def moe_keys(shape: ModelShape) -> str:
     """The [model] keys of a mixture of experts given by its shape (none for a dense model)."""
     if shape.num_experts <= 0:
         return ""
@@ -143,7 +143,9 @@ def moe_keys(shape: Shape) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precision: str, preset: str | None) -> str:
+def train_config(
+    e: Estimate, shape: ModelShape, seq: int, global_batch: int, precision: str, preset: str | None
+) -> str:
     """A `meshforge train` TOML for this layout (dp ranks shard under ZeRO-2/3, else replicate)."""
     L = e.layout
     model = (
@@ -151,7 +153,7 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
         if preset
         else (
             f"hidden = {shape.hidden}\nlayers = {shape.layers}\nheads = {shape.heads}\nkv_heads = {shape.kv_heads}\n"
-            f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab}\n"
+            f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab_size}\n"
             f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n" + moe_keys(shape)
         )
     )

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 
 from meshforge.errors import ConfigError
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import ParallelDims, Training, offload_problem, tp_divides_heads
 from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, Layout, estimate
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.shape import Shape
 
 
 @dataclass
@@ -45,7 +44,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
+def check_fixed(shape: ModelShape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
     """Refuse impossible fixed choices with the reason and a fix."""
     if f.ep not in (None, 1) and shape.num_experts <= 0:
         raise ConfigError(f"--ep {f.ep}: this model has no experts (MoE); expert parallelism needs --experts")
@@ -109,20 +108,6 @@ def offload_modes(f: Fixed, hw: Hardware) -> list[str]:
     return [mode]
 
 
-def rules_view(shape: Shape) -> SimpleNamespace:
-    """The planner's Shape as the layout rules read a model."""
-    return SimpleNamespace(
-        layers=shape.layers,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        ffn_hidden=shape.ffn_hidden,
-        vocab_size=shape.vocab,
-        tie_embeddings=shape.tie_embeddings,
-        num_experts=shape.num_experts,
-        capacity_factor=shape.capacity_factor,
-    )
-
-
 def training_of(lay: Layout, seq: int, global_batch: int, gpus_per_node: int) -> Training:
     """The settings a layout's emitted config gives ``meshforge train`` (report.train_config):
     the pipeline's micro-batches as a count, otherwise as a size."""
@@ -141,16 +126,18 @@ def training_of(lay: Layout, seq: int, global_batch: int, gpus_per_node: int) ->
     )
 
 
-def judge(lay: Layout, shape: Shape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
+def judge(lay: Layout, shape: ModelShape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
     """(exists, why train refuses it or ""): the layout rules' verdict on one layout."""
     dims = ParallelDims(pp=lay.pp, dp_shard=lay.dp, cp=lay.cp, tp=lay.tp, ep=lay.ep)
-    found = dims.problems(rules_view(shape), training_of(lay, seq, global_batch, gpus_per_node))
+    found = dims.problems(shape, training_of(lay, seq, global_batch, gpus_per_node))
     if any(p.kind == "invalid" for p in found):
         return False, found[0].message
     return True, found[0].message if found else ""
 
 
-def candidates(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int) -> Iterator[Layout]:
+def candidates(
+    shape: ModelShape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int
+) -> Iterator[Layout]:
     """Every combination of the searched choices (valid or not: the rules judge them)."""
     tps = [f.tp] if f.tp else [t for t in _divisors(gpus_per_node) if tp_divides_heads(shape, t)]
     pps = [f.pp] if f.pp else [p for p in _divisors(gpus) if p <= min(64, shape.layers)]
@@ -166,7 +153,7 @@ def candidates(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, g
                     yield from _per_rank_choices(tp, pp, dp, cp, ep, global_batch // dp, f, shape)
 
 
-def _ep_choices(shape: Shape, dp_cp: int, f: Fixed) -> list[int]:
+def _ep_choices(shape: ModelShape, dp_cp: int, f: Fixed) -> list[int]:
     """Expert-parallel degrees to try: the fixed one, else (MoE) every divisor of the experts
     that divides the data-parallel ranks it borrows (the rules judge the rest)."""
     if f.ep:
@@ -184,7 +171,7 @@ def _zero_choices(dp_cp: int, ep: int, f: Fixed) -> list[int]:
 
 
 def _per_rank_choices(
-    tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Fixed, shape: Shape
+    tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Fixed, shape: ModelShape
 ) -> Iterator[Layout]:
     micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
     offload = "cpu" if f.offload == "cpu" else "none"  # one setting per pass (offload_modes)
@@ -197,7 +184,7 @@ def _per_rank_choices(
                     yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel, offload)
 
 
-def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
+def layouts(shape: ModelShape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
     """Every layout the rules let exist, with (runnable, reason)."""
     for lay in candidates(shape, gpus, global_batch, seq, f, gpus_per_node):
         exists, reason = judge(lay, shape, seq, global_batch, gpus_per_node)
@@ -254,7 +241,14 @@ class _Scan:
 
 
 def _scan(
-    shape: Shape, hw: Hardware, gpus: int, gpus_per_node: int, global_batch: int, seq: int, precision: str, f: Fixed
+    shape: ModelShape,
+    hw: Hardware,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq: int,
+    precision: str,
+    f: Fixed,
 ) -> _Scan:
     out, keep_all = _Scan(), fully_fixed(f)
     for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node):
@@ -272,7 +266,7 @@ def _scan(
 
 
 def search(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     gpus_per_node: int,
@@ -317,7 +311,7 @@ def search(
 
 
 def smallest_cluster(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     gpus_per_node: int,
@@ -345,7 +339,7 @@ def smallest_cluster(
 
 
 def no_fit_message(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     considered: int,
