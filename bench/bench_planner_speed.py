@@ -30,7 +30,7 @@ def main() -> None:
             f"{label:<30} {considered:>6} layouts considered, {len(results):>5} ranked, "
             f"best {min(times):.2f} s / median {sorted(times)[1]:.2f} s (target < 10 s); "
             f"best layout tp {best.tp} pp {best.pp} dp {best.dp} zero {best.zero_stage} mb {best.micro_batch_size} "
-            f"{best.recompute} {best.schedule}, MFU {100 * results[0].mfu:.1f}%"
+            f"{best.activation_checkpoint} {best.pp_schedule}, MFU {100 * results[0].mfu:.1f}%"
         )
 
 

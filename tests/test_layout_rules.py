@@ -11,8 +11,9 @@ import pytest
 
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
+from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.dims import ParallelDims, Training, rank_layout
+from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
 from meshforge.planner import report
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
@@ -52,7 +53,7 @@ def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq
                 lay.tp,
                 lay.pp,
                 lay.cp,
-                lay.dp,
+                lay.dp_shard,
                 lay.zero_stage,
             )
             seen["runs"] += 1
@@ -72,17 +73,15 @@ def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq
 
 
 def test_dims_infers_one_degree_and_names_the_fix():
-    d = ParallelDims.resolve(8, pp=2, dp_shard=-1, tp=2)
+    d = resolve_degrees(Layout(pp=2, dp_shard=-1, tp=2), 8)
     assert (d.dp_shard, d.world_size, d.dp) == (2, 8, 2)
-    assert d.uses_fsdp(0)  # dp under pp runs on FSDP2
-    assert not ParallelDims.resolve(2, dp_shard=2).uses_fsdp(0)
+    assert d.uses_fsdp()  # dp under pp runs on FSDP2
+    assert not resolve_degrees(Layout(dp_shard=2), 2).uses_fsdp()
     with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
-        ParallelDims.resolve(8, pp=-1, dp_shard=-1)
+        resolve_degrees(Layout(pp=-1, dp_shard=-1), 8)
     model = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512)
-    problems = ParallelDims(tp=8).problems(
-        type("M", (), {**vars(model), "vocab_size": 512})(), Training(seq_len=32, global_batch=8)
-    )
-    assert [p.key for p in problems][:2] == ["model.heads", "model.kv_heads"]
+    found = problems(Layout(tp=8), model, Batch(seq_len=32, global_batch=8))
+    assert [p.key for p in found][:2] == ["model.heads", "model.kv_heads"]
     assert rank_layout({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})[3] == {
         "rank": 3, "pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1
     }  # fmt: skip
@@ -154,7 +153,7 @@ def test_config_imports_nothing_from_parallel_or_planner():
             todo.append(n)
     assert not {m for m in reach if m.startswith(("meshforge.parallel", "meshforge.planner"))}, reach
     # and the layout rules are pure: no process groups, no torch at all; they read the shared core only
-    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.parallel.layout"}
+    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.layout", "meshforge.parallel.schedules"}
     assert not {m for m in graph["meshforge.parallel.dims"] if m not in core}
     code = "import sys, meshforge.parallel.dims; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)}).returncode == 0

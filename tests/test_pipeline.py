@@ -24,9 +24,9 @@ from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.loss import drain_aux, report_aux
 from meshforge.models.presets import model_shape
-from meshforge.parallel.dims import bubble_fraction
 from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
 from meshforge.parallel.pipeline_aux import StageAux
+from meshforge.parallel.schedules import bubble_fraction
 from meshforge.resolve import resolve
 from meshforge.train import train
 

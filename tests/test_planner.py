@@ -12,8 +12,9 @@ from conftest import run_cli
 from meshforge.errors import ConfigError
 from meshforge.models.shape import ModelShape
 from meshforge.planner.calibrate import COLLECTIVES, fit_alpha_beta
-from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
+from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import cost_coefficients, get_hardware
+from meshforge.planner.memory import activation_bytes_per_layer, in_flight, model_state_bytes
 from meshforge.planner.search import Fixed, search
 from meshforge.planner.shape import from_preset
 
@@ -95,9 +96,9 @@ def test_in_flight_microbatches_by_schedule():
 
 def test_pipeline_stage_memory_by_schedule():
     shape = from_preset("llama3.1-70b")
-    lay = dict(tp=8, pp=8, dp=1, micro_batch_size=1, num_microbatches=32, recompute="selective")
+    lay = dict(tp=8, pp=8, dp=1, micro_batch_size=1, num_microbatches=32, activation_checkpoint="selective")
     mem = {
-        s: estimate(shape, Layout(**lay, schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
+        s: estimate(shape, plan_layout(**lay, pp_schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
         for s in ("gpipe", "1f1b")
     }
     logits = 8192 * shape.vocab_size / 8 * (2 + 4 + 4) / 2**30
@@ -126,14 +127,22 @@ def _bubble_fraction(e) -> float:
 def test_bubble_follows_the_schedule_formulas(schedule, v, expected):
     """(p-1)/(m+p-1) of the pipelined time for GPipe and 1F1B, divided by v interleaved."""
     shape = from_preset("llama3.1-70b")
-    lay = Layout(tp=8, pp=8, dp=2, num_microbatches=16, recompute="selective", schedule=schedule, virtual_stages=v)
+    lay = plan_layout(
+        tp=8,
+        pp=8,
+        dp=2,
+        num_microbatches=16,
+        activation_checkpoint="selective",
+        pp_schedule=schedule,
+        pp_virtual_stages=v,
+    )
     e = estimate(shape, lay, 4096, 32, "bf16", H100, 8)
     assert _bubble_fraction(e) == pytest.approx(expected)
 
 
 def test_time_breakdown_adds_up_and_mfu_is_consistent():
     shape = from_preset("llama3.1-8b")
-    e = estimate(shape, Layout(tp=2, pp=1, dp=4, zero_stage=1, num_microbatches=4), 4096, 16, "bf16", H100, 8)
+    e = estimate(shape, plan_layout(tp=2, pp=1, dp=4, zero_stage=1, num_microbatches=4), 4096, 16, "bf16", H100, 8)
     t = e.time
     parts = ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "bubble", "dp_comm_exposed", "optimizer")
     assert sum(t[k] for k in parts) == pytest.approx(e.step_time_s)
@@ -145,7 +154,7 @@ def test_time_breakdown_adds_up_and_mfu_is_consistent():
 
 def test_tp_across_nodes_is_slower_than_inside():
     shape = from_preset("llama3.1-70b")
-    lay = Layout(tp=8, pp=1, dp=2, zero_stage=3, num_microbatches=8, recompute="full")
+    lay = plan_layout(tp=8, pp=1, dp=2, zero_stage=3, num_microbatches=8, activation_checkpoint="full")
     inside = estimate(shape, lay, 4096, 16, "bf16", H100, 8).time["tp_comm"]
     across = estimate(shape, lay, 4096, 16, "bf16", H100, 4).time["tp_comm"]
     assert across > 4 * inside
@@ -166,9 +175,9 @@ def test_calibrated_collectives_price_each_path():
     """A profile's own figures for a collective replace the generic link for that path
     (FSDP's gathers, DTensor's redistributes), and only inside a node."""
     shape = from_preset("llama3.2-1b")
-    zero3 = Layout(tp=1, pp=1, dp=8, zero_stage=3, num_microbatches=1)
-    ddp = Layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
-    tp = Layout(tp=8, pp=1, dp=1, num_microbatches=1)
+    zero3 = plan_layout(tp=1, pp=1, dp=8, zero_stage=3, num_microbatches=1)
+    ddp = plan_layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    tp = plan_layout(tp=8, pp=1, dp=1, num_microbatches=1)
     slow = replace(H100, collectives={"fsdp_all_gather": [1e-3, 1e9], "dtensor_reduce_scatter": [1e-3, 1e9]})
     for lay, part in ((zero3, "dp_comm_total"), (tp, "tp_comm")):
         base = estimate(shape, lay, 4096, 8, "bf16", H100, 8).time[part]
@@ -191,8 +200,8 @@ def test_cpu_fixed_costs_and_thread_count_are_priced_per_layout_kind():
     measured = replace(cpu, layout_fixed_s=kinds, collectives={k: [1e-3, 1e9] for k in COLLECTIVES})
     plain = replace(measured, layout_fixed_s={})
     for lay, kind, comm in (
-        (Layout(tp=2, pp=1, dp=1, num_microbatches=4), "tp", "tp_comm"),
-        (Layout(tp=1, pp=1, dp=2, zero_stage=3, num_microbatches=2), "fsdp", "dp_comm_total"),
+        (plan_layout(tp=2, pp=1, dp=1, num_microbatches=4), "tp", "tp_comm"),
+        (plan_layout(tp=1, pp=1, dp=2, zero_stage=3, num_microbatches=2), "fsdp", "dp_comm_total"),
     ):
         k, m, blocks = kinds[kind], lay.num_microbatches, shape.layers
         got, base = (estimate(shape, lay, seq, batch, "fp32", h, 2).time for h in (measured, plain))
@@ -203,13 +212,13 @@ def test_cpu_fixed_costs_and_thread_count_are_priced_per_layout_kind():
             k["block_step"] * blocks + k["ends_step"] - plain.optimizer_fixed_s * (blocks + 1)
         )
         assert got[comm] < base[comm]  # latency is in the measured fixed costs
-    ddp = Layout(tp=1, pp=1, dp=2, zero_stage=0, num_microbatches=2)
+    ddp = plan_layout(tp=1, pp=1, dp=2, zero_stage=0, num_microbatches=2)
     assert (
         estimate(shape, ddp, seq, batch, "fp32", measured, 2).time
         == estimate(shape, ddp, seq, batch, "fp32", plain, 2).time
     )  # a plain layout keeps the plain block's figures
     threads = replace(cpu, by_ranks={"1": {"peak_flops": {"fp32": 2 * cpu.peak_flops["fp32"]}}})
-    single = Layout(tp=1, pp=1, dp=1, num_microbatches=4)
+    single = plan_layout(tp=1, pp=1, dp=1, num_microbatches=4)
     one, two = (estimate(shape, single, seq, batch, "fp32", h, 2).time["gemm"] for h in (cpu, threads))
     assert two == pytest.approx(one / 2)
     assert (
@@ -222,7 +231,7 @@ def test_comm_overlap_decides_what_data_parallel_traffic_hides():
     """With communication on its own engine only the last bucket is exposed; where it
     shares the cores (overlap 0) all of it is."""
     shape = from_preset("llama3.2-1b")
-    lay = Layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    lay = plan_layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
     t = estimate(shape, lay, 4096, 8, "bf16", replace(H100, comm_interference=0.0), 8).time
     assert t["dp_comm_exposed"] == pytest.approx(t["dp_comm_total"] / shape.layers)
     # hidden traffic still slows the compute beside it (NCCL kernels take SMs and bandwidth)
@@ -242,7 +251,7 @@ def test_tp_collectives_per_layer_follow_megatron():
     hw = replace(H100, intra_latency=0.0, collectives={})
 
     def tp_time(recompute: str, sp: bool) -> float:
-        lay = Layout(tp=8, pp=1, dp=1, num_microbatches=1, recompute=recompute, sequence_parallel=sp)
+        lay = plan_layout(tp=8, pp=1, dp=1, num_microbatches=1, activation_checkpoint=recompute, sequence_parallel=sp)
         return estimate(shape, lay, 4096, 1, "bf16", hw, 8).time["tp_comm"]
 
     act = 4096 * shape.hidden * 2
@@ -288,7 +297,7 @@ def test_llama3_shapes_from_8_to_16384_gpus(preset):
 def test_fixed_choices_are_kept():
     fixed = Fixed(tp=2, zero=3, recompute="full")
     results, _ = search(from_preset("llama3.1-8b"), H100, 64, 8, 64, 4096, "bf16", fixed)
-    assert {(e.layout.tp, e.layout.zero_stage, e.layout.recompute) for e in results} == {(2, 3, "full")}
+    assert {(e.layout.tp, e.layout.zero_stage, e.layout.activation_checkpoint) for e in results} == {(2, 3, "full")}
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -352,13 +361,24 @@ def test_plan_json_interface():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["layouts"]) == 3
-    keys = {"tp", "pp", "dp", "cp", "ep", "num_params", "zero_stage", "micro_batch_size", "num_microbatches"}
-    keys |= {"recompute", "virtual_stages", "schedule", "memory_gib", "fits", "step_time_s"}
+    keys = {
+        "tp",
+        "pp",
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "ep",
+        "num_params",
+        "zero_stage",
+        "micro_batch_size",
+        "num_microbatches",
+    }
+    keys |= {"activation_checkpoint", "pp_virtual_stages", "pp_schedule", "memory_gib", "fits", "step_time_s"}
     keys |= {"tokens_per_s_per_gpu", "mfu", "hfu"}
     for lay in out["layouts"]:
         assert keys <= set(lay)
         assert {"params", "grads", "optimizer", "activations", "total"} <= set(lay["memory_gib"])
-        assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp"] * lay["cp"] == 512
+        assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp_shard"] * lay["cp"] == 512
         assert lay["num_params"] == from_preset("llama3.1-70b").num_params()
     steps = [lay["tokens_per_s_per_gpu"] for lay in out["layouts"]]
     assert steps == sorted(steps, reverse=True)
@@ -403,7 +423,7 @@ def test_emitted_config_trains_and_plans_back(tmp_path, corpus):
     r = run_cli("plan", "--config", str(run / "config.toml"), *cluster, "--json")
     again = json.loads(r.stdout)["layouts"]
     assert len(again) == 1  # every choice was fixed by the resolved config
-    for k in ("tp", "dp", "zero_stage", "micro_batch_size", "recompute"):
+    for k in ("tp", "dp_shard", "zero_stage", "micro_batch_size", "activation_checkpoint"):
         assert again[0][k] == best[k]
 
 

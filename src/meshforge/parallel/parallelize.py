@@ -42,7 +42,6 @@ from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
-from meshforge.parallel.dims import chunks_per_rank, schedule_name
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
@@ -57,6 +56,7 @@ from meshforge.parallel.pipeline import (
     split_model,
 )
 from meshforge.parallel.precision import autocast, resolve_precision
+from meshforge.parallel.schedules import chunks_per_rank, schedule_name
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 from meshforge.parallel.zero1 import uses_flat_zero1
 
@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (the rule is the layout's: ParallelDims.uses_fsdp)."""
-    return mesh.dims.uses_fsdp(cfg.parallel.zero_stage)
+    """Data parallelism runs on FSDP2 (the rule is the layout's: Layout.uses_fsdp)."""
+    return mesh.dims.uses_fsdp()
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:

@@ -39,8 +39,8 @@ from torch.distributed.pipelining import PipelineStage
 from meshforge.models import flops
 from meshforge.models.llama import ModelShape, Transformer
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.parallel.dims import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.pipeline_aux import StageAux, forget_metadata_inference
+from meshforge.parallel.schedules import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.tensor_parallel import local_value
 
 if TYPE_CHECKING:

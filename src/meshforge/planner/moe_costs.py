@@ -127,7 +127,7 @@ def tp_seconds(
     prices one collective over the tp group."""
     if lay.tp <= 1 or shape.num_experts <= 0:
         return 0.0
-    passes = 3 if lay.recompute == "full" else 2
+    passes = 3 if lay.activation_checkpoint == "full" else 2
     slots = tokens_mb * shape.experts_per_token * shape.hidden * bpe
     per_step = moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * passes * coll("all_reduce", slots)
     grad_shard = expert_params_on_stage(shape, lay.tp, lay.pp) * lay.tp / (lay.dp * lay.cp) * 4
@@ -179,6 +179,12 @@ def expert_gemm_seconds(
     flop = 2 * rows_per_expert(shape, lay, tokens_mb) * shape.hidden * expert_ffn(shape)
     rate = kernel_costs.gemm_rate(hw, flop, precision)
     stage = moe_layers_on_stage(shape, lay.pp) * lay.pp / max(1, moe_layers_on_stage(shape, 1))
-    total = routed_flops_per_token(shape, lay.recompute) * tokens_gpu / rate * stage * expert_imbalance(shape, lay)
-    recompute = total / 4 if lay.recompute == "full" else 0.0
+    total = (
+        routed_flops_per_token(shape, lay.activation_checkpoint)
+        * tokens_gpu
+        / rate
+        * stage
+        * expert_imbalance(shape, lay)
+    )
+    recompute = total / 4 if lay.activation_checkpoint == "full" else 0.0
     return total, recompute

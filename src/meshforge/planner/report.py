@@ -46,10 +46,14 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
     rows, notes = [head, "-" * len(head)], []
     for i, e in enumerate(results[:top], 1):
         L = e.layout
-        sched = "-" if L.pp == 1 else (f"{L.schedule} v={L.virtual_stages}" if L.virtual_stages > 1 else L.schedule)
+        sched = (
+            "-"
+            if L.pp == 1
+            else (f"{L.pp_schedule} v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else L.pp_schedule)
+        )
         rows.append(
             f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.ep:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
-            f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f}"
+            f"{L.num_microbatches:>4} {L.activation_checkpoint:>9} {sched:>17} {e.memory['total']:>8.1f}"
             + (f" {_host(e):>8}" if offloads else "")
             + f" {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
             + ("  *" if e.not_runnable else "")
@@ -66,7 +70,7 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
     for e in faster:
         L = e.layout
         notes.append(
-            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {L.schedule}: "
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {L.pp_schedule}: "
             f"{e.tokens_per_s_per_gpu:.0f} tok/s/gpu -- {e.not_runnable}"
         )
     return "\n".join(rows + notes + [COLUMNS])
@@ -157,10 +161,10 @@ def train_config(
             f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n" + moe_keys(shape)
         )
     )
-    ac = L.recompute
+    ac = L.activation_checkpoint
     if L.pp > 1:  # the schedule runs the micro-batches
         pipe = (
-            f'pp = {L.pp}\npp_schedule = "{L.schedule}"\npp_virtual_stages = {L.virtual_stages}\n'
+            f'pp = {L.pp}\npp_schedule = "{L.pp_schedule}"\npp_virtual_stages = {L.pp_virtual_stages}\n'
             f"num_microbatches = {L.num_microbatches}\n"
         )
         micro = 0

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from meshforge.errors import ConfigError
+from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.dims import ParallelDims, Training, offload_problem, tp_divides_heads
-from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, Layout, estimate
+from meshforge.parallel import dims
+from meshforge.parallel.dims import Batch, offload_problem, tp_divides_heads
+from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
 
@@ -88,8 +90,8 @@ def _check_fixed_offload(f: Fixed) -> None:
     if f.offload is not None and f.offload not in OFFLOAD:
         raise ConfigError(f"--offload {f.offload!r}: one of {', '.join(OFFLOAD)}")
     if f.offload == "cpu" and f.zero is not None:
-        dims = ParallelDims(pp=f.pp or 1, dp_shard=f.dp or 2, cp=f.cp or 1, tp=f.tp or 1, ep=f.ep or 1)
-        problem = offload_problem(dims, f.zero, "cpu")
+        lay = Layout(pp=f.pp or 1, dp_shard=f.dp or 2, cp=f.cp or 1, tp=f.tp or 1, ep=f.ep or 1)
+        problem = offload_problem(lay.replace(zero_stage=f.zero, offload="cpu"))
         if problem is not None and problem.kind == "invalid":
             raise ConfigError(f"--offload cpu --zero {f.zero}: {problem.message}")
 
@@ -108,28 +110,10 @@ def offload_modes(f: Fixed, hw: Hardware) -> list[str]:
     return [mode]
 
 
-def training_of(lay: Layout, seq: int, global_batch: int, gpus_per_node: int) -> Training:
-    """The settings a layout's emitted config gives ``meshforge train`` (report.train_config):
-    the pipeline's micro-batches as a count, otherwise as a size."""
-    pipelined = lay.pp > 1
-    return Training(
-        seq_len=seq,
-        global_batch=global_batch,
-        micro_batch=0 if pipelined else lay.micro_batch_size,
-        zero_stage=lay.zero_stage,
-        sequence_parallel=lay.sequence_parallel,
-        pp_schedule=lay.schedule,
-        pp_virtual_stages=lay.virtual_stages,
-        num_microbatches=lay.num_microbatches if pipelined else 0,
-        ranks_per_node=gpus_per_node,
-        offload=lay.offload,
-    )
-
-
 def judge(lay: Layout, shape: ModelShape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
-    """(exists, why train refuses it or ""): the layout rules' verdict on one layout."""
-    dims = ParallelDims(pp=lay.pp, dp_shard=lay.dp, cp=lay.cp, tp=lay.tp, ep=lay.ep)
-    found = dims.problems(shape, training_of(lay, seq, global_batch, gpus_per_node))
+    """(exists, why train refuses it or ""): the layout rules' verdict on the layout as its
+    emitted config states it (``run_layout``)."""
+    found = dims.problems(run_layout(lay), shape, Batch(seq, global_batch, gpus_per_node))
     if any(p.kind == "invalid" for p in found):
         return False, found[0].message
     return True, found[0].message if found else ""
@@ -181,7 +165,21 @@ def _per_rank_choices(
         for zero in _zero_choices(dp * cp, ep, f):
             for rc in [f.recompute] if f.recompute else RECOMPUTE:
                 for sched, v in _schedules(pp, f):
-                    yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel, offload)
+                    yield plan_layout(
+                        tp,
+                        pp,
+                        dp,
+                        cp=cp,
+                        ep=ep,
+                        zero_stage=zero,
+                        micro_batch_size=mb,
+                        num_microbatches=local // mb,
+                        activation_checkpoint=rc,
+                        pp_virtual_stages=v,
+                        pp_schedule=sched,
+                        sequence_parallel=f.sequence_parallel,
+                        offload=offload,
+                    )
 
 
 def layouts(shape: ModelShape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
@@ -377,6 +375,7 @@ def no_fit_message(
     offload = " with CPU offload" if L.offload == "cpu" else ""
     return msg + (
         f"The smallest cluster of this kind that fits it (doubling --gpus) is {n} GPUs, e.g. tp {L.tp} pp {L.pp} "
-        f"dp {L.dp} zero {L.zero_stage} recompute {L.recompute}{offload} at {e.memory['total']:.1f} GiB per GPU; "
+        f"dp {L.dp} zero {L.zero_stage} recompute {L.activation_checkpoint}{offload} at {e.memory['total']:.1f} "
+        "GiB per GPU; "
         "or use GPUs with more memory"
     )
