@@ -445,15 +445,8 @@ def estimate(
         edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
         dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e * lay.tp / lay.ep, edp))
         dp_s = max(0.0, dp_s - _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
-    ep_s = moe_costs.a2a_seconds(
-        shape,
-        lay,
-        global_batch * seq / n_gpus,
-        _bytes_per_element(precision),
-        hw,
-        gpus_per_node,
-        lay.activation_checkpoint,
-    )
+    bpe, ac = _bytes_per_element(precision), lay.activation_checkpoint
+    ep_s = moe_costs.a2a_seconds(shape, lay, global_batch * seq / n_gpus, bpe, hw, gpus_per_node, ac)
     dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw, _dp_link_share(lay, hw, gpus_per_node))
     bubble = bubble_fraction(lay.pp_schedule, lay.pp, lay.num_microbatches, lay.pp_virtual_stages)
     pipelined = compute_s + tp_s + cp_s + pp_s + ep_s  # the bubble is over the per-micro-batch work

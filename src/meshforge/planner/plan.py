@@ -58,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of data-parallel traffic that hides under compute (default: the hardware's; 0 for a framework "
         "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
+    _add_fixed_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10)
+    o.add_argument("--json", action="store_true")
+    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
+
+
+def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fixed choices (the rest is searched)")
     for k in ("tp", "pp", "dp", "cp", "zero", "micro-batch", "virtual-stages"):
         f.add_argument(f"--{k}", type=int)
@@ -80,10 +88,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
     )
-    o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10)
-    o.add_argument("--json", action="store_true")
-    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
 
 
 MOE_FLAGS = {  # flag -> ModelShape field
@@ -117,47 +121,50 @@ def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelS
     return check_flags(ModelShape(**{**shape.__dict__, **given})), True
 
 
-def _shape_and_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict, str | None]:
+def _model_of(args: argparse.Namespace) -> tuple[ModelShape, dict, str | None]:
     """The model, training defaults taken from --config, and the preset name (if any)."""
-    from_cfg: dict = {}
-    preset = None
     if args.config:
-        cfg = load_config(args.config, {})
-        shape = named(model_shape(cfg.model), Path(args.config).stem)
-        preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
-        # fix only what the file itself sets (a run's resolved config.toml sets everything)
-        raw = _raw_toml(args.config)
-        par, tr = raw.get("parallel", {}), raw.get("train", {})
-        p, t = cfg.parallel, cfg.train
-        from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
-        if "precision" in tr and t.precision != "auto":
-            from_cfg["precision"] = t.precision
-        for key, name in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
-            if key in par and getattr(p, key) > 0:
-                from_cfg[name] = getattr(p, key)
-        if "zero_stage" in par:
-            from_cfg["zero"] = p.zero_stage
-        if "offload" in par:
-            from_cfg["offload"] = p.offload
-        if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
-            from_cfg["dp"] = p.dp_shard * p.dp_replicate
-        if "pp_schedule" in par and p.pp > 1:
-            from_cfg["schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
-        if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
-            from_cfg["virtual_stages"] = p.pp_virtual_stages
-        if p.pp > 1 and "dp" in from_cfg and p.num_microbatches:  # the schedule's micro-batches
-            from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"] // p.num_microbatches)
-        elif tr.get("micro_batch_size"):
-            from_cfg["micro_batch"] = t.micro_batch_size
-        elif "micro_batch_size" in tr and "dp" in from_cfg:  # 0: the whole local batch in one pass
-            from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"])
-        if "activation_checkpoint" in tr:
-            from_cfg["recompute"] = t.activation_checkpoint
-        return shape, from_cfg, preset
+        return _from_config(args.config)
     if args.model:
-        return from_preset(args.model), from_cfg, args.model
+        return from_preset(args.model), {}, args.model
+    return _from_flags(args), {}, None
+
+
+def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
+    """A run config's model, and as fixed choices what the file itself sets (a run's resolved
+    config.toml sets everything)."""
+    cfg = load_config(path, {})
+    shape = named(model_shape(cfg.model), Path(path).stem)
+    preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
+    raw = _raw_toml(path)
+    par, tr = raw.get("parallel", {}), raw.get("train", {})
+    p, t = cfg.parallel, cfg.train
+    from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
+    if "precision" in tr and t.precision != "auto":
+        from_cfg["precision"] = t.precision
+    from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
+    from_cfg |= {name: getattr(p, k) for k, name in (("zero_stage", "zero"), ("offload", "offload")) if k in par}
+    if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
+        from_cfg["dp"] = p.dp_shard * p.dp_replicate
+    if "pp_schedule" in par and p.pp > 1:
+        from_cfg["schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
+    if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
+        from_cfg["virtual_stages"] = p.pp_virtual_stages
+    if p.pp > 1 and "dp" in from_cfg and p.num_microbatches:  # the schedule's micro-batches
+        from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"] // p.num_microbatches)
+    elif tr.get("micro_batch_size"):
+        from_cfg["micro_batch"] = t.micro_batch_size
+    elif "micro_batch_size" in tr and "dp" in from_cfg:  # 0: the whole local batch in one pass
+        from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"])
+    if "activation_checkpoint" in tr:
+        from_cfg["recompute"] = t.activation_checkpoint
+    return shape, from_cfg, preset
+
+
+def _from_flags(args: argparse.Namespace) -> ModelShape:
+    """The model given as --layers, --hidden, ... (a GPT MLP is 4 x hidden unless given)."""
     if args.ffn_hidden is None and args.mlp == "gelu" and args.hidden:
-        args.ffn_hidden = 4 * args.hidden  # the GPT MLP
+        args.ffn_hidden = 4 * args.hidden
     need = ("layers", "hidden", "heads", "ffn_hidden", "vocab")
     missing = [k for k in need if getattr(args, k) is None]
     if missing:
@@ -179,8 +186,7 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict, str
         attention=args.attention,
         name="custom",
     )
-    check_flags(shape)
-    return shape, from_cfg, None
+    return check_flags(shape)
 
 
 def _raw_toml(path: str) -> dict:
@@ -204,7 +210,7 @@ class Planned:
 
 def plan_from_args(args: argparse.Namespace) -> Planned:
     """Search the layouts the parsed ``meshforge plan`` arguments allow (no printing)."""
-    shape, dflt, preset = _shape_and_defaults(args)
+    shape, dflt, preset = _model_of(args)
     shape, overridden = _with_moe_flags(shape, args)
     preset = None if overridden else preset  # --emit-config then writes the shape itself
     hw = get_hardware(args.gpu, args.hardware)
