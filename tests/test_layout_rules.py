@@ -11,20 +11,20 @@ import pytest
 
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout
+from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
 from meshforge.planner import report
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.search import Fixed, candidates, judge
+from meshforge.planner.search import candidates, judge
 from meshforge.resolve import resolve
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 GPUS, PER_NODE, BATCH = 8, 8, 16
 
 
-def _verdicts(shape: ModelShape, seq: int, fixed: Fixed):
+def _verdicts(shape: ModelShape, seq: int, fixed: Layout):
     hw = get_hardware("h100-sxm")
     for lay in candidates(shape, GPUS, BATCH, seq, fixed, PER_NODE):
         exists, reason = judge(lay, shape, seq, BATCH, PER_NODE)
@@ -35,7 +35,7 @@ def _verdicts(shape: ModelShape, seq: int, fixed: Fixed):
 @pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("seq", [32, 30])
-@pytest.mark.parametrize("fixed", [Fixed(), Fixed(cp=2), Fixed(pp=2, schedule="interleaved_1f1b")])
+@pytest.mark.parametrize("fixed", [open_layout(), open_layout(cp=2), open_layout(pp=2, pp_schedule="interleaved_1f1b")])
 def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq, fixed):
     """Every layout the planner considers for a small model on 8 ranks: the planner ranks it
     as runnable exactly when `meshforge train`'s config check accepts its emitted config,

@@ -10,12 +10,13 @@ import pytest
 
 from conftest import run_cli
 from meshforge.errors import ConfigError
+from meshforge.layout import open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.planner.calibrate import COLLECTIVES, fit_alpha_beta
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import cost_coefficients, get_hardware
 from meshforge.planner.memory import activation_bytes_per_layer, in_flight, model_state_bytes
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
@@ -268,7 +269,7 @@ def test_tp_collectives_per_layer_follow_megatron():
 
 def test_405b_on_16384_gpus_is_searched_in_seconds():
     t0 = time.perf_counter()
-    results, considered = search(from_preset("llama3.1-405b"), H100, 16384, 8, 2048, 8192, "bf16", Fixed())
+    results, considered = search(from_preset("llama3.1-405b"), H100, 16384, 8, 2048, 8192, "bf16", open_layout())
     elapsed = time.perf_counter() - t0
     assert elapsed < 10, elapsed
     assert considered > 100 and results
@@ -285,7 +286,7 @@ def test_llama3_shapes_from_8_to_16384_gpus(preset):
     shape = from_preset(preset)
     for gpus in (8, 64, 1024, 16384):
         try:
-            results, _ = search(shape, H100, gpus, 8, max(gpus, 512), 8192, "bf16", Fixed())
+            results, _ = search(shape, H100, gpus, 8, max(gpus, 512), 8192, "bf16", open_layout())
         except ConfigError as e:
             states_gib = shape.num_params() * 16 / 2**30 / gpus  # even fully sharded
             assert states_gib > 40, e  # only a model whose states crowd the GPUs may fit nowhere
@@ -295,7 +296,7 @@ def test_llama3_shapes_from_8_to_16384_gpus(preset):
 
 
 def test_fixed_choices_are_kept():
-    fixed = Fixed(tp=2, zero=3, recompute="full")
+    fixed = open_layout(tp=2, zero_stage=3, activation_checkpoint="full")
     results, _ = search(from_preset("llama3.1-8b"), H100, 64, 8, 64, 4096, "bf16", fixed)
     assert {(e.layout.tp, e.layout.zero_stage, e.layout.activation_checkpoint) for e in results} == {(2, 3, "full")}
 
@@ -306,12 +307,12 @@ def test_fixed_choices_are_kept():
 @pytest.mark.parametrize(
     "fixed, gpus, message",
     [
-        (Fixed(tp=3), 48, r"--tp 3 does not divide heads 32 / kv_heads 8; use one of \[1, 2, 4, 8\]"),
-        (Fixed(tp=16), 64, r"--tp 16 is more than --gpus-per-node 8"),
-        (Fixed(tp=2, pp=2, dp=2, cp=1), 16, r"multiply to 8, not --gpus 16"),
-        (Fixed(tp=8, pp=4), 48, r"fixed degrees multiply to 32, which does not divide --gpus 48"),
-        (Fixed(ep=2), 16, r"--ep 2: this model has no experts"),
-        (Fixed(schedule="zigzag"), 16, r"--schedule 'zigzag': one of gpipe, 1f1b"),
+        (open_layout(tp=3), 48, r"--tp 3 does not divide heads 32 / kv_heads 8; use one of \[1, 2, 4, 8\]"),
+        (open_layout(tp=16), 64, r"--tp 16 is more than --gpus-per-node 8"),
+        (open_layout(tp=2, pp=2, dp_shard=2, cp=1), 16, r"multiply to 8, not --gpus 16"),
+        (open_layout(tp=8, pp=4), 48, r"fixed degrees multiply to 32, which does not divide --gpus 48"),
+        (open_layout(ep=2), 16, r"--ep 2: this model has no experts"),
+        (open_layout(pp_schedule="zigzag"), 16, r"--schedule 'zigzag': one of gpipe, 1f1b"),
     ],
 )
 def test_impossible_fixed_choices_are_refused(fixed, gpus, message):
@@ -325,7 +326,7 @@ def test_unknown_gpu_preset_suggests_the_closest():
 
 
 def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
-    no_offload = Fixed(offload="none")
+    no_offload = open_layout(offload="none")
     with pytest.raises(ConfigError) as e:
         search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", no_offload)
     msg = str(e.value)
@@ -334,7 +335,7 @@ def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
     assert n >= 32  # 1051 GiB of states over 40 GiB GPUs
     assert search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), n, 8, 16, 4096, "bf16", no_offload)[0]
     with pytest.raises(ConfigError) as e:  # with CPU offload (auto) the states may live in host memory
-        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", Fixed())
+        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", open_layout())
     msg = str(e.value)
     assert int(msg.split("that fits it (doubling --gpus) is ")[1].split()[0]) < n and "with CPU offload" in msg
 
@@ -344,10 +345,10 @@ def test_fits_nowhere_says_what_overflows_and_what_caps_the_cluster():
     names the host memory that overflows; without offload no power-of-two cluster fits because
     the batch caps dp at 8, and the message says so instead of just blaming the GPUs."""
     with pytest.raises(ConfigError) as e:
-        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", Fixed())
+        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", open_layout())
     assert "with CPU offload, needs" in str(e.value) and "overflows host memory" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", Fixed(offload="none"))
+        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", open_layout(offload="none"))
     msg = str(e.value)
     assert "the smallest needs 760.6 GiB per GPU" in msg and "data-parallel degree is at most 8" in msg
     assert msg.endswith("use GPUs with more memory, a larger batch or a smaller model")

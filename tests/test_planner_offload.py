@@ -12,14 +12,14 @@ import torch
 from meshforge.cli import main
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout
+from meshforge.layout import Layout, open_layout
 from meshforge.parallel.dims import offload_problem
 from meshforge.planner import offload_costs
 from meshforge.planner.estimate import GIB, estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.memory import stage_params, stage_state_bytes
 from meshforge.planner.plan import parse_plan_args, run
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 
@@ -30,7 +30,7 @@ ARGV = ["--model", "llama3.2-1b", "--gpus", "2", "--gpus-per-node", "2", "--seq-
 
 
 def plan(hw, **fixed):
-    return search(SHAPE, hw, GPUS, GPUS, BATCH, SEQ, "bf16", Fixed(**fixed))
+    return search(SHAPE, hw, GPUS, GPUS, BATCH, SEQ, "bf16", open_layout(**fixed))
 
 
 def test_offload_is_picked_only_when_nothing_fits_without_it():
@@ -53,7 +53,7 @@ def test_offload_is_picked_only_when_nothing_fits_without_it():
 
 def test_offload_is_refused_where_the_rules_or_the_hardware_refuse_it():
     with pytest.raises(ConfigError, match=r"--offload cpu --zero 1: parallel.offload = 'cpu' needs FSDP2"):
-        plan(SMALL, offload="cpu", zero=1)
+        plan(SMALL, offload="cpu", zero_stage=1)
     with pytest.raises(ConfigError, match=r"--offload cpu: cpu has no host to offload to"):
         plan(get_hardware("cpu"), offload="cpu")
     with pytest.raises(ConfigError, match=r"--offload 'disk': one of auto, none, cpu"):

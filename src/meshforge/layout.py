@@ -27,7 +27,8 @@ FLATTENED = {
 }
 TRAIN_KEYS = ("micro_batch_size", "activation_checkpoint")  # layout settings that live in [train]
 # what the planner searches: open (None) in a partial layout unless fixed
-SEARCHED = (*DEGREES, "zero_stage", "micro_batch_size", "activation_checkpoint", "pp_schedule", "pp_virtual_stages")
+SEARCHED = ("pp", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch_size", "activation_checkpoint")
+SEARCHED += ("pp_schedule", "pp_virtual_stages", "offload")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout
+from meshforge.layout import Layout, open_layout
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.models.shape import ModelShape
 from meshforge.parallel import dims
@@ -20,7 +20,7 @@ from meshforge.planner.estimate import Estimate, estimate, plan_layout, run_layo
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 
 from .params import SPECS, BadRequest, hardware_of, shape_of
@@ -157,7 +157,7 @@ def best(v: dict[str, Any]) -> dict[str, Any]:
             v["global_batch"],
             v["seq_len"],
             v["precision"],
-            Fixed(ep=v["ep"]),
+            open_layout(ep=v["ep"]),
             max_gpus=max(v["gpus"], MAX_SEARCH_GPUS),
         )
     except ConfigError as e:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
+from meshforge.layout import open_layout
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.planner import report
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
-from meshforge.planner.search import OFFLOAD, Fixed, Ranked, search
+from meshforge.planner.search import OFFLOAD, Ranked, search
 from meshforge.planner.shape import check_flags, from_preset, named
 
 
@@ -90,6 +91,21 @@ def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# layout key -> the flag that fixes it (the rest of the layout is searched)
+FIXED_FLAGS = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp_shard": "dp",
+    "cp": "cp",
+    "ep": "ep",
+    "zero_stage": "zero",
+    "micro_batch_size": "micro_batch",
+    "activation_checkpoint": "recompute",
+    "pp_virtual_stages": "virtual_stages",
+    "pp_schedule": "schedule",
+    "offload": "offload",
+}
+
 MOE_FLAGS = {  # flag -> ModelShape field
     "experts": "num_experts",
     "top_k": "experts_per_token",
@@ -143,21 +159,22 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
-    from_cfg |= {name: getattr(p, k) for k, name in (("zero_stage", "zero"), ("offload", "offload")) if k in par}
+    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload") if k in par}
     if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
-        from_cfg["dp"] = p.dp_shard * p.dp_replicate
+        from_cfg["dp_shard"] = p.dp_shard * p.dp_replicate
     if "pp_schedule" in par and p.pp > 1:
-        from_cfg["schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
+        from_cfg["pp_schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
     if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
-        from_cfg["virtual_stages"] = p.pp_virtual_stages
-    if p.pp > 1 and "dp" in from_cfg and p.num_microbatches:  # the schedule's micro-batches
-        from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"] // p.num_microbatches)
+        from_cfg["pp_virtual_stages"] = p.pp_virtual_stages
+    dp = from_cfg.get("dp_shard")
+    if p.pp > 1 and dp and p.num_microbatches:  # the schedule's micro-batches
+        from_cfg["micro_batch_size"] = max(1, t.global_batch_size // dp // p.num_microbatches)
     elif tr.get("micro_batch_size"):
-        from_cfg["micro_batch"] = t.micro_batch_size
-    elif "micro_batch_size" in tr and "dp" in from_cfg:  # 0: the whole local batch in one pass
-        from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"])
+        from_cfg["micro_batch_size"] = t.micro_batch_size
+    elif "micro_batch_size" in tr and dp:  # 0: the whole local batch in one pass
+        from_cfg["micro_batch_size"] = max(1, t.global_batch_size // dp)
     if "activation_checkpoint" in tr:
-        from_cfg["recompute"] = t.activation_checkpoint
+        from_cfg["activation_checkpoint"] = t.activation_checkpoint
     return shape, from_cfg, preset
 
 
@@ -228,19 +245,9 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         v = getattr(args, cli_name or name)
         return v if v is not None else dflt.get(name)
 
-    fixed = Fixed(
-        tp=pick("tp"),
-        pp=pick("pp"),
-        dp=pick("dp"),
-        cp=pick("cp"),
-        ep=pick("ep"),
-        zero=pick("zero"),
-        micro_batch=pick("micro_batch"),
-        recompute=pick("recompute"),
-        virtual_stages=pick("virtual_stages"),
-        schedule=pick("schedule"),
+    fixed = open_layout(
+        **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
         sequence_parallel=not args.no_sequence_parallel,
-        offload=pick("offload"),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)
