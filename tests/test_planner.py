@@ -102,8 +102,7 @@ def test_pipeline_stage_memory_by_schedule():
         s: estimate(shape, plan_layout(**lay, pp_schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
         for s in ("gpipe", "1f1b")
     }
-    logits = 8192 * shape.vocab_size / 8 * (2 + 4 + 4) / 2**30
-    assert (mem["gpipe"] - logits) / (mem["1f1b"] - logits) == pytest.approx(32 / 8)
+    assert mem["gpipe"] / mem["1f1b"] == pytest.approx(32 / 8)  # the loss is its own part (last stage)
 
 
 # ----------------------------------------------------------------------------- time
@@ -350,7 +349,7 @@ def test_fits_nowhere_says_what_overflows_and_what_caps_the_cluster():
     with pytest.raises(ConfigError) as e:
         search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", open_layout(offload="none"))
     msg = str(e.value)
-    assert "the smallest needs 760.6 GiB per GPU" in msg and "data-parallel degree is at most 8" in msg
+    assert "the smallest needs 758.5 GiB per GPU" in msg and "data-parallel degree is at most 8" in msg
     assert msg.endswith("use GPUs with more memory, a larger batch or a smaller model")
 
 

@@ -44,11 +44,27 @@ def allocated_state_bytes(shape: ModelShape, lay: Layout, psi: float, precision:
     return states
 
 
+def autocast_layout(lay: Layout, precision: str) -> bool:
+    """Mixed precision by autocast over fp32 weights (one device, DDP, ZeRO-1, tp without FSDP):
+    the residual stream stays fp32 and the bf16 casts of the weights are saved for backward.
+    Under FSDP2 (``uses_fsdp``) the weights are gathered in bf16 and the whole block runs in bf16."""
+    return precision in ("bf16", "fp8") and not lay.uses_fsdp()
+
+
 def activation_bytes_per_layer(
-    shape: ModelShape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
+    shape: ModelShape,
+    seq: int,
+    micro: int,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    bytes_per: int = 2,
+    resid_bytes: int | None = None,
+    eager: bool = False,
 ) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch (see module doc)."""
     s, b, h, a = seq, micro, shape.hidden, shape.heads
+    rb = bytes_per if resid_bytes is None else resid_bytes
     if shape.mlp == "gelu":  # Korthikanti et al. 2022, Table 2 (bf16, with dropout)
         if recompute == "full":
             return 2 * s * b * h / (tp if sp else 1)
@@ -56,15 +72,40 @@ def activation_bytes_per_layer(
         if sp:
             return s * b * h * 34 / tp + attn_sq
         return s * b * h * (10 + 24 / tp) + attn_sq
-    kv, f = shape.kv_dim, shape.ffn_hidden
+    return s * b * llama_layer_bytes_per_token(shape, tp, sp, recompute, bytes_per, rb, eager)
+
+
+def llama_layer_bytes_per_token(
+    shape: ModelShape, tp: int, sp: bool, recompute: str, bpe: int, rb: int, eager: bool
+) -> float:
+    """Per token, a Llama block (SwiGLU, flash attention: O(s), no dropout), Korthikanti et al.'s
+    accounting: the two norms' inputs (the residual stream, ``rb`` bytes: fp32 under autocast)
+    and outputs (the matmuls' inputs), q, k, v and the attention output (flash keeps those and
+    an O(s) log-sum-exp), the MLP's gate and up outputs and their product: 12h + 4kv + 6f bytes
+    in bf16. Eager autocast also keeps each norm's fp32 normalised output (before the weight)
+    and silu's output; a compiled block recomputes those. Residual-stream parts split over tp
+    only under SP, the rest (heads, columns) always; full recompute keeps the block input."""
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
+    seq_split = tp if sp else 1
     if recompute == "full":
-        return s * b * h * bytes_per / (tp if sp else 1)
-    if recompute == "selective":
-        sharded, whole = (2 * kv + 2 * f + 2 * h), 2 * h  # matmul outputs; residual-stream inputs
-    else:
-        sharded, whole = (h + 2 * kv + 4 * f), 4 * h  # + norm outputs, activation and product
-    # sharded parts split over tp (heads/columns); the residual-stream parts only under SP
-    return s * b * bytes_per * (sharded / tp + whole / (tp if sp else 1))
+        return h * rb / seq_split
+    if recompute == "selective":  # matmul outputs only (the attention core and activation recomputed)
+        return (2 * kv + 2 * f + 2 * h) * bpe / tp + 2 * h * rb / seq_split
+    whole = 2 * h * rb + 2 * h * bpe  # norm inputs, norm outputs
+    sharded = (2 * h + 2 * kv + 3 * f) * bpe  # q, k, v, attention output; gate, up, product
+    if eager:
+        whole += 2 * h * 4  # the fp32 normalised outputs
+        sharded += f * bpe  # silu(gate)
+    return sharded / tp + whole / seq_split
+
+
+def loss_bytes(tokens: float, vocab_local: float, precision: str, chunk: int) -> float:
+    """The loss's peak in its backward: logits in the compute dtype (held by the caller), the fp32
+    log-softmax output cross-entropy saves, its gradient and the logits' fp32 gradient — 14 bytes
+    per logit in bf16, 16 in fp32. A chunked loss (``train.loss_chunk_size``) holds one chunk's."""
+    per = 16 if precision == "fp32" else 14
+    rows = min(tokens, chunk) if chunk > 0 else tokens
+    return rows * vocab_local * per
 
 
 def in_flight(schedule: str, p: int, m: int, v: int) -> float:
@@ -76,6 +117,21 @@ def in_flight(schedule: str, p: int, m: int, v: int) -> float:
     if schedule == "interleaved_1f1b":
         return p * (1 + (p - 1) / (p * v))
     return float(min(m, p))
+
+
+def held_layers(shape: ModelShape, lay: Layout) -> float:
+    """Layer-micro-batches whose activations the first pipeline rank holds at its peak. Given a
+    split (``pp_layers``, per chunk in pipeline order) under interleaved 1F1B, counted forward by
+    forward: Megatron's first rank runs 2(p-1) + (v-1)p + 1 chunk-forwards before its first
+    backward, p micro-batches per chunk, cycling over its chunks p, 2p, ... apart (Llama 3 gives
+    the first and last chunk no block, only the embedding or the head). Else the in-flight
+    micro-batches times the blocks on the most loaded stage."""
+    p, v, m = lay.pp, lay.pp_virtual_stages, lay.num_microbatches
+    if lay.pp_schedule == "interleaved_1f1b" and len(lay.pp_layers) == p * v and p > 1:
+        mine = [lay.pp_layers[j * p] for j in range(v)]  # the first rank's chunks
+        warm = min(m * v, 2 * (p - 1) + (v - 1) * p + 1)
+        return float(sum(mine[(k // p) % v] for k in range(warm)))
+    return stage_layers(shape, p) * in_flight(lay.pp_schedule, p, m, v)
 
 
 def stage_layers(shape: ModelShape, pp: int) -> int:
@@ -105,42 +161,51 @@ def stage_state_bytes(shape: ModelShape, lay: Layout, precision: str) -> dict[st
     return {k: v + experts[k] for k, v in states.items()}
 
 
-def memory(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
-    """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
-    states are on the host (``offload_costs``) and only their staging copies stay here."""
-    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
-    psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
-    states = stage_state_bytes(shape, lay, precision)
-    offloaded = lay.offload == "cpu"
-    if offloaded:
-        states = {k: 0.0 for k in states}
+LOSS_CHUNK = 1024  # train.loss_chunk_size's default: the loss never holds more logits rows than this
+
+
+def activation_parts(
+    shape: ModelShape, lay: Layout, seq: int, precision: str, compiled: bool = True, loss_chunk: int = LOSS_CHUNK
+) -> tuple[float, float]:
+    """Bytes of (saved activations, the loss's peak) on the most loaded GPU. Pipelined, the first
+    stage holds the in-flight micro-batches and the last one a micro-batch plus the loss: the
+    larger of the two is the peak, the loss part being what the last stage adds beyond the first.
+    Under full recompute the loss part is the larger of the loss and one block recomputed."""
     bpe = 4 if precision == "fp32" else 2
-    act_layer = activation_bytes_per_layer(
-        shape,
-        local_tokens(seq, lay.cp),
-        lay.micro_batch_size,
-        lay.tp,
-        lay.sequence_parallel,
-        lay.activation_checkpoint,
-        bpe,
-    )
-    if lay.cp > 1 and lay.activation_checkpoint != "full":  # ring attention's lse (and fp32 output under bf16)
-        extra = ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, bpe)
-        act_layer += lay.micro_batch_size * local_tokens(seq, lay.cp) * extra
-    layers_per_stage = stage_layers(shape, lay.pp)
-    act_layer += (
-        moe_costs.moe_layers_on_stage(shape, lay.pp)
-        / layers_per_stage
-        * moe_costs.activation_delta_bytes(
-            shape, lay.micro_batch_size * local_tokens(seq, lay.cp), lay.tp, lay.activation_checkpoint, bpe
-        )
-    )
-    acts = (
-        act_layer * layers_per_stage * in_flight(lay.pp_schedule, lay.pp, lay.num_microbatches, lay.pp_virtual_stages)
-    )
-    tokens = lay.micro_batch_size * seq // lay.cp
-    logits = tokens * shape.vocab_size / lay.tp * (bpe + 4 + 4)  # logits, fp32 copy, its gradient
-    acts += logits
+    rb = 4 if autocast_layout(lay, precision) else bpe
+    mb, ac, tokens = lay.micro_batch_size, lay.activation_checkpoint, local_tokens(seq, lay.cp)
+    args = (shape, tokens, mb, lay.tp, lay.sequence_parallel)
+    act_layer = activation_bytes_per_layer(*args, ac, bpe, rb, eager=not compiled)
+    if lay.cp > 1 and ac != "full":  # ring attention's lse (and fp32 output under bf16)
+        act_layer += mb * tokens * ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, bpe)
+    layers = stage_layers(shape, lay.pp)
+    moe = moe_costs.activation_delta_bytes(shape, mb * tokens, lay.tp, ac, bpe)
+    act_layer += moe_costs.moe_layers_on_stage(shape, lay.pp) / layers * moe
+    loss = loss_bytes(mb * tokens, shape.vocab_size / lay.tp, precision, loss_chunk)
+    if ac == "full":
+        loss = max(loss, activation_bytes_per_layer(*args, "none", bpe, rb, eager=not compiled))
+    first = act_layer * held_layers(shape, lay)
+    if lay.pp == 1:
+        return first, loss
+    return first, max(0.0, act_layer * layers + loss - first)
+
+
+def weight_copy_bytes(shape: ModelShape, lay: Layout, psi: float, precision: str) -> float:
+    """Autocast's bf16 copies of the weights, saved for backward by every matmul that cast them
+    (the embedding lookup casts none; a tied head casts the shared table). Under full recompute
+    only the head's copy (outside the recomputed blocks) is held."""
+    if not autocast_layout(lay, precision):
+        return 0.0
+    head = shape.vocab_size * shape.hidden / lay.tp
+    if lay.activation_checkpoint == "full":
+        return 2 * head
+    untied_embedding = 0.0 if shape.tie_embeddings else shape.embedding_params() / lay.tp
+    return 2 * (psi - untied_embedding)
+
+
+def _buffers(shape: ModelShape, lay: Layout, psi: float, per_layer: float, precision: str) -> float:
+    """Communication buckets, FSDP2's gathered parameters, offload staging (bytes)."""
+    psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
     w = 2 if precision != "fp32" else 4
     if lay.zero_stage == 2 and lay.dp > 1:
         gathered = psi * w  # parameters kept gathered from forward to backward
@@ -150,18 +215,54 @@ def memory(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardwar
         gathered = 0.0
     gathered += moe_costs.gathered_delta_bytes(shape, lay, psi_e, w) if lay.dp > 1 else 0.0
     buffers = 2 * 25 * 2**20 + gathered
-    if offloaded:
+    if lay.offload == "cpu":
         buffers += offload_costs.staging_bytes(per_layer, lay.dp * lay.cp)
+    return buffers
+
+
+def memory(
+    shape: ModelShape,
+    lay: Layout,
+    seq: int,
+    precision: str,
+    hw: Hardware,
+    *,
+    compiled: bool = True,
+    loss_chunk: int = LOSS_CHUNK,
+) -> dict[str, float]:
+    """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
+    states are on the host (``offload_costs``) and only their staging copies stay here.
+    ``grads_not_at_peak`` (<= 0): with one micro-batch and no pipeline, gradients are
+    allocated during backward as the activations are freed, so they do not add to the peak."""
+    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+    states = stage_state_bytes(shape, lay, precision)
+    if lay.offload == "cpu":
+        states = {k: 0.0 for k in states}
+    acts, loss = activation_parts(shape, lay, seq, precision, compiled, loss_chunk)
+    not_at_peak = 0.0
+    if lay.pp == 1 and lay.num_microbatches <= 1 and lay.zero_stage < 2:
+        grads = 4 * psi if autocast_layout(lay, precision) else states["grads"]  # autocast: fp32 .grad
+        not_at_peak = -min(grads, acts + loss)
     out = {
-        "params": states["params"] / GIB,
-        "grads": states["grads"] / GIB,
-        "optimizer": states["optimizer"] / GIB,
-        "activations": acts / GIB,
-        "buffers": buffers / GIB,
-        "reserve": hw.reserve_gib,
+        "params": states["params"],
+        "grads": states["grads"],
+        "optimizer": states["optimizer"],
+        "activations": acts,
+        "loss": loss,
+        "weight_copies": weight_copy_bytes(shape, lay, psi, precision),
+        "buffers": _buffers(shape, lay, psi, per_layer, precision),
+        "grads_not_at_peak": not_at_peak,
     }
+    out = {k: v / GIB for k, v in out.items()}
+    out["reserve"] = hw.reserve_gib
     out["total"] = sum(out.values())
     return out
+
+
+def allocated_gib(mem: dict[str, float]) -> float:
+    """What ``torch.cuda.max_memory_allocated`` reads at the peak (meshforge's ``peak_mem_gib``):
+    the total less the reserve (CUDA context, library workspaces, allocator fragmentation)."""
+    return mem["total"] - mem["reserve"]
 
 
 def overflow_reason(mem: dict[str, float], hbm_gib: float) -> str:

@@ -195,10 +195,14 @@ class Ranked(list):
     fits_nothing: bool = False
 
 
-def fully_fixed(f: Layout) -> bool:
-    """Every degree fixed (tp, pp, dp, ZeRO stage, micro-batch): the question is then "what would
-    this layout need?", answered even when it overflows (the ZeRO paper's Table 1 question)."""
-    return all(x is not None for x in (f.tp, f.pp, f.dp_shard, f.zero_stage, f.micro_batch_size))
+def fully_fixed(f: Layout, gpus: int | None = None) -> bool:
+    """The degrees and the ZeRO stage are determined: tp, pp and the ZeRO stage given, and dp given
+    or implied by --gpus (dp = gpus / (tp x pp x cp), cp 1 unless given). The question is then
+    "what does this layout need?", answered as asked even when it overflows (the ZeRO paper's
+    Table 1 question); micro-batch and recompute may still be searched."""
+    if any(x is None for x in (f.tp, f.pp, f.zero_stage)):
+        return False
+    return f.dp_shard is not None or (gpus is not None and gpus % (f.tp * f.pp * (f.cp or 1)) == 0)
 
 
 def _overflowing(found: list[Estimate]) -> Ranked:
@@ -229,7 +233,7 @@ def _scan(
     precision: str,
     f: Layout,
 ) -> _Scan:
-    out, keep_all = _Scan(), fully_fixed(f)
+    out, keep_all = _Scan(), fully_fixed(f, gpus)
     for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node):
         out.considered += 1
         e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
@@ -262,9 +266,11 @@ def search(
     (``fits_nothing``); an open search that fits nothing is refused with what would fit.
     When none fits, the error names the smallest cluster of up to ``max_gpus`` that does.
     CPU offload (``fixed.offload``, ``offload_modes``) is searched only when nothing runnable
-    fits without it, unless fixed."""
+    fits without it, unless fixed; never for a fixed layout (``fully_fixed``) unless asked."""
     check_fixed(shape, gpus, fixed, gpus_per_node)
     modes = offload_modes(fixed, hw)
+    if fully_fixed(fixed, gpus) and fixed.offload is None:
+        modes = ["none"]  # a fixed layout is answered as asked: offloaded only with --offload cpu
     scans: list[_Scan] = []
     for mode in modes:
         scans.append(_scan(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, replace(fixed, offload=mode)))
