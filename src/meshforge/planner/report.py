@@ -80,12 +80,27 @@ def _host(e: Estimate) -> str:
     return f"{e.host_memory['total']:.1f}" if e.host_memory else "-"
 
 
+# the memory breakdown's parts, in the order shown (planner/memory.py says what each holds); zero parts
+# after the model states are left out (no weight copies under FSDP2, gradients at the peak, ...)
+MEMORY_PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "loss",
+    "weight_copies",
+    "buffers",
+    "grads_not_at_peak",
+    "reserve",
+)
+
+
 def explain(e: Estimate, hbm_gib: float) -> str:
     m, t, b = e.memory, e.time, e.budget
     offload = e.layout.offload == "cpu"
     lines = [
         "memory per GPU (GiB): "
-        + ", ".join(f"{k} {m[k]:.2f}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
+        + ", ".join(f"{k} {m[k]:.2f}" for k in MEMORY_PARTS if k in m and (m[k] or k in MEMORY_PARTS[:4]))
         + f" = {m['total']:.2f} of {hbm_gib:.0f}"
         + (" (fits)" if e.fits else f" -- fits: false, {e.overflow}"),
         "time per step (s): "
