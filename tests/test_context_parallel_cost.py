@@ -54,7 +54,8 @@ def test_planner_uses_the_ring_formulas(precision, recompute):
     per_layer += ring_messages(cp, "ring", rc) * alpha
     assert est.time["cp_comm"] == pytest.approx(0.5 * shape.layers * m * per_layer)
     # activations: the layer's at seq / cp tokens, plus what the ring keeps beyond a fused kernel
-    base = estimate(shape, replace(lay, cp=1), seq // cp, m, precision, H100, 8).memory["activations"]
+    # (the base's dp takes cp's ranks: the same FSDP2 bf16 block)
+    base = estimate(shape, replace(lay, cp=1, dp_shard=cp), seq // cp, m, precision, H100, 8).memory["activations"]
     extra = 0 if recompute == "full" else ring_extra_saved_bytes_per_token(shape.heads / tp, shape.head_dim, e)
     want = shape.layers * tokens * extra / GIB
     assert est.memory["activations"] - base == pytest.approx(want, rel=1e-9, abs=1e-12)

@@ -1,6 +1,9 @@
-"""Memory per GPU of one layout, as an explained breakdown (the model is described in
-planner/estimate.py's docstring): model states by ZeRO stage, activations by recomputation
-and pipeline schedule, buffers, and what overflows."""
+"""Memory per GPU of one layout, as an explained breakdown: model states by ZeRO stage (the
+ZeRO paper, as meshforge allocates them), activations by recomputation and pipeline schedule
+(Korthikanti et al. 2022, counted per saved tensor for a Llama block), the loss's logits,
+autocast's weight copies, buffers and a reserve; docs/planner.md derives each part and
+calibrates them on one H100. ``memory()`` assumes compiled blocks (fused element-wise work, as
+Megatron/TE runs and ``train.compile``) and the chunked loss unless told otherwise."""
 
 from __future__ import annotations
 
