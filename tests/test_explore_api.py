@@ -86,8 +86,8 @@ def test_estimate_answers_with_the_planners_breakdown(port):
     a = estimate(port, model="llama3.1-8b", gpus=8, tp=2, zero=1)
     e = a["estimate"]
     mem = e["memory_gib"]
-    parts = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
-    assert mem["total"] == pytest.approx(sum(mem[k] for k in parts), rel=1e-3)
+    parts = ("params", "grads", "optimizer", "activations", "loss", "weight_copies", "buffers", "reserve")
+    assert mem["total"] == pytest.approx(sum(mem[k] for k in (*parts, "grads_not_at_peak")), rel=1e-3)
     assert a["layout"]["dp_shard"] == 4 and a["layout"]["tp"] == 2
     assert e["step_time_s"] == pytest.approx(sum(e["step_s"].values()), rel=1e-6)
     assert set(e["comm_s"]) == {"tp", "cp", "pp", "dp"} and e["comm_s"]["tp"] > 0 and e["comm_s"]["dp"] > 0
@@ -164,7 +164,7 @@ def test_textbook_405b_on_128_gpus_needs_tp8_pp_and_fsdp(port):
     big = {"model": "llama3.1-405b", "gpus": 128, "global_batch": 128, "recompute": "full"}
     full = estimate(port, **big, tp=8, pp=4, zero=3)
     assert full["runnable"] and full["estimate"]["fits"], full["estimate"]["overflow"]
-    for drop in ({"tp": 8, "pp": 4, "zero": 0}, {"tp": 1, "pp": 1, "zero": 3}, {"tp": 8, "pp": 1, "zero": 0}):
+    for drop in ({"tp": 8, "pp": 4, "zero": 0}, {"tp": 1, "pp": 1, "zero": 2}, {"tp": 8, "pp": 1, "zero": 0}):
         e = estimate(port, **big, **drop)["estimate"]
         assert not e["fits"], drop
     status, b = api(port, "best", model="llama3.1-405b", gpus=128, global_batch=128, top=5)

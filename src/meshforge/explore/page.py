@@ -10,7 +10,7 @@ PAGE = r"""<!doctype html>
 <title>meshforge explore</title>
 <style>
 :root{--bg:#f7f7f5;--card:#fff;--ink:#1d2330;--mut:#6b7280;--line:#e3e3de;--bad:#b42318;--ok:#067647;
---params:#3b6fd8;--grads:#7c9ef0;--optimizer:#1f3f8a;--activations:#e08a2c;--buffers:#9aa3b2;--reserve:#cfd4dc;
+--params:#3b6fd8;--grads:#7c9ef0;--optimizer:#1f3f8a;--activations:#e08a2c;--loss:#f0b86e;--weight_copies:#8a5a2b;--buffers:#9aa3b2;--reserve:#cfd4dc;
 --compute:#2f7d4f;--recompute:#8fcf9f;--exposed_comm:#d2553d;--bubble:#f2c14e;--optimizer_t:#6c5ce7}
 *{box-sizing:border-box}body{margin:0;font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;
 background:var(--bg);color:var(--ink)}
@@ -108,7 +108,7 @@ value="1"></label>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
-const MEM = ["params", "grads", "optimizer", "activations", "buffers", "reserve"];
+const MEM = ["params", "grads", "optimizer", "activations", "loss", "weight_copies", "buffers", "reserve"];
 const TIME = ["compute", "recompute", "exposed_comm", "bubble", "optimizer"];
 const SEVEN_B = {model: "custom", layers: 32, hidden: 4096, heads: 32, kv_heads: 32, ffn_hidden: 11008,
   vocab: 32000, tie_embeddings: false};
@@ -236,7 +236,8 @@ function render(a) {
   if (!e) { for (const id of ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit",
     "host-mem", "a2a"])
     $(id).innerHTML = ""; return; }
-  const m = e.memory_gib, memParts = MEM.map((k) => [k, m[k]]), gib = (v) => fmt(v, 2) + " GiB";
+  const m = e.memory_gib, gib = (v) => fmt(v, 2) + " GiB";  // gradients not allocated at the peak: netted
+  const memParts = MEM.map((k) => [k, k === "grads" ? m[k] + (m.grads_not_at_peak || 0) : m[k] || 0]);
   $("mem-total").textContent = fmt(m.total, 1);
   $("mem-total").className = e.fits ? "" : "bad";
   $("fit").innerHTML = e.fits ? `<span class="ok">fits in ${fmt(e.hbm_gib, 0)} GiB</span>` :
