@@ -250,3 +250,17 @@ def test_only_get_from_the_local_host(port):
 def test_explore_binds_to_localhost_by_default():
     args = build_parser().parse_args(["explore"])
     assert (args.host, args.port) == ("127.0.0.1", 8800)
+
+
+def test_one_verdict_fit_and_rules_together(port):
+    """The default view does not fit: the verdict says so even though no rule refuses the layout."""
+    default = estimate(port)["verdict"]
+    assert not default["ok"] and default["kind"] == "does_not_fit"
+    assert default["text"].startswith("runs under meshforge train's rules but does not fit: needs 146.1 GiB of 80")
+    assert estimate(port, zero=3)["verdict"] == {
+        "ok": True,
+        "kind": "ok",
+        "text": "fits (42.2 of 80 GiB) and meshforge train runs it",
+    }
+    rule = estimate(port, tp=2, zero=1)["verdict"]  # a rule wins over a fit
+    assert not rule["ok"] and rule["kind"] == "rules" and "ZeRO-1" in rule["text"] and "it would fit" in rule["text"]

@@ -146,3 +146,67 @@ def test_moe_ep_and_offload_controls(page):
     wait(page).until(lambda d: "all-to-all" in text(d, "a2a"))
     errors = [e for e in page.get_log("browser") if e["level"] == "SEVERE" and "400" not in e["message"]]
     assert not errors, errors
+
+
+def verdict(driver) -> tuple[str, str]:
+    el = driver.find_element(By.ID, "verdict")
+    return el.get_attribute("data-ok") or "", el.text
+
+
+def test_one_verdict_fit_and_rules_agree(page):
+    """The default view does not fit: one red verdict, and no green 'train runs this' beside it."""
+    page.get(page.current_url)
+    wait(page).until(lambda d: "does not fit" in verdict(d)[1])
+    ok, said = verdict(page)
+    assert ok == "false" and said.startswith("runs under meshforge train's rules but does not fit: needs 146.1 GiB")
+    assert "runs this layout" not in text(page, "problems")
+    assert not page.find_elements(By.CSS_SELECTOR, "#problems .ok")
+    Select(page.find_element(By.ID, "zero")).select_by_value("3")
+    wait(page).until(lambda d: verdict(d)[0] == "true")
+    assert verdict(page)[1].startswith("fits (") and "runs this layout" in text(page, "problems")
+
+
+def test_invalid_input_shows_the_error_not_results(page):
+    page.get(page.current_url)
+    changed(page, "mem-total", "")
+    gpus = page.find_element(By.ID, "gpus")
+    gpus.clear()
+    gpus.send_keys("0")
+    wait(page).until(lambda d: verdict(d)[1].startswith("input error"))
+    assert verdict(page) == ("false", "input error: GPUs must be a whole number from 1 to 16,384, got 0")
+    assert "invalid" in gpus.get_attribute("class")
+    for tile in ("mem-total", "step", "tps", "mfu", "hfu"):
+        assert text(page, tile) == "\u2013"
+    assert text(page, "nparams") == "" and text(page, "problems") == ""
+    wait(page).until(lambda d: text(d, "best-msg").startswith("input error"))
+    assert not page.find_elements(By.CSS_SELECTOR, "#best tbody tr")
+    assert "NaN" not in page.find_element(By.TAG_NAME, "body").text
+    gpus.clear()
+    gpus.send_keys("8")
+    wait(page).until(lambda d: not verdict(d)[1].startswith("input error") and verdict(d)[1])
+    assert "invalid" not in gpus.get_attribute("class")
+
+
+def test_stale_best_rows_cannot_be_loaded_while_searching(page):
+    page.get(page.current_url)
+    wait(page).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#best tbody tr button"))
+    # the synchronous start of a new search: rows greyed and their buttons disabled before any answer
+    state = page.execute_script(
+        "updateBest(); const c = document.getElementById('best-card');"
+        "return [c.className, [...c.querySelectorAll('tbody button')].map((b) => b.disabled),"
+        " document.getElementById('best-msg').textContent];"
+    )
+    assert "stale" in state[0] and state[1] and all(state[1]) and state[2].startswith("searching")
+    wait(page).until(lambda d: "stale" not in d.find_element(By.ID, "best-card").get_attribute("class"))
+    assert all(b.is_enabled() for b in page.find_elements(By.CSS_SELECTOR, "#best tbody button"))
+
+
+def test_numbers_in_sensible_units(page):
+    page.get(page.current_url)
+    changed(page, "mem-total", "")
+    comm = page.find_element(By.ID, "comm-chart").get_attribute("textContent")
+    assert "0 ms (exposed 0 ms)" in comm  # cp = 1: no traffic, not "0.000 ms"
+    assert "0.000" not in page.find_element(By.TAG_NAME, "body").get_attribute("textContent")
+    assert text(page, "step").endswith((" ms", " s"))
+    tps = text(page, "tps")
+    assert int(tps.replace(",", "")) >= 1000 and "," in tps  # thousands separators

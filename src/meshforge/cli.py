@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--input", nargs="+", required=True, help="text files, directories, or JSONL with a 'text' field")
     prep.add_argument("--out", required=True, help="directory to create")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
-    prep.add_argument("--val-fraction", type=float, default=0.01)
+    prep.add_argument(
+        "--val-fraction", type=float, default=0.01, help="share of the tokens held out for validation (default 0.01)"
+    )
     conv = sub.add_parser("convert", help="convert between Hugging Face, meshforge weights and checkpoints")
     g = conv.add_mutually_exclusive_group(required=True)
     g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama-family or Mixtral/Qwen3-MoE directory")
@@ -257,17 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
     )
-    conv.add_argument("--out", required=True, metavar="DIR")
+    conv.add_argument("--out", required=True, metavar="DIR", help="directory to write the converted weights to")
     from meshforge.planner.plan import add_arguments
 
     plan = sub.add_parser("plan", help="find the layout that fits and runs fastest; predict memory, time and MFU")
     add_arguments(plan)
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for meshforge plan")
-    cal.add_argument("--out", required=True, metavar="FILE")
+    cal.add_argument("--out", required=True, metavar="FILE", help="hardware profile (JSON) to write, for --hardware")
     cal.add_argument("--nproc", type=int, default=2, help="local ranks for the collective measurements")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
     exp = sub.add_parser("explore", help="the strategy explorer: a local web page over the planner")
     exp.add_argument("--port", type=int, default=8800, help="port to listen on (default 8800; 0: any free port)")

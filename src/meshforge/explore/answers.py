@@ -138,7 +138,33 @@ def evaluate(v: dict[str, Any]) -> dict[str, Any]:
     if lay is not None:
         e = estimate(shape, lay, v["seq_len"], v["global_batch"], v["precision"], hw, v["gpus_per_node"])
         out["estimate"] = _estimate_json(e, hw)
+    out["verdict"] = verdict(out)
     return out
+
+
+def verdict(a: dict[str, Any]) -> dict[str, Any]:
+    """The view's one verdict, fit and rules together: ``ok`` only when the layout exists, no rule
+    refuses it and it fits; otherwise the text names what wins (a broken rule before the memory)."""
+    e, probs = a["estimate"], a["problems"]
+    if a["layout"] is None:
+        why = probs[0]["message"] if probs else "the global batch does not split into whole micro-batches"
+        return {"ok": False, "kind": "no_layout", "text": f"no such layout: {why}"}
+    rule = probs[0]["message"] if probs else ""
+    invalid = any(p["kind"] == "invalid" for p in probs)
+    if e["fits"] and not probs:
+        text = f"fits ({e['memory_gib']['total']:.1f} of {e['hbm_gib']:.0f} GiB) and meshforge train runs it"
+        return {"ok": True, "kind": "ok", "text": text}
+    if not probs:
+        return {
+            "ok": False,
+            "kind": "does_not_fit",
+            "text": f"runs under meshforge train's rules but does not fit: {e['overflow']}; "
+            "try a higher ZeRO stage, more tp or pp, recompute, or a best layout below",
+        }
+    what = "breaks a layout rule" if invalid else "meshforge train does not run it"
+    total = f"{e['memory_gib']['total']:.1f} GiB of {e['hbm_gib']:.0f} GiB"
+    fit = f"it would fit ({total})" if e["fits"] else f"it does not fit either ({total})"
+    return {"ok": False, "kind": "rules", "text": f"{what}: {rule}; {fit}"}
 
 
 def best(v: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,10 @@ padding:10px 14px;margin-bottom:14px}.card h2{font-size:14px;margin:0 0 8px}
 table{border-collapse:collapse;width:100%;font-size:13px}th,td{padding:3px 6px;border-bottom:1px solid var(--line);
 text-align:right}th:last-child,td:last-child{text-align:left}#status{color:var(--mut);font-size:12px}
 .derived{color:var(--mut);font-size:12px;margin:2px 0 0}
+.verdict{padding:8px 12px;border:1px solid;border-radius:8px;margin-bottom:14px;font-weight:600}
+.verdict.ok{color:var(--ok);background:#ecfdf3;border-color:#abefc6}
+.verdict.bad{color:var(--bad);background:#fef3f2;border-color:#fecdca}.verdict:empty{display:none}
+.stale{opacity:.4;pointer-events:none}input.invalid{border-color:var(--bad);background:#fef3f2}
 </style></head>
 <body>
 <header><h1>meshforge strategy explorer</h1>
@@ -86,7 +90,8 @@ value="1"></label>
 <p class="derived" id="dp"></p><p class="derived" id="layout-note"></p></fieldset>
 </aside>
 <section>
-<div class="tiles">
+<div id="verdict" class="verdict" role="status"></div>
+<div id="results"><div class="tiles">
 <div class="tile"><b id="mem-total">&ndash;</b><span>GiB per GPU</span></div>
 <div class="tile"><b id="step">&ndash;</b><span>step time</span></div>
 <div class="tile"><b id="tps">&ndash;</b><span>tokens/s per GPU</span></div>
@@ -99,10 +104,11 @@ value="1"></label>
 <p class="derived" id="a2a"></p></div>
 <div class="card"><h2>Layout rules</h2><ul class="problems" id="problems"></ul>
 <p><button id="download">download meshforge train config</button> <span id="download-msg"></span></p></div>
-<div class="card"><h2>The planner's best layouts for this model and cluster</h2><p id="best-msg"></p>
+</div><div class="card" id="best-card">
+<h2>The planner's best layouts for this model and cluster</h2><p id="best-msg"></p>
 <table id="best"><thead><tr><th>#</th><th>tp</th><th>pp</th><th>dp</th><th>cp</th><th>ep</th><th>ZeRO</th>
 <th>offload</th><th>mb</th><th>recompute</th><th>schedule</th><th>GiB</th>
-<th>step s</th><th>tok/s/GPU</th><th>MFU</th><th></th></tr></thead>
+<th>step</th><th>tok/s/GPU</th><th>MFU</th><th></th></tr></thead>
 <tbody></tbody></table></div>
 </section></main>
 <script>
@@ -124,7 +130,11 @@ const CASES = {
 };
 let P = null, seq = 0, bestSeq = 0, timer = null, bestTimer = null;
 const fmt = (x, d = 1) => Number(x).toLocaleString("en-US", {maximumFractionDigits: d, minimumFractionDigits: d});
-const secs = (s) => s >= 1 ? fmt(s, 2) + " s" : fmt(s * 1000, s >= 0.01 ? 1 : 3) + " ms";
+const secs = (s) => !s ? "0 ms" : s >= 1 ? fmt(s, 2) + " s" : s >= 0.01 ? fmt(s * 1000, 1) + " ms" :
+  s >= 1e-6 ? Number((s * 1000).toPrecision(2)) + " ms" : "<0.001 ms";
+const gib = (v) => !v ? "0 GiB" : v >= 1 ? fmt(v, 2) + " GiB" : fmt(v * 1024, v * 1024 >= 10 ? 0 : 1) + " MiB";
+const RESULT_IDS = ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit", "host-mem", "a2a",
+  "nparams", "dp", "problems"];
 const pct = (x) => fmt(100 * x, 1) + "%";
 function esc(s) { return String(s).replace(/[&<>"']/g, (c) => "&#" + c.charCodeAt(0) + ";"); }
 function fill(sel, items, labels) {
@@ -221,8 +231,35 @@ function commChart(total, exposed) {
   }
   return svg + "</svg>";
 }
+function inputError(skipLayout) {
+  // the inputs checked against the API's own ranges (/api/presets) before anything is asked or shown
+  for (const el of fields()) el.classList.remove("invalid");
+  for (const el of fields()) {
+    if (el.disabled || el.type !== "number" || (skipLayout && el.hasAttribute("data-layout"))) continue;
+    if (el.hasAttribute("data-hw") && !el.dataset.dirty) continue;
+    const spec = P.params[el.dataset.p], raw = el.value.trim(), x = Number(raw), whole = spec.kind === "int";
+    if (raw === "" && spec.default === null && !el.validity.badInput) continue;  // optional: the API's default
+    if (raw === "" || !Number.isFinite(x) || (whole && !Number.isInteger(x)) || x < spec.min || x > spec.max) {
+      el.classList.add("invalid");
+      const label = el.parentElement.firstChild.textContent.trim();
+      return `${label} must be ${whole ? "a whole number" : "a number"} from ${spec.min.toLocaleString("en-US")} ` +
+        `to ${spec.max.toLocaleString("en-US")}, got ${raw === "" ? "nothing" : raw}`;
+    }
+  }
+  return "";
+}
+function showVerdict(ok, text) {
+  const v = $("verdict");
+  v.className = "verdict " + (ok ? "ok" : "bad"); v.dataset.ok = String(ok); v.textContent = text;
+}
+function clearResults() {
+  for (const id of ["mem-total", "step", "tps", "mfu", "hfu"]) { $(id).textContent = "\u2013"; $(id).className = ""; }
+  for (const id of RESULT_IDS) $(id).innerHTML = "";
+}
 function render(a) {
   const e = a.estimate;
+  clearResults();
+  showVerdict(a.verdict.ok, a.verdict.text);
   $("nparams").textContent = `${fmt(a.model.num_params / 1e9, 2)}B parameters`;
   const L = a.layout, experts = L && L.ep > 1 ? `; ep = ${L.ep} splits the experts over ${L.ep} of ` +
     `the dp x cp ranks (each expert sharded over edp = ${L.dp_shard * L.cp / L.ep})` : "";
@@ -230,8 +267,9 @@ function render(a) {
     `${L.num_microbatches} micro-batch(es) per step${experts}` : "dp: the degrees do not divide the GPUs";
   const probs = a.problems.map((p) => `<li class="${p.kind === "invalid" ? "bad" : ""}"><b>${esc(p.kind)}</b> ` +
     `${esc(p.message)}</li>`);
-  $("problems").innerHTML = probs.length ? probs.join("") :
-    `<li class="ok">meshforge train runs this layout</li>`;
+  $("problems").innerHTML = probs.length ? probs.join("") : a.verdict.ok ?
+    `<li class="ok">meshforge train runs this layout</li>` :
+    `<li>no layout rule refuses it, but it does not fit (the verdict above)</li>`;
   for (const id of ["mem-total", "step", "tps", "mfu", "hfu"]) if (!e) $(id).textContent = "\u2013";
   if (!e) { for (const id of ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit",
     "host-mem", "a2a"])
@@ -258,17 +296,23 @@ function render(a) {
   $("mfu").textContent = pct(e.mfu); $("hfu").textContent = pct(e.hfu);
 }
 async function update() {
-  const mine = ++seq;
+  const mine = ++seq, bad = inputError(false);
   $("status").dataset.state = "loading";
-  try {
-    const a = await getJSON("/api/estimate?" + query());
-    if (mine !== seq) return;
-    render(a);
-    $("status").textContent = `${a.model.name} on ${a.cluster.gpus} x ${a.cluster.gpu}`;
-  } catch (err) {
-    if (mine !== seq) return;
-    render({model: {num_params: NaN}, layout: null, problems: [], estimate: null});
-    $("status").textContent = "refused: " + err.message;
+  if (bad) {  // nothing is computed from an invalid input: the error instead of results
+    clearResults(); showVerdict(false, "input error: " + bad); $("status").textContent = "input error";
+  } else {
+    $("results").classList.add("stale");  // greyed until the answer to this input arrives
+    try {
+      const a = await getJSON("/api/estimate?" + query());
+      if (mine !== seq) return;
+      render(a);
+      $("status").textContent = `${a.model.name} on ${a.cluster.gpus} x ${a.cluster.gpu}`;
+    } catch (err) {
+      if (mine !== seq) return;
+      clearResults(); showVerdict(false, "refused: " + err.message);
+      $("status").textContent = "refused: " + err.message;
+    }
+    $("results").classList.remove("stale");
   }
   $("status").dataset.state = "ready"; $("status").dataset.seq = String(mine);
 }
@@ -283,7 +327,11 @@ async function updateBest() {
   for (const k of ["tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "schedule", "virtual_stages", "sp",
     "offload"])
     q.delete(k);
+  const bad = inputError(true), card = $("best-card");
+  if (bad) { $("best-msg").textContent = "input error: " + bad; $("best").tBodies[0].innerHTML = ""; return; }
   $("best-msg").textContent = "searching\u2026";
+  card.classList.add("stale");  // the previous answer's rows cannot be loaded while a new search runs
+  for (const btn of $("best").querySelectorAll("button")) btn.disabled = true;
   try {
     const b = await getJSON("/api/best?" + q);
     if (mine !== bestSeq) return;
@@ -292,7 +340,7 @@ async function updateBest() {
       `<td>${L.pp}</td><td>${L.dp_shard}</td><td>${L.cp}</td><td>${L.ep}</td><td>${L.zero_stage}</td>` +
       `<td>${esc(L.offload)}</td><td>${L.micro_batch_size}</td>` +
       `<td>${esc(L.activation_checkpoint)}</td><td>${esc(L.pp > 1 ? L.pp_schedule : "-")}</td>` +
-      `<td>${fmt(L.memory_total_gib, 1)}</td><td>${fmt(L.step_time_s, 3)}</td>` +
+      `<td>${fmt(L.memory_total_gib, 1)}</td><td>${esc(secs(L.step_time_s))}</td>` +
       `<td>${fmt(L.tokens_per_s_per_gpu, 0)}</td><td>${pct(L.mfu)}</td>` +
       `<td><button data-row="${i}">load</button></td></tr>`).join("");
     for (const btn of $("best").querySelectorAll("button[data-row]"))
@@ -301,6 +349,7 @@ async function updateBest() {
     if (mine !== bestSeq) return;
     $("best-msg").textContent = "refused: " + err.message; $("best").tBodies[0].innerHTML = "";
   }
+  card.classList.remove("stale");
 }
 function changed(ev) {
   const el = ev.target;

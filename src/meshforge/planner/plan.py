@@ -4,7 +4,9 @@ train config), search, and print or write the answer."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,19 +16,66 @@ from meshforge.layout import open_layout
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.planner import report
+from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Ranked, search
 from meshforge.planner.shape import check_flags, from_preset, named
+
+
+def whole(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: a whole number in lo..hi, refused with the range (argparse names the flag)."""
+
+    def check(raw: str) -> int:
+        try:
+            v = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {raw!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            want = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+            raise argparse.ArgumentTypeError(
+                f"must be {'a positive integer' if want == 'an integer >= 1' else want}, got {v}"
+            )
+        return v
+
+    return check
+
+
+def real(lo: float = 0.0, hi: float | None = None, lo_open: bool = True) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number above lo (or from lo, lo_open=False) and up to hi."""
+
+    def check(raw: str) -> float:
+        try:
+            v = float(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {raw!r}") from None
+        low_bad = v <= lo if lo_open else v < lo
+        if not math.isfinite(v) or low_bad or (hi is not None and v > hi):
+            want = f"in {lo:g}..{hi:g}" if hi is not None else f"{'>' if lo_open else '>='} {lo:g}"
+            raise argparse.ArgumentTypeError(f"must be a number {want}, got {raw}")
+        return v
+
+    return check
+
+
+SHAPE_FLAGS = {  # flag -> help
+    "layers": "transformer blocks (explicit shape)",
+    "hidden": "hidden size (explicit shape)",
+    "heads": "attention heads (explicit shape)",
+    "kv-heads": "key/value heads, grouped-query attention (default: --heads)",
+    "ffn-hidden": "feed-forward hidden size (default for --mlp gelu: 4 x --hidden)",
+    "vocab": "vocabulary size (explicit shape)",
+    "max-positions": "position table size for learned positions (default: none, rotary)",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a preset, explicit shape, or --config)")
     m.add_argument("--model", help="preset name, e.g. llama3.1-405b")
     m.add_argument("--config", help="a meshforge train config (e.g. a run's config.toml): model, batch, degrees")
-    for k in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "vocab", "max-positions"):
-        m.add_argument(f"--{k}", type=int)
-    m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu")
-    m.add_argument("--tie-embeddings", action="store_true")
+    for k, h in SHAPE_FLAGS.items():
+        m.add_argument(f"--{k}", type=whole(), metavar="N", help=h)
+    m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu", help="MLP kind (default swiglu)")
+    m.add_argument("--tie-embeddings", action="store_true", help="the output head shares the embedding's weight")
     m.add_argument(
         "--attention",
         choices=["flash", "materialized"],
@@ -34,14 +83,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="attention kernel: fused (flash, meshforge's) or scores written out (Megatron-LM 2021/22)",
     )
     add_moe_arguments(m)
+    _add_training_arguments(p)
+    _add_cluster_arguments(p)
+    _add_fixed_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=whole(), default=10, metavar="N", help="rows of the ranking to show (default 10)")
+    o.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
+    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
-    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --config's, else 4096)")
+    t.add_argument(
+        "--seq-len", type=whole(), metavar="N", help="tokens per sequence (default: the --config's, else 4096)"
+    )
     t.add_argument(
         "--global-batch",
-        type=int,
+        type=whole(),
+        metavar="N",
         help="sequences per optimizer step (default: the --config's, else one per GPU, i.e. --gpus)",
     )
-    t.add_argument("--precision", choices=["bf16", "fp32", "fp8"])
+    t.add_argument(
+        "--precision", choices=["bf16", "fp32", "fp8"], help="training precision (default: bf16; fp32 on cpu)"
+    )
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument(
         "--gpu",
@@ -50,34 +117,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"hardware preset, one of: {', '.join(PRESETS)} (default: h100-sxm)",
     )
     c.add_argument("--hardware", help="a profile written by meshforge calibrate (overrides --gpu)")
-    c.add_argument("--gpus", type=int)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--inter-node-bw", type=float, help="network bandwidth per GPU in GB/s")
+    c.add_argument("--gpus", type=whole(), metavar="N", help="GPUs in the cluster (required)")
+    c.add_argument("--gpus-per-node", type=whole(), default=8, metavar="N", help="GPUs per node (default 8)")
+    c.add_argument(
+        "--inter-node-bw", type=real(), metavar="GBS", help="network bandwidth per GPU in GB/s (default: the preset's)"
+    )
     c.add_argument(
         "--comm-overlap",
-        type=float,
-        help="share of data-parallel traffic that hides under compute (default: the hardware's; 0 for a framework "
-        "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
+        type=real(0.0, 1.0, lo_open=False),
+        metavar="F",
+        help="share (0..1) of data-parallel traffic that hides under compute (default: the hardware's; 0 for a "
+        "framework that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
-    _add_fixed_arguments(p)
-    o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10)
-    o.add_argument("--json", action="store_true")
-    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
+
+
+FIXED_HELP = {
+    "tp": "tensor-parallel degree",
+    "pp": "pipeline-parallel degree",
+    "dp": "data-parallel degree",
+    "cp": "context-parallel degree",
+    "micro-batch": "sequences per forward pass",
+    "virtual-stages": "model chunks per pipeline rank (interleaved schedules)",
+}
 
 
 def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fixed choices (the rest is searched)")
-    for k in ("tp", "pp", "dp", "cp", "zero", "micro-batch", "virtual-stages"):
-        f.add_argument(f"--{k}", type=int)
+    for k, h in FIXED_HELP.items():
+        f.add_argument(f"--{k}", type=whole(), metavar="N", help=f"{h} (searched when left out)")
+    f.add_argument(
+        "--zero", type=whole(0, 3), metavar="STAGE", help="ZeRO stage 0..3 (0: DDP, 3: FSDP; searched when left out)"
+    )
     f.add_argument(
         "--ep",
-        type=int,
+        type=whole(),
+        metavar="N",
         help="expert-parallel degree (MoE): experts split over ep of the dp x cp ranks, FSDP over the rest; "
         "searched over the divisors of --experts when left out",
     )
-    f.add_argument("--recompute", choices=["none", "selective", "full"])
-    f.add_argument("--schedule")
+    f.add_argument(
+        "--recompute", choices=["none", "selective", "full"], help="activation recomputation (searched when left out)"
+    )
+    f.add_argument(
+        "--schedule", choices=SCHEDULES + V_SCHEDULES, help="pipeline schedule with --pp > 1 (searched when left out)"
+    )
     f.add_argument(
         "--offload",
         choices=list(OFFLOAD),
@@ -117,13 +200,13 @@ MOE_FLAGS = {  # flag -> ModelShape field
 
 def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
     """The mixture-of-experts shape (docs/moe.md); with --model or --config they replace the preset's."""
-    m.add_argument("--experts", type=int, help="routed experts per MoE block (mixture of experts; 0: dense)")
-    m.add_argument("--top-k", type=int, help="experts each token is sent to (default 2)")
-    m.add_argument("--moe-ffn-hidden", type=int, help="hidden size of one expert (default: --ffn-hidden)")
-    m.add_argument("--shared-experts", type=int, help="always-on experts of --moe-ffn-hidden each (default 0)")
+    m.add_argument("--experts", type=whole(0), help="routed experts per MoE block (mixture of experts; 0: dense)")
+    m.add_argument("--top-k", type=whole(), help="experts each token is sent to (default 2)")
+    m.add_argument("--moe-ffn-hidden", type=whole(), help="hidden size of one expert (default: --ffn-hidden)")
+    m.add_argument("--shared-experts", type=whole(0), help="always-on experts of --moe-ffn-hidden each (default 0)")
     m.add_argument(
         "--capacity-factor",
-        type=float,
+        type=real(0.0, lo_open=False),
         help="expert capacity (model.capacity_factor): 0 dropless (default), > 0 caps each expert at cf x its mean "
         "load, which caps the planner's load imbalance",
     )
@@ -231,14 +314,14 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     shape, overridden = _with_moe_flags(shape, args)
     preset = None if overridden else preset  # --emit-config then writes the shape itself
     hw = get_hardware(args.gpu, args.hardware)
-    if args.inter_node_bw:
+    if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
     if args.comm_overlap is not None:
-        hw.comm_overlap = min(1.0, max(0.0, args.comm_overlap))
-    if args.gpus is None or args.gpus < 1:
-        raise ConfigError("--gpus N (the cluster size, >= 1) is required")
-    seq = args.seq_len or dflt.get("seq_len") or 4096
-    gb = args.global_batch or dflt.get("global_batch") or max(args.gpus, 1)
+        hw.comm_overlap = args.comm_overlap
+    if args.gpus is None:
+        raise ConfigError("--gpus N (the cluster size, a positive integer) is required")
+    seq = args.seq_len if args.seq_len is not None else dflt.get("seq_len") or 4096
+    gb = args.global_batch if args.global_batch is not None else dflt.get("global_batch") or args.gpus
     precision = args.precision or dflt.get("precision") or ("fp32" if hw.name == "cpu" else "bf16")
 
     def pick(name: str, cli_name: str | None = None):

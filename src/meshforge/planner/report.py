@@ -35,45 +35,56 @@ TIME_PARTS = (
 
 
 def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
-    """The ranking; then the faster layouts meshforge train does not run yet, with the reason.
+    """The ranking (each column as wide as its widest cell, so long schedule names never break it);
+    then the layouts meshforge train does not run yet that are faster than row 1, with the reason.
     A host-memory column appears when some row offloads its model states to the CPU."""
-    offloads = any(e.layout.offload == "cpu" for e in results[:top])
-    host_head = f" {'host GiB':>8}" if offloads else ""
-    head = (
-        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'cp':>3} {'ep':>3} {'zero':>4} {'mb':>3} {'m':>4} {'recompute':>9} "
-        f"{'schedule':>17} {'mem GiB':>8}{host_head} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6} {'HFU':>6}"
-    )
-    rows, notes = [head, "-" * len(head)], []
-    for i, e in enumerate(results[:top], 1):
-        L = e.layout
-        sched = (
-            "-"
-            if L.pp == 1
-            else (f"{L.pp_schedule} v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else L.pp_schedule)
-        )
-        rows.append(
-            f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.ep:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
-            f"{L.num_microbatches:>4} {L.activation_checkpoint:>9} {sched:>17} {e.memory['total']:>8.1f}"
-            + (f" {_host(e):>8}" if offloads else "")
-            + f" {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
-            + ("  *" if e.not_runnable else "")
-            + ("  !" if not e.fits else "")
-        )
+    shown = results[:top]
+    offloads = any(e.layout.offload == "cpu" for e in shown)
+    head = ["#", "tp", "pp", "dp", "cp", "ep", "zero", "mb", "m", "recompute", "schedule", "mem GiB"]
+    head += ["host GiB"] if offloads else []
+    head += ["step s", "tok/s/gpu", "MFU", "HFU", ""]
+    cells, notes = [head], []
+    for i, e in enumerate(shown, 1):
+        cells.append(_row(i, e, offloads))
         if not e.fits:
             notes.append(f"  ! #{i} fits: false -- {e.overflow}")
         if e.not_runnable:
             notes.append(f"  * #{i} is not runnable by meshforge train: {e.not_runnable}")
-    best = results[0].tokens_per_s_per_gpu if results else 0.0
-    faster = [e for e in refused if e.tokens_per_s_per_gpu > best][:3]
-    if faster:
-        notes.append("faster layouts meshforge train does not run (not ranked):")
+    widths = [max(len(r[c]) for r in cells) for c in range(len(head))]
+    lines = [" ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines + notes + _faster(results, refused) + [COLUMNS])
+
+
+def _row(i: int, e: Estimate, offloads: bool) -> list[str]:
+    L = e.layout
+    sched = "-" if L.pp == 1 else L.pp_schedule + (f" v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else "")
+    flags = " ".join(f for f, on in (("*", e.not_runnable), ("!", not e.fits)) if on)
+    cols = [i, L.tp, L.pp, L.dp, L.cp, L.ep, L.zero_stage, L.micro_batch_size, L.num_microbatches]
+    return (
+        [str(c) for c in cols]
+        + [L.activation_checkpoint, sched, f"{e.memory['total']:.1f}"]
+        + ([_host(e)] if offloads else [])
+        + [f"{e.step_time_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}%", f"{100 * e.hfu:.1f}%"]
+        + [f" {flags}" if flags else ""]
+    )
+
+
+def _faster(results: list[Estimate], refused: list[Estimate]) -> list[str]:
+    """Refused layouts faster than row 1 as printed (a tie at the shown precision is not faster)."""
+    best = round(results[0].tokens_per_s_per_gpu) if results else 0
+    faster = [e for e in refused if round(e.tokens_per_s_per_gpu) > best][:3]
+    if not faster:
+        return []
+    notes = ["faster layouts meshforge train does not run (not ranked):"]
     for e in faster:
         L = e.layout
+        sched = L.pp_schedule + (f" v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else "")
         notes.append(
-            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {L.pp_schedule}: "
-            f"{e.tokens_per_s_per_gpu:.0f} tok/s/gpu -- {e.not_runnable}"
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {sched}: "
+            f"{e.tokens_per_s_per_gpu:,.0f} tok/s/gpu -- {e.not_runnable}"
         )
-    return "\n".join(rows + notes + [COLUMNS])
+    return notes
 
 
 def _host(e: Estimate) -> str:
