@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint import store
-from meshforge.checkpoint.manager import resolve_load, young_daly_steps
+from meshforge.checkpoint.saver import resolve_load, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config

@@ -9,7 +9,7 @@ import pytest
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.parallel.dims import ParallelDims, Training, rank_layout
-from meshforge.planner import report
+from meshforge.planner import output as report
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.search import Fixed, candidates, judge

@@ -12,7 +12,8 @@ from meshforge.errors import ConfigError
 from meshforge.models import flops
 from meshforge.models.presets import PRESETS
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
-from meshforge.planner import kernel_costs, moe_costs, report
+from meshforge.planner import kernel_costs, moe_costs
+from meshforge.planner import output as report
 from meshforge.planner.estimate import Layout, estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run

@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "explore":
             return cmd_explore(args)
         if args.command == "calibrate":
-            from meshforge.planner.calibrate import run as run_calibrate
+            from meshforge.calibration.measure import run as run_calibrate
 
             return run_calibrate(args)
         parser.print_help()

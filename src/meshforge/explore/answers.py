@@ -12,7 +12,7 @@ from typing import Any
 from meshforge.errors import ConfigError
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.parallel.dims import ParallelDims, Problem, Training
-from meshforge.planner import report
+from meshforge.planner import output as report
 from meshforge.planner.estimate import Estimate, Layout, estimate
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware

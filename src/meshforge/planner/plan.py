@@ -11,7 +11,7 @@ from pathlib import Path
 from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
-from meshforge.planner import report
+from meshforge.planner import output as report
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Fixed, Ranked, search
 from meshforge.planner.shape import Shape, from_args, from_preset

@@ -22,11 +22,14 @@ import torch
 import torch.distributed as dist
 
 from meshforge import faults, launch_env
+from meshforge.checkpoint.run_checkpoints import CheckpointManager, read_resume_point
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
+from meshforge.health.step_watch import StepWatch
 from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.sinks import MetricsLogger
+from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.models.flops import num_params
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
@@ -34,9 +37,7 @@ from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
 from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
-from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
-from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
@@ -44,7 +45,6 @@ from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
 from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
-from meshforge.train.step_watch import StepWatch
 from meshforge.train.stop import StopRequest
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.checkpoint import store
-from meshforge.checkpoint.manager import resolve_load
+from meshforge.checkpoint.saver import resolve_load
 from meshforge.config import Config, to_toml
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshforge.checkpoint.manager import rng_state, set_rng_state
+from meshforge.checkpoint.saver import rng_state, set_rng_state
 from meshforge.data.sampler import GlobalBatchSampler
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from meshforge import faults
 from meshforge.checkpoint import store
-from meshforge.checkpoint.manager import resolve_load
+from meshforge.checkpoint.saver import resolve_load
 from meshforge.errors import MeshforgeError
 from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck

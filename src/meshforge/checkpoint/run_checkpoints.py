@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshforge.checkpoint import sharded, store
-from meshforge.checkpoint.manager import Checkpointer, model_shape_hash, young_daly_steps
+from meshforge.checkpoint.saver import Checkpointer, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import save_weights, shape_mismatch
 from meshforge.config import Config, to_toml

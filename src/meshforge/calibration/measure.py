@@ -38,11 +38,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from meshforge.calibration.layout_fixed import layout_fixed_costs
 from meshforge.errors import ConfigError
 from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
 from meshforge.parallel.collectives import all_gather_flat
 from meshforge.parallel.data_parallel import AllReduceScatter
-from meshforge.planner.calibrate_fixed import layout_fixed_costs
 from meshforge.planner.hardware import PRESETS, Hardware, cost_coefficients
 
 
