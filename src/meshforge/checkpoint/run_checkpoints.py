@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshforge.checkpoint import sharded, store
-from meshforge.checkpoint.saver import Checkpointer, model_shape_hash, young_daly_steps
+from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import save_weights, shape_mismatch
 from meshforge.config import Config, to_toml
@@ -47,8 +47,8 @@ def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tupl
     return meta, dropped
 
 
-class CheckpointManager:
-    """One per rank: owns the Checkpointer, the save cadence, resume and the final export."""
+class RunCheckpoints:
+    """One per rank: owns the CheckpointSaver, the save cadence, resume and the final export."""
 
     def __init__(
         self,
@@ -63,7 +63,7 @@ class CheckpointManager:
         self.cfg, self.mesh, self.args, self.event = cfg, mesh, args, event
         self.model, self.optimizer, self.state = model, optimizer, state
         self.run_dir = Path(cfg.run.dir)
-        self.checkpointer = Checkpointer(
+        self.checkpointer = CheckpointSaver(
             self.run_dir / "checkpoints", mesh.rank, mesh.distributed, cfg.checkpoint.keep, event, mesh.device
         )
         self.interval = cfg.checkpoint.interval

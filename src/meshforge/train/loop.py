@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge import faults, launch_env
-from meshforge.checkpoint.run_checkpoints import CheckpointManager, read_resume_point
+from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
@@ -93,7 +93,7 @@ class Trainer:
         if mesh.is_main:
             m = cfg.metrics
             self.logger = MetricsLogger(Path(cfg.run.dir), cfg.train.steps, m.console, m.jsonl, m.tensorboard, stream)
-        self.checkpoints = CheckpointManager(cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event)
+        self.checkpoints = RunCheckpoints(cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event)
         if launch_env.restart_count():
             self.event("restart", attempt=launch_env.restart_count(), resume_from=str(resume) if resume else None)
         if resume:

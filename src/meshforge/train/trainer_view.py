@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.optim.lr_scheduler import LambdaLR
 
-    from meshforge.checkpoint.run_checkpoints import CheckpointManager
+    from meshforge.checkpoint.run_checkpoints import RunCheckpoints
     from meshforge.config import Config
     from meshforge.metrics.sinks import MetricsLogger
     from meshforge.metrics.step_metrics import StepMetrics
@@ -34,7 +34,7 @@ class TrainerView(Protocol):
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     state: TrainState
-    checkpoints: CheckpointManager
+    checkpoints: RunCheckpoints
     metrics: StepMetrics
     logger: MetricsLogger | None
     comm: CommCounter | None
