@@ -1,4 +1,4 @@
-"""Saving checkpoints and choosing one to resume from: synchronous or background saves on a dedicated
+"""How a run saves checkpoints: synchronous or background saves on a dedicated
 process group, completion, retention, choosing what to resume from, and the save cadence.
 
 A background save (``checkpoint.async = true``) goes through ``dcp.async_save``: training
