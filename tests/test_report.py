@@ -6,11 +6,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_overrides
 from meshforge.cli import main
 from meshforge.report import write_report
 from meshforge.report.run_report import CHARTS
-from meshforge.train import train
 
 
 class Page(HTMLParser):
@@ -54,7 +53,7 @@ def _metrics(run):
 def finished(tmp_path_factory, corpus):
     """A 12-step run with evaluations at steps 4 and 8 (and the end); its dir name needs escaping."""
     run = tmp_path_factory.mktemp("rep") / "run<b>&"
-    train(tiny_config(run, corpus, **{"train.steps": 12, "train.eval_interval": 4}))
+    assert main(["train", *cli_args(tiny_overrides(run, corpus, **{"train.steps": 12, "train.eval_interval": 4}))]) == 0
     return run
 
 
@@ -108,7 +107,8 @@ def test_not_a_run_is_a_clear_error(tmp_path, capsys):
 
 def test_no_report_when_turned_off(tmp_path, corpus):
     run = tmp_path / "run"
-    train(tiny_config(run, corpus, **{"train.steps": 2, "metrics.report": False, "train.eval_batches": 0}))
+    o = tiny_overrides(run, corpus, **{"train.steps": 2, "metrics.report": False, "train.eval_batches": 0})
+    assert main(["train", *cli_args(o)]) == 0
     assert (run / "metrics.jsonl").is_file() and not (run / "report.html").exists()
 
 

@@ -88,7 +88,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     from meshforge.config import load_config
     from meshforge.launch import check_nproc, launch_local
-    from meshforge.train import preflight, train
+    from meshforge.train import preflight
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
@@ -102,11 +102,11 @@ def cmd_train(argv: list[str]) -> int:
     if launch_env.under_launcher():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
-        summary = train(cfg)
+        summary = train_and_report(cfg)
         return 0 if summary else 1
     check_nproc(nproc, cfg.train.device)
     if nproc == 1 and not restarts:
-        train(cfg)
+        train_and_report(cfg)
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
     cfg = preflight(cfg, nproc)
@@ -120,6 +120,37 @@ def cmd_train(argv: list[str]) -> int:
     ]
     child.append(f"--run.dir={cfg.run.dir}")
     return launch_local(nproc, child, restarts)
+
+
+def train_and_report(cfg: Any) -> dict[str, Any]:
+    """Train on this rank, then (rank 0) write run.dir/report.html from whatever the run
+    wrote, also after a failed or stopped run. Written here, above train/, so that training
+    never imports the analysis side (report/ reads the planner)."""
+    from meshforge.train import train
+    from meshforge.train.run_dir import default_run_dir
+
+    if not cfg.run.dir:  # picked here so the report knows it; under torchrun rank 0's pick is the run's
+        cfg.run.dir = default_run_dir(cfg)
+    try:
+        return train(cfg)
+    finally:
+        if launch_env.rank() == 0:
+            write_run_report(cfg)
+
+
+def write_run_report(cfg: Any) -> None:
+    """run.dir/report.html (unless metrics.report = false); a report error is logged as an
+    event (``report_failed``), never raised over the run's own outcome."""
+    from meshforge.report import write_report
+    from meshforge.train.run_dir import event_writer
+
+    run_dir = Path(cfg.run.dir)
+    if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
+        return
+    try:
+        write_report([run_dir], run_dir / "report.html")
+    except Exception as e:  # noqa: BLE001 - the report must never hide the training outcome
+        event_writer(cfg)("report_failed", error=f"{type(e).__name__}: {e}"[:2000])
 
 
 def dry_run(cfg: Any, world: int) -> int:

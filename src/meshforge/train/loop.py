@@ -42,7 +42,7 @@ from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
-from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
+from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
 from meshforge.train.stop import StopRequest
@@ -270,5 +270,3 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         shutdown(clean)
-        if launch_env.rank() == 0:
-            write_run_report(cfg)

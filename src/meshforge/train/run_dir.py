@@ -31,7 +31,6 @@ from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.fp8 import model_fp8_plan
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import resolve_precision
-from meshforge.report import write_report
 from meshforge.resolve import resolve
 
 
@@ -191,15 +190,3 @@ def agree_on_start(cfg: Config, mesh: Mesh) -> tuple[Config, str | None]:
     dist.broadcast_object_list(obj, src=0)
     run = dataclasses.replace(cfg.run, dir=obj[0])
     return dataclasses.replace(cfg, run=run, train=dataclasses.replace(cfg.train, precision=obj[1])), obj[2]
-
-
-def write_run_report(cfg: Config) -> None:
-    """run.dir/report.html from whatever the run wrote; a report error is logged as an
-    event (``report_failed``), never raised over the run's own outcome."""
-    run_dir = Path(cfg.run.dir)
-    if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
-        return
-    try:
-        write_report([run_dir], run_dir / "report.html")
-    except Exception as e:  # noqa: BLE001 - the report must never hide the training outcome
-        event_writer(cfg)("report_failed", error=f"{type(e).__name__}: {e}"[:2000])
