@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import run_cli
-from meshforge.calibration.measure import COLLECTIVES, fit_alpha_beta
+from meshforge.calibration.collectives import COLLECTIVES, fit_alpha_beta
 from meshforge.errors import ConfigError
 from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
 from meshforge.planner.hardware import cost_coefficients, get_hardware
