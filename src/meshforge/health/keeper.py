@@ -20,10 +20,10 @@ from meshforge.errors import MeshforgeError
 from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
+from meshforge.health.trainer_view import TrainerView
 from meshforge.health.watchdog import HangWatchdog
 from meshforge.train.optimizer import build_scheduler
 from meshforge.train.run_dir import trim_metrics
-from meshforge.train.trainer_view import TrainerView
 
 
 class HealthStop(MeshforgeError):

@@ -12,10 +12,10 @@ from torch import nn
 
 from meshforge.config import to_dict
 from meshforge.health.keeper import HealthKeeper
+from meshforge.health.trainer_view import TrainerView
 from meshforge.metrics.profiler import StepProfiler
 from meshforge.metrics.time_breakdown import StepClock
 from meshforge.metrics.wandb_sink import WandbSink
-from meshforge.train.trainer_view import TrainerView
 
 
 class StepWatch:
