@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,14 @@ from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import save_weights, shape_mismatch
 from meshforge.config import Config, to_toml
 from meshforge.launch_env import restart_count
+from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
 from meshforge.models.llama import ModelArgs
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
-from meshforge.train.run_dir import trim_metrics
-from meshforge.train.state import TrainState
+
+if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
+    from meshforge.train.state import TrainState
 
 
 def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tuple[dict[str, Any] | None, int]:

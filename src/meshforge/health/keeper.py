@@ -22,8 +22,7 @@ from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.trainer_view import TrainerView
 from meshforge.health.watchdog import HangWatchdog
-from meshforge.train.optimizer import build_scheduler
-from meshforge.train.run_dir import trim_metrics
+from meshforge.metrics.sinks import trim_metrics
 
 
 class HealthStop(MeshforgeError):
@@ -179,5 +178,5 @@ class HealthKeeper:
         t.say(t.checkpoints.resume(path, meta, dropped))
         skipped = consumed // t.state.sampler.batch - meta["sampler"]["consumed"] // t.state.sampler.batch
         t.state.sampler.consumed = consumed
-        t.scheduler = t.runner.scheduler = build_scheduler(t.optimizer, t.cfg, t.state.step)
+        t.reposition_schedule()
         t.event("rollback", bad_step=bad_step, to_step=t.state.step, path=str(path), batches_skipped=skipped)

@@ -117,3 +117,24 @@ class MetricsLogger:
         for s in (self.metrics, self.events, self.tb, *self.sinks):
             if s:
                 s.close()
+
+
+def trim_metrics(run_dir: Path, step: int) -> int:
+    """Drop metrics.jsonl records after ``step`` (they are recomputed after a resume), so the
+    file keeps one record per step. Returns how many were dropped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            dropped += 1
+            continue
+        if rec.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(x + "\n" for x in kept))
+    return dropped

@@ -111,6 +111,10 @@ class Trainer:
         self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
         self.watch = StepWatch(self)  # health checks, profiler, time breakdown
 
+    def reposition_schedule(self) -> None:
+        """The LR schedule at the current step (after a rollback loaded an older checkpoint)."""
+        self.scheduler = self.runner.scheduler = build_scheduler(self.optimizer, self.cfg, self.state.step)
+
     def event(self, name: str, **fields: Any) -> None:
         if self.logger:
             self.logger.event(name, **fields)

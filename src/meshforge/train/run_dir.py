@@ -138,27 +138,6 @@ def prepare_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def trim_metrics(run_dir: Path, step: int) -> int:
-    """Drop metrics.jsonl records after ``step`` (they are recomputed after a resume), so the
-    file keeps one record per step. Returns how many were dropped."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            dropped += 1
-            continue
-        if rec.get("step", 0) <= step:
-            kept.append(line)
-        else:
-            dropped += 1
-    path.write_text("".join(x + "\n" for x in kept))
-    return dropped
-
-
 def event_writer(cfg: Config) -> Callable[..., None]:
     """Append one event to run.dir/events.jsonl from any rank (before or without a logger)."""
 
