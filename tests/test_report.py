@@ -76,6 +76,15 @@ def test_a_finished_run_writes_its_report(finished):
     assert "finished" in text and "1 x cpu" in text  # the planner ran for this layout
 
 
+def test_a_refused_run_leaves_the_old_runs_report_alone(finished, corpus, capsys):
+    """The CLI writes the report after train() returns; a run refused before it starts
+    (run.dir holds another run) must not rewrite that run's report."""
+    before = (finished / "report.html").stat().st_mtime_ns
+    assert main(["train", *cli_args(tiny_overrides(finished, corpus, **{"train.steps": 2}))]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (finished / "report.html").stat().st_mtime_ns == before
+
+
 def test_two_runs_overlay_and_a_crashed_run_renders(finished, tmp_path, corpus):
     crashed = tmp_path / "crashed"
     r = run_cli(

@@ -125,16 +125,17 @@ def cmd_train(argv: list[str]) -> int:
 def train_and_report(cfg: Any) -> dict[str, Any]:
     """Train on this rank, then (rank 0) write run.dir/report.html from whatever the run
     wrote, also after a failed or stopped run. Written here, above train/, so that training
-    never imports the analysis side (report/ reads the planner)."""
-    from meshforge.train import train
-    from meshforge.train.run_dir import default_run_dir
+    never imports the analysis side (report/ reads the planner). Rank 0 checks the run first
+    (as the multi-rank launch does): a refused run writes nothing, not even into an old run."""
+    from meshforge.train import preflight, train
 
-    if not cfg.run.dir:  # picked here so the report knows it; under torchrun rank 0's pick is the run's
-        cfg.run.dir = default_run_dir(cfg)
+    main = launch_env.rank() == 0
+    if main:
+        cfg.run.dir = preflight(cfg, launch_env.world_size()).run.dir  # under torchrun, rank 0's dir is the run's
     try:
         return train(cfg)
     finally:
-        if launch_env.rank() == 0:
+        if main:
             write_run_report(cfg)
 
 
