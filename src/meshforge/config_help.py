@@ -171,6 +171,7 @@ HELP: dict[str, str] = {
     "data.tokenizer": "byte or a path to a Hugging Face tokenizer.json",
     "data.val_fraction": "share of the corpus held out for validation",
     "data.cache_dir": "where prepared corpora are cached; empty = $MESHFORGE_CACHE or ~/.cache/meshforge",
+    "data.allow_binary": "train on files that are mostly not text (more than 30% non-text bytes); refused by default",
     "checkpoint.interval": (
         "steps between sharded training checkpoints in run.dir/checkpoints (also one at the end); "
         '0: none; "auto": the Young/Daly optimum √(2 × blocking cost × MTBF). See '

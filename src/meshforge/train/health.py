@@ -21,6 +21,7 @@ from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
+from meshforge.metrics.progress import is_logged
 from meshforge.train.optimizer import build_scheduler
 from meshforge.train.run_dir import trim_metrics
 from meshforge.train.trainer_view import TrainerView
@@ -122,7 +123,7 @@ class HealthKeeper:
         """Note that step ``n`` starts; returns its start time (perf_counter)."""
         self.guard.arm(n)
         cfg = self.t.cfg
-        self.logged = n % cfg.metrics.log_interval == 0 or n == cfg.train.steps
+        self.logged = is_logged(n, cfg.metrics.log_interval, cfg.train.steps)
         self.compute_s = 0.0
         if self.watchdog:
             self.watchdog.beat(n)
