@@ -190,7 +190,7 @@ HELP: dict[str, str] = {
     "metrics.log_interval": "log every N steps (metrics.jsonl, console, TensorBoard)",
     "metrics.console": "progress lines and the summary on stdout",
     "metrics.jsonl": "write metrics.jsonl",
-    "metrics.tensorboard": "write TensorBoard event files under run.dir/tensorboard",
+    "metrics.tensorboard": "write TensorBoard event files under run.dir/tensorboard (needs the tensorboard package)",
     "metrics.report": (
         "write the HTML run report run.dir/report.html when the run stops (finished, interrupted or"
         " failed); see [report.md](report.md)"
