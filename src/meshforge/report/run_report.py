@@ -248,7 +248,8 @@ tr.key-event td.event{font-weight:bold}pre{background:#f8f8f8;padding:8px;font-s
 .nodata{color:#888}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .field{display:inline-block;margin-right:1em}.field b{font-weight:600;color:#555}
 .stack{display:flex;height:22px;width:600px;border:1px solid #ccc;margin:4px 0 8px}.stack .part{height:100%}
-.u-legend td,.u-legend th{border:none;background:none}.u-legend{font-size:12px}.u-legend .u-marker{width:18px;height:0;border-width:3px 0 0 0!important}
+.u-legend td,.u-legend th{border:none;background:none}.u-legend{font-size:12px}
+.u-legend .u-marker{width:18px;height:0;border-width:3px 0 0 0!important}
 """
 
 
