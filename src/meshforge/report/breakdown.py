@@ -16,7 +16,7 @@ PARTS = (
     ("checkpoint_s", "checkpoints", "#8c564b"),
     ("eval_s", "evaluation", "#e377c2"),
     ("logging_s", "logging and measurement", "#17becf"),
-    ("other_s", "other (checks, loop, first-step warm-up not in a step)", "#7f7f7f"),
+    ("other_s", "other (per-step checks and measurement, the loop itself)", "#7f7f7f"),
 )
 
 
