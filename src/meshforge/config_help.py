@@ -171,7 +171,10 @@ HELP: dict[str, str] = {
     "data.tokenizer": "byte or a path to a Hugging Face tokenizer.json",
     "data.val_fraction": "share of the corpus held out for validation",
     "data.cache_dir": "where prepared corpora are cached; empty = $MESHFORGE_CACHE or ~/.cache/meshforge",
-    "data.allow_binary": "train on files that are mostly not text (more than 30% non-text bytes); refused by default",
+    "data.allow_binary": (
+        "train on files that are mostly not text (more than 30% of their bytes invalid UTF-8 or "
+        "control characters); by default such data is refused with exit 2"
+    ),
     "checkpoint.interval": (
         "steps between sharded training checkpoints in run.dir/checkpoints (also one at the end); "
         '0: none; "auto": the Young/Daly optimum √(2 × blocking cost × MTBF). See '
@@ -190,7 +193,10 @@ HELP: dict[str, str] = {
     "metrics.log_interval": "log every N steps (metrics.jsonl, console, TensorBoard)",
     "metrics.console": "progress lines and the summary on stdout",
     "metrics.jsonl": "write metrics.jsonl",
-    "metrics.tensorboard": "write TensorBoard event files under run.dir/tensorboard (needs the tensorboard package)",
+    "metrics.tensorboard": (
+        "write TensorBoard event files under run.dir/tensorboard (through torch.utils.tensorboard; "
+        "needs pip install 'meshforge[tensorboard]', else a one-line note)"
+    ),
     "metrics.report": (
         "write the HTML run report run.dir/report.html when the run stops (finished, interrupted or"
         " failed); see [report.md](report.md)"
