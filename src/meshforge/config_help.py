@@ -190,7 +190,7 @@ HELP: dict[str, str] = {
     "checkpoint.mtbf_hours": 'the job\'s mean time between failures, for interval = "auto"',
     "checkpoint.save_final": "write the final weights to run.dir/final (also after Ctrl-C)",
     "checkpoint.export_hf": "also write run.dir/final-hf, a Hugging Face directory",
-    "metrics.log_interval": "log every N steps (metrics.jsonl, console, TensorBoard)",
+    "metrics.log_interval": "log step 1, then every N steps and the last (metrics.jsonl, console, TensorBoard)",
     "metrics.console": "progress lines and the summary on stdout",
     "metrics.jsonl": "write metrics.jsonl",
     "metrics.tensorboard": (
