@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshforge: aborted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _pipe_closed()
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout went away (``meshforge ... | head``): stop quietly, as ``cat`` does.
+    Stdout goes to /dev/null so the interpreter's last flush does not raise again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0

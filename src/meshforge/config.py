@@ -128,6 +128,7 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.01
     cache_dir: str = ""  # empty: $MESHFORGE_CACHE or ~/.cache/meshforge
+    allow_binary: bool = False  # train on files that are mostly not text (refused otherwise)
 
 
 @dataclass
@@ -338,8 +339,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing TOML file to --config")
         try:
-            data = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {p} is not a UTF-8 TOML file (byte {e.start} is not UTF-8: is it a binary file?); "
+                "pass a text TOML config such as configs/debug.toml"
+            ) from None
+        except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}. Fix the syntax at that line.") from None
         for section, body in data.items():
             if not isinstance(body, dict):

@@ -171,6 +171,10 @@ HELP: dict[str, str] = {
     "data.tokenizer": "byte or a path to a Hugging Face tokenizer.json",
     "data.val_fraction": "share of the corpus held out for validation",
     "data.cache_dir": "where prepared corpora are cached; empty = $MESHFORGE_CACHE or ~/.cache/meshforge",
+    "data.allow_binary": (
+        "train on files that are mostly not text (more than 30% of their bytes invalid UTF-8 or "
+        "control characters); by default such data is refused with exit 2"
+    ),
     "checkpoint.interval": (
         "steps between sharded training checkpoints in run.dir/checkpoints (also one at the end); "
         '0: none; "auto": the Young/Daly optimum √(2 × blocking cost × MTBF). See '
@@ -186,10 +190,13 @@ HELP: dict[str, str] = {
     "checkpoint.mtbf_hours": 'the job\'s mean time between failures, for interval = "auto"',
     "checkpoint.save_final": "write the final weights to run.dir/final (also after Ctrl-C)",
     "checkpoint.export_hf": "also write run.dir/final-hf, a Hugging Face directory",
-    "metrics.log_interval": "log every N steps (metrics.jsonl, console, TensorBoard)",
+    "metrics.log_interval": "log step 1, then every N steps and the last (metrics.jsonl, console, TensorBoard)",
     "metrics.console": "progress lines and the summary on stdout",
     "metrics.jsonl": "write metrics.jsonl",
-    "metrics.tensorboard": "write TensorBoard event files under run.dir/tensorboard",
+    "metrics.tensorboard": (
+        "write TensorBoard event files under run.dir/tensorboard (through torch.utils.tensorboard; "
+        "needs pip install 'meshforge[tensorboard]', else a one-line note)"
+    ),
     "metrics.report": (
         "write the HTML run report run.dir/report.html when the run stops (finished, interrupted or"
         " failed); see [report.md](report.md)"

@@ -120,6 +120,13 @@ class Handler(BaseHTTPRequestHandler):
         if r.body and self.command != "HEAD":
             self.wfile.write(r.body)
 
+    def handle(self) -> None:
+        """A client that goes away mid-answer (closed tab, curl | head) is not an error."""
+        try:
+            super().handle()
+        except ConnectionError:
+            pass
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         if not self.quiet:
             super().log_message(format, *args)

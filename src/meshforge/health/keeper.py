@@ -22,6 +22,7 @@ from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.trainer_view import TrainerView
 from meshforge.health.watchdog import HangWatchdog
+from meshforge.metrics.progress import is_logged
 from meshforge.metrics.sinks import trim_metrics
 
 
@@ -121,7 +122,7 @@ class HealthKeeper:
         """Note that step ``n`` starts; returns its start time (perf_counter)."""
         self.guard.arm(n)
         cfg = self.t.cfg
-        self.logged = n % cfg.metrics.log_interval == 0 or n == cfg.train.steps
+        self.logged = is_logged(n, cfg.metrics.log_interval, cfg.train.steps)
         self.compute_s = 0.0
         if self.watchdog:
             self.watchdog.beat(n)

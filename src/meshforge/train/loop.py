@@ -28,8 +28,10 @@ from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.step_watch import StepWatch
 from meshforge.metrics.mfu import peak_flops
+from meshforge.metrics.progress import is_logged, slow_step_line
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
+from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
 from meshforge.models.flops import num_params
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
@@ -83,6 +85,7 @@ class Trainer:
         self.gantt_step = min(3, t.steps) if self.pipeline else 0  # past the first steps' warm-up
         self.peak = peak_flops(self.device, self.precision)
         self.metrics = StepMetrics(cfg, self.args, mesh.world_size, self.peak, self.device)
+        self.phases = PhaseTimer()  # host time of checkpoint, eval and logging (time_breakdown)
         self._start_run(stream, resume, built.train_model)
 
     def _start_run(self, stream: TextIO | None, resume: Path | None, train_model: torch.nn.Module) -> None:
@@ -160,7 +163,7 @@ class Trainer:
                 self.logger.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, Any]:
-        t, log, st = self.cfg.train, self.logger, self.state
+        t, st = self.cfg.train, self.state
         if st.step >= t.steps:  # resumed from a checkpoint at (or past) the end
             self.event("nothing_to_do", step=st.step, steps=t.steps)
             self.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
@@ -169,21 +172,20 @@ class Trainer:
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
             n = st.step + 1
-            logged = n % self.cfg.metrics.log_interval == 0 or n == t.steps
+            logged = is_logged(n, self.cfg.metrics.log_interval, t.steps)
             last = n == t.steps or stop.stop_after(n, logged)
             t0 = self.watch.before_step(n)
             result = self.step_once(measure=logged or last or n == self.gantt_step)
             if self.watch.after_step(n):  # went back to a checkpoint
                 continue
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
-            self.metrics.add(time.perf_counter() - t0, result)
-            if logged or last:
-                extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats, "moe": self.moe_stats}
-                rec = self.metrics.record(n, st.tokens_seen, result, extra)
-                if log:
-                    log.log_step(rec)
-            self.checkpoints.checkpointer.poll()
-            self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
+            dt = time.perf_counter() - t0
+            self.metrics.add(dt, result)
+            with self.phases("logging"):
+                self._log_step(n, result, logged or last, dt)
+            with self.phases("checkpoint"):
+                self.checkpoints.checkpointer.poll()
+                self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
             if t.eval_interval and n % t.eval_interval == 0 and not last:
                 self._evaluate_and_log()
             if last and n < t.steps:
@@ -191,9 +193,10 @@ class Trainer:
                 self.event("interrupted", step=n)
                 break
         self.watch.close()
-        self.checkpoints.checkpointer.wait()
-        wall = time.perf_counter() - t_start
+        with self.phases("checkpoint"):
+            self.checkpoints.checkpointer.wait()
         val_loss = self._evaluate_and_log() if t.eval_batches else None
+        wall = time.perf_counter() - t_start
         summary = self.metrics.summary(
             self.runner.reduce_loss,
             steps=st.step,
@@ -202,6 +205,8 @@ class Trainer:
             wall_time_s=wall,
             val_loss=val_loss,
         )
+        parts = self.metrics.breakdown_sum
+        summary["time_breakdown"] = run_breakdown(wall, sum(self.metrics.times), parts, self.phases.totals)
         if self.mesh.is_main:
             (Path(self.cfg.run.dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         self.checkpoints.export_final(pipelined=self.pipeline is not None)
@@ -210,8 +215,21 @@ class Trainer:
         self.say(resume_hint(self.cfg, self.mesh.world_size, finished=not interrupted))
         return summary
 
+    def _log_step(self, n: int, result: StepResult, logged: bool, dt: float) -> None:
+        """Record and write logged step ``n``; a word on an unlogged step that was slow."""
+        if not logged:
+            slow = slow_step_line(n, self.cfg.train.steps, dt, self.cfg.metrics.log_interval)
+            if slow:
+                self.say(slow)
+            return
+        extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats, "moe": self.moe_stats}
+        rec = self.metrics.record(n, self.state.tokens_seen, result, extra)
+        if self.logger:
+            self.logger.log_step(rec)
+
     def _evaluate_and_log(self) -> float | None:
-        v = self.evaluate()
+        with self.phases("eval"):
+            v = self.evaluate()
         if self.logger and v is not None:
             self.logger.log_eval(self.state.step, v)
         return v

@@ -26,6 +26,7 @@ from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError, DataError
+from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
 from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.fp8 import model_fp8_plan
@@ -119,6 +120,7 @@ def preflight(cfg: Config, world_size: int) -> Config:
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(cfg)
     check_run_dir(cfg)
+    refuse_binary(cfg.data.path, cfg.data.allow_binary)
     open_data(cfg)
     return cfg
 
