@@ -15,6 +15,7 @@ from typing import Any
 
 from meshforge import __version__, launch_env
 from meshforge.errors import ConfigError, MeshforgeError, suggest
+from meshforge.lifeline import tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
                        [--section.key=value ...]
@@ -80,6 +81,7 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 
 
 def cmd_train(argv: list[str]) -> int:
+    tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
         from meshforge.config import describe_keys
 
