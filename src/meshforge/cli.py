@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,19 +89,23 @@ def cmd_train(argv: list[str]) -> int:
         print(TRAIN_USAGE)
         print(describe_keys())
         return 0
+    from meshforge import run_lock
     from meshforge.config import load_config
-    from meshforge.launch import check_nproc, launch_local
-    from meshforge.train import preflight, train
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
     if "--dry-run" in argv:
         return dry_run(cfg, nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
+    if not launch_env.under_launcher() and cfg.run.dir and Path(cfg.run.dir).is_dir():
+        run_lock.hold(Path(cfg.run.dir))  # a second run into a busy run.dir is refused here, at once
     if restarts and (cfg.checkpoint.interval == 0 or cfg.checkpoint.load == "none"):
         raise ConfigError(
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
+    from meshforge.launch import check_nproc, launch_local
+    from meshforge.train import preflight, train
+
     if launch_env.under_launcher():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
@@ -112,6 +117,9 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
     cfg = preflight(cfg, nproc)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
+    os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())
     child = ["train"]
     if config_file:
         child += ["--config", config_file]
@@ -308,3 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshforge: aborted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from meshforge.peer_lost import is_peer_lost, say_peer_lost
+
+        if launch_env.under_launcher() and is_peer_lost(e):
+            return say_peer_lost(e)
+        raise

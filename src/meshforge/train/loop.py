@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,7 +20,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshforge import faults, launch_env
+from meshforge import faults, launch_env, run_lock
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
@@ -36,12 +35,13 @@ from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
 from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
+from meshforge.train.failure import on_failure
 from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
-from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
+from meshforge.train.run_dir import agree_on_start, open_data, preflight, write_run_report
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
 from meshforge.train.step_watch import StepWatch
@@ -263,12 +263,13 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             clean = True
             return result
         except Exception as e:
-            event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
-            if mesh.is_main:
-                print(f"meshforge: the run failed; {resume_hint(cfg, mesh.world_size, False)}", file=sys.stderr)
+            instead = on_failure(cfg, mesh.rank, mesh.world_size, e)
+            if instead is not None:
+                raise instead from None
             raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         shutdown(clean)
         if launch_env.rank() == 0:
             write_run_report(cfg)
+            run_lock.release(Path(cfg.run.dir))

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge import run_lock
 from meshforge.checkpoint import store
 from meshforge.checkpoint.manager import resolve_load
 from meshforge.config import Config, to_toml
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
+from meshforge.disk import check_disk, describe
 from meshforge.errors import ConfigError, DataError
 from meshforge.launch_env import restart_count
 from meshforge.models.presets import model_args_from_config
@@ -120,6 +122,7 @@ def preflight(cfg: Config, world_size: int) -> Config:
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(cfg)
     check_run_dir(cfg)
+    check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
     open_data(cfg)
     return cfg
 
@@ -128,6 +131,8 @@ def prepare_run_dir(cfg: Config) -> Path:
     """Create run.dir (clearing an old run only when run.overwrite is set and this is not a
     restart) and write config.toml."""
     run_dir = check_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_lock.hold(run_dir, quiet=restart_count() > 0)  # before touching anything in it
     if cfg.run.overwrite and restart_count() == 0:
         for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
@@ -202,4 +207,9 @@ def write_run_report(cfg: Config) -> None:
     try:
         write_report([run_dir], run_dir / "report.html")
     except Exception as e:  # noqa: BLE001 - the report must never hide the training outcome
-        event_writer(cfg)("report_failed", error=f"{type(e).__name__}: {e}"[:2000])
+        why = describe(run_dir / "report.html", e, "write") if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        print(f"meshforge: note: report.html skipped ({why})", file=sys.stderr)
+        try:
+            event_writer(cfg)("report_failed", error=why[:2000])
+        except OSError:
+            pass
