@@ -79,7 +79,7 @@ def probe_run_dir(run_dir: Path) -> Path:
 
 def check_disk(cfg: Any) -> None:
     """Before training: run.dir is writable and has room for one checkpoint and the final weights."""
-    where = probe_run_dir(Path(cfg.run.dir))
+    probe_run_dir(Path(cfg.run.dir))
     from meshforge.models.presets import model_args_from_config
     from meshforge.planner.shape import from_args
 
@@ -92,7 +92,7 @@ def check_disk(cfg: Any) -> None:
         need += finals * 4 * from_args(model_args_from_config(cfg.model)).num_params()
         parts.append("the final weights")
     if need:
-        check_free_space(where, need, " and ".join(parts) + " of this model")
+        check_free_space(Path(cfg.run.dir), need, " and ".join(parts) + " of this model")
 
 
 def checkpoint_bytes(model: Any, precision: str) -> int:
@@ -109,36 +109,53 @@ def checkpoint_bytes(model: Any, precision: str) -> int:
 
 def check_free_space(run_dir: Path, need: int, what: str) -> None:
     """Refuse (DiskError, ENOSPC) when run.dir's filesystem has less than ``need`` bytes free."""
-    free = shutil.disk_usage(run_dir).free
+    free = shutil.disk_usage(existing_ancestor(run_dir)).free
     if free < need:
         raise DiskError(
-            f"run.dir = {run_dir} has {free / 2**20:,.1f} MiB free, less than {what} needs "
-            f"({need / 2**20:,.1f} MiB): {os.strerror(errno.ENOSPC)} (ENOSPC) ahead of time; {FIXES[errno.ENOSPC]}"
+            f"run.dir = {run_dir} has {free / 2**20:,.1f} MiB free on its filesystem, less than {what} needs "
+            f"({need / 2**20:,.1f} MiB): it would fail with {os.strerror(errno.ENOSPC)} (ENOSPC); free space there "
+            "(old runs, checkpoint.keep) or choose a run.dir on a larger disk"
         )
-
-
-def _os_errors(exc: BaseException | None, seen: set[int]) -> list[OSError]:
-    """OSErrors in ``exc``'s cause/context chain and in a CheckpointException's per-rank failures."""
-    out: list[OSError] = []
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno:
-            out.append(exc)
-        for inner in (getattr(exc, "failures", None) or {}).values():  # DCP's CheckpointException
-            inner = getattr(inner, "exception", inner)  # a WrappedException
-            if isinstance(inner, BaseException):
-                out += _os_errors(inner, seen)
-        exc = exc.__cause__ or exc.__context__
-    return out
 
 
 def disk_error(exc: BaseException, run_dir: Path) -> DiskError | None:
     """The DiskError an exception stands for (a user-fixable errno somewhere inside), else None."""
-    for e in _os_errors(exc, set()):
-        if e.errno in USER_ERRNOS:
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in USER_ERRNOS:
             return DiskError(describe(run_dir, e, "write"))
-    m = re.search(r"\[Errno (\d+)\]", str(exc))  # an error flattened to text by a thread or a gather
-    if m and int(m.group(1)) in USER_ERRNOS:
-        code = int(m.group(1))
-        return DiskError(describe(run_dir, OSError(code, os.strerror(code), str(run_dir)), "write"))
-    return None
+    text = " ".join(str(x) for x in _chain(exc))
+    m = re.search(r"\[Errno (\d+)\]", text)  # an error flattened to text by a thread or a gather
+    code = int(m.group(1)) if m and int(m.group(1)) in USER_ERRNOS else None
+    if code is None and SHORT_WRITE.search(text):  # torch.save's zip writer: a short write, no errno
+        code = errno.ENOSPC if _nearly_full(run_dir) else errno.EIO
+    if code is None:
+        return None
+    return DiskError(describe(run_dir, OSError(code, os.strerror(code), str(run_dir)), "write"))
+
+
+SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed|file write failed")
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc``, its causes and contexts, and a CheckpointException's per-rank failures (and theirs)."""
+    out: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is x for x in out):
+            continue
+        out.append(e)
+        failures = getattr(e, "failures", None)
+        for inner in failures.values() if isinstance(failures, dict) else ():
+            todo.append(inner[0] if isinstance(inner, tuple) else inner)  # DCP wraps (exception, traceback)
+        todo += [e.__cause__, e.__context__]
+    return out
+
+
+def _nearly_full(run_dir: Path) -> bool:
+    """Whether run.dir's filesystem is (all but) full: under 1 MiB or 0.1% left."""
+    try:
+        u = shutil.disk_usage(existing_ancestor(run_dir))
+    except OSError:
+        return False
+    return u.free < max(2**20, u.total // 1000)

@@ -22,16 +22,17 @@ from meshforge.train.run_dir import event_writer
 def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseException | None:
     """Record and clean up after ``exc``; returns the error to raise instead (a DiskError), or None."""
     run_dir = Path(cfg.run.dir)
-    disk = disk_error(exc, run_dir) if not isinstance(exc, MeshforgeError) else None
+    disk = disk_error(exc, run_dir) if not isinstance(exc, MeshforgeError) else None  # before freeing space
+    if rank == 0:  # first: on a full disk this frees the room the event needs
+        try:
+            store.clean_incomplete(run_dir / "checkpoints")
+        except OSError:
+            pass
     shown = disk or exc
     try:
         event_writer(cfg)("failure", rank=rank, error=f"{type(shown).__name__}: {shown}"[:2000])
     except OSError:
         pass  # the disk that failed the run may refuse the event too; the console still says it
     if rank == 0:
-        try:
-            store.clean_incomplete(run_dir / "checkpoints")
-        except OSError:
-            pass
         print(f"meshforge: the run failed; {resume_hint(cfg, world, False)}", file=sys.stderr)
     return disk

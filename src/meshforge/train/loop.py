@@ -262,7 +262,9 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
             clean = True
             return result
-        except Exception as e:
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             instead = on_failure(cfg, mesh.rank, mesh.world_size, e)
             if instead is not None:
                 raise instead from None
