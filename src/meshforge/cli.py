@@ -90,14 +90,16 @@ def cmd_train(argv: list[str]) -> int:
         print(describe_keys())
         return 0
     from meshforge import run_lock
+
+    early = run_lock.run_dir_in_argv(argv)
+    if early and "--dry-run" not in argv and not launch_env.under_launcher() and Path(early).is_dir():
+        run_lock.hold(Path(early))  # a second run into a busy run.dir is refused here, before torch loads
     from meshforge.config import load_config
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
     if "--dry-run" in argv:
         return dry_run(cfg, nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
-    if not launch_env.under_launcher() and cfg.run.dir and Path(cfg.run.dir).is_dir():
-        run_lock.hold(Path(cfg.run.dir))  # a second run into a busy run.dir is refused here, at once
     if restarts and (cfg.checkpoint.interval == 0 or cfg.checkpoint.load == "none"):
         raise ConfigError(
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "

@@ -128,8 +128,36 @@ def release(run_dir: Path) -> None:
 
 def hold(run_dir: Path, quiet: bool = False) -> RunLock | None:
     """``acquire`` and say (on stderr) when a stale lock was taken over."""
-    lock = acquire(run_dir)
+    try:
+        lock = acquire(run_dir)
+    except OSError as e:  # a read-only run.dir, no permission: said as the write probe says it
+        from meshforge.disk import DiskError, describe
+
+        raise DiskError(describe(run_dir, e, "write run.dir at")) from None
     note = stale_note(lock)
     if note and not quiet:
         print(f"meshforge: warning: {note}", file=sys.stderr)
     return lock
+
+
+def run_dir_in_argv(argv: list[str]) -> str | None:
+    """run.dir as ``meshforge train``'s arguments give it (--run.dir, else [run] dir of --config),
+    read without loading the config (and torch): a busy run.dir is refused at once."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        for flag in ("--run.dir", "--config"):
+            if arg.startswith(flag + "="):
+                found[flag] = arg.split("=", 1)[1]
+            elif arg == flag and i + 1 < len(argv):
+                found[flag] = argv[i + 1]
+    if "--run.dir" in found:
+        return found["--run.dir"] or None
+    if "--config" in found:
+        import tomllib
+
+        try:
+            with open(found["--config"], "rb") as f:
+                return str(tomllib.load(f).get("run", {}).get("dir", "")) or None
+        except (OSError, ValueError):
+            return None  # load_config says what is wrong with it
+    return None
