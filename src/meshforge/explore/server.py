@@ -239,7 +239,9 @@ def make_server(host: str = "127.0.0.1", port: int = 8800, quiet: bool = False) 
     """A bound, not yet serving, server (port 0: any free port; read ``server.server_address``)."""
     handler = type("ExploreHandler", (Handler,), {"quiet": quiet})
     cls = type("Server6", (PoolServer,), {"address_family": socket.AF_INET6}) if ":" in host else PoolServer
-    return cls((host, port), handler)
+    server = cls((host, port), handler)
+    route("/api/best?gpus=8&pp=2&top=1")  # warm: the first pipeline rule imports torch's pipelining (seconds)
+    return server
 
 
 def serve(host: str = "127.0.0.1", port: int = 8800) -> int:

@@ -198,9 +198,19 @@ def _per_rank_choices(
                     yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel, offload)
 
 
-def layouts(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int):
-    """Every layout the rules let exist, with (runnable, reason)."""
+def layouts(
+    shape: Shape,
+    gpus: int,
+    global_batch: int,
+    seq: int,
+    f: Fixed,
+    gpus_per_node: int,
+    stop: Callable[[], bool] | None = None,
+):
+    """Every layout the rules let exist, with (runnable, reason); ends early when ``stop()`` says so."""
     for lay in candidates(shape, gpus, global_batch, seq, f, gpus_per_node):
+        if stop is not None and stop():
+            return
         exists, reason = judge(lay, shape, seq, global_batch, gpus_per_node)
         if exists:
             yield lay, reason
@@ -268,10 +278,7 @@ def _scan(
     stop: Callable[[], bool] | None = None,
 ) -> _Scan:
     out, keep_all = _Scan(), fully_fixed(f)
-    for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node):
-        if stop is not None and stop():
-            out.partial = True
-            break
+    for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node, stop):
         out.considered += 1
         e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
         e.not_runnable = reason
@@ -282,6 +289,7 @@ def _scan(
                 out.overflowing.append(e)
             if out.smallest is None or e.memory["total"] < out.smallest.memory["total"]:
                 out.smallest = e
+    out.partial = stop is not None and stop()  # the loop ended at the deadline (or the caller left)
     return out
 
 
@@ -400,12 +408,12 @@ def smallest_cluster(
         for mode in offload_modes(f, hw):  # at each size without offload first, as search does
             best = None
             free = Fixed(**{**f.__dict__, "dp": None, "offload": mode})
-            for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node):
-                if stop is not None and stop():
-                    raise _Stopped
+            for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node, stop):
                 e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
                 if e.fits and not reason and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
                     best = e
+            if stop is not None and stop():
+                raise _Stopped
             if best is not None:
                 return n, best
         n *= 2
