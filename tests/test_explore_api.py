@@ -32,7 +32,7 @@ HBM = 80  # GiB, the h100-sxm preset
 
 @pytest.fixture(scope="module")
 def port():
-    srv = make_server("127.0.0.1", 0, quiet=True)
+    srv = make_server("127.0.0.1", 0, quiet=True, search_budget_s=600)  # full rankings even on a loaded machine
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv.server_address[1]

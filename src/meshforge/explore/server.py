@@ -7,25 +7,23 @@ fixed message: no traceback ever reaches the client. Nothing is read from or wri
 disk on a request. Requests whose Host header names another host are refused (a page on
 another site cannot reach the server through a rebound DNS name).
 
-Nobody can hold it hostage: a fixed pool of ``WORKERS`` threads answers (not a thread per
-connection), with at most ``MAX_PENDING`` connections waiting for one (more are answered 503
-at once); a request must arrive whole within ``READ_S``; the layout search stops at
-``SEARCH_BUDGET_S`` (its answer marked partial) or as soon as the client hangs up; and the
-listen backlog holds a page's burst of requests.
+Nobody can hold it hostage: connections are read by one thread and answered by a fixed pool
+(pool.py: no thread per connection; idle and half-sent requests are timed out), and the layout
+search stops at ``SEARCH_BUDGET_S`` (its answer marked partial) or as soon as the client
+hangs up.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import select
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -34,13 +32,9 @@ from meshforge.errors import MeshforgeError
 from . import answers
 from .page import PAGE
 from .params import BadRequest, parse
+from .pool import WRITE_S, PoolServer
 
 MAX_QUERY = 4096
-WORKERS = 8  # threads answering requests (the work is CPU-bound Python: more would only queue in the GIL)
-MAX_PENDING = 256  # accepted connections waiting for a worker; beyond that, 503 at once
-BACKLOG = 128  # the listen queue: a page fires several requests at once, many pages more
-READ_S = 10.0  # the whole request line and headers must arrive within this
-WRITE_S = 10.0  # a client that does not read its answer is dropped after this
 SEARCH_BUDGET_S = 1.5  # /api/best stops searching here and answers with the best so far (partial)
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -63,19 +57,22 @@ def json_reply(status: int, data: Any) -> Reply:
     return Reply(status, "application/json; charset=utf-8", json.dumps(data).encode())
 
 
-def _best(v: dict[str, Any], gone: Callable[[], bool] | None) -> Any:
-    return answers.best(v, deadline=time.monotonic() + SEARCH_BUDGET_S, cancelled=gone)
+Gone = Callable[[], bool] | None
 
 
-API: dict[str, Callable[[dict[str, Any], Callable[[], bool] | None], Any]] = {
-    "/api/estimate": lambda v, gone: answers.evaluate(v),
+def _best(v: dict[str, Any], gone: Gone, budget_s: float) -> Any:
+    return answers.best(v, deadline=time.monotonic() + budget_s, cancelled=gone)
+
+
+API: dict[str, Callable[[dict[str, Any], Gone, float], Any]] = {
+    "/api/estimate": lambda v, gone, budget_s: answers.evaluate(v),
     "/api/best": _best,
 }
 
 
-def route(target: str, gone: Callable[[], bool] | None = None) -> Reply:
+def route(target: str, gone: Gone = None, budget_s: float = SEARCH_BUDGET_S) -> Reply:
     """The reply to ``GET target`` (raises BadRequest / MeshforgeError for refused parameters);
-    ``gone`` says whether the client has hung up (long work stops then)."""
+    ``gone`` says whether the client has hung up, ``budget_s`` bounds a search (long work stops then)."""
     url = urlsplit(target)
     if len(url.query) > MAX_QUERY:
         raise BadRequest(f"the query string is longer than {MAX_QUERY} characters")
@@ -85,7 +82,7 @@ def route(target: str, gone: Callable[[], bool] | None = None) -> Reply:
         return json_reply(200, answers.presets())
     query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
     if url.path in API:
-        return json_reply(200, API[url.path](parse(query), gone))
+        return json_reply(200, API[url.path](parse(query), gone, budget_s))
     if url.path == "/api/config":
         text = answers.train_config(parse(query))
         disposition = 'attachment; filename="meshforge-train.toml"'
@@ -97,11 +94,13 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "meshforge-explore"
     sys_version = ""
     quiet = False
-    timeout = READ_S  # per read; _DeadlineReader bounds the whole request too
+    timeout = WRITE_S
 
     def setup(self) -> None:
         super().setup()
-        self.rfile = _DeadlineReader(self.rfile, self.connection, time.monotonic() + READ_S)
+        head = self.server.take_head(self.connection) if isinstance(self.server, PoolServer) else None
+        if head is not None:  # the reader thread has the request line and headers already
+            self.rfile = io.BytesIO(head)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._send(self._reply())
@@ -120,8 +119,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if not self._host_ok():
                 return json_reply(403, {"error": "this server answers requests to the local host only"})
-            self.connection.settimeout(WRITE_S)  # the request is in: now the answer's time
-            return route(self.path, self._client_gone)
+            return route(self.path, self._client_gone, getattr(self.server, "search_budget_s", SEARCH_BUDGET_S))
         except (BadRequest, MeshforgeError, ValueError) as e:
             return json_reply(400, {"error": str(e)})
         except Exception:  # never a traceback to the client; the server's console keeps it
@@ -165,81 +163,15 @@ class Handler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
 
-class _DeadlineReader:
-    """The request's input stream with one deadline for the whole request line and headers
-    (a per-read timeout alone lets a client send a byte every few seconds forever)."""
-
-    def __init__(self, raw: Any, sock: socket.socket, deadline: float) -> None:
-        self.raw, self.sock, self.deadline = raw, sock, deadline
-
-    def _arm(self) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the request did not arrive within {READ_S:.0f} s")
-        self.sock.settimeout(min(left, READ_S))
-
-    def readline(self, limit: int = -1) -> bytes:
-        self._arm()
-        return self.raw.readline(limit)
-
-    def read(self, n: int = -1) -> bytes:
-        self._arm()
-        return self.raw.read(n)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)
-
-
-class PoolServer(HTTPServer):
-    """An HTTP server whose requests run on a fixed pool of threads, with a bounded wait."""
-
-    request_queue_size = BACKLOG
-    daemon_threads = True  # kept for callers that read it; the pool's threads never block exit
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="explore")
-        self.slots = threading.BoundedSemaphore(WORKERS + MAX_PENDING)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):  # overloaded: say so now rather than queue forever
-            try:
-                request.sendall(BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        self.pool.submit(self._work, request, client_address)
-
-    def _work(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:  # noqa: BLE001 - socketserver's own policy: report, close, go on
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self.slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not getattr(self.RequestHandlerClass, "quiet", False):
-            super().handle_error(request, client_address)
-
-    def server_close(self) -> None:
-        super().server_close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-BUSY = (
-    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-    b'Content-Length: 57\r\nConnection: close\r\n\r\n{"error": "the explorer is busy; try again in a second"}\n'
-)
-
-
-def make_server(host: str = "127.0.0.1", port: int = 8800, quiet: bool = False) -> PoolServer:
-    """A bound, not yet serving, server (port 0: any free port; read ``server.server_address``)."""
+def make_server(
+    host: str = "127.0.0.1", port: int = 8800, quiet: bool = False, search_budget_s: float = SEARCH_BUDGET_S
+) -> PoolServer:
+    """A bound, not yet serving, server (port 0: any free port; read ``server.server_address``);
+    ``search_budget_s``: how long /api/best may search (tests that need the full ranking raise it)."""
     handler = type("ExploreHandler", (Handler,), {"quiet": quiet})
     cls = type("Server6", (PoolServer,), {"address_family": socket.AF_INET6}) if ":" in host else PoolServer
     server = cls((host, port), handler)
+    server.search_budget_s = search_budget_s
     route("/api/best?gpus=8&pp=2&top=1")  # warm: the first pipeline rule imports torch's pipelining (seconds)
     return server
 
