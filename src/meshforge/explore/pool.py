@@ -4,7 +4,8 @@
 half-sent connections pile up threads (one each, for ever). Here one reader thread holds every
 connection until its request line and headers are in (``select`` over non-blocking sockets,
 ``READ_S`` to arrive whole, ``MAX_HEAD`` bytes at most), and only then hands it to a fixed pool
-of ``WORKERS`` threads. Connections waiting for their request cost no thread; beyond
+of ``WORKERS`` threads (searches, which run up to their budget, have ``SEARCH_WORKERS`` of
+their own). Connections waiting for their request cost no thread; beyond
 ``MAX_CONNECTIONS`` of them, or ``MAX_QUEUED`` complete requests waiting for a worker, a
 connection is answered 503 at once. The listen backlog (``BACKLOG``) holds a page's burst.
 """
@@ -20,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import HTTPServer
 from typing import Any
 
-WORKERS = 8  # the work is CPU-bound Python: more threads would only queue on the GIL
-MAX_QUEUED = 256  # complete requests waiting for a worker
+WORKERS = 2  # threads for quick requests: the work is CPU-bound Python, more only convoy on the GIL
+SEARCH_WORKERS = 2  # threads for /api/best (up to its budget each), apart: a search never holds a quick worker
+MAX_QUEUED = 256  # complete requests waiting for a worker, per pool
 MAX_CONNECTIONS = 1024  # connections whose request has not arrived yet
 BACKLOG = 128  # the listen queue (a page fires several requests at once; several pages more)
 READ_S = 10.0  # the request line and headers must arrive within this
@@ -55,8 +57,10 @@ class PoolServer(HTTPServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="explore")
-        self.queued = threading.BoundedSemaphore(MAX_QUEUED + WORKERS)
+        self.pools = {
+            False: (ThreadPoolExecutor(WORKERS, "explore"), threading.BoundedSemaphore(MAX_QUEUED + WORKERS)),
+            True: (ThreadPoolExecutor(SEARCH_WORKERS, "explore-search"), threading.BoundedSemaphore(MAX_QUEUED)),
+        }
         self.heads: dict[int, bytes] = {}
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -129,11 +133,12 @@ class PoolServer(HTTPServer):
 
     def _dispatch(self, sock: socket.socket, st: _Pending) -> None:
         sock.setblocking(True)
-        if not self.queued.acquire(blocking=False):
+        pool, queued = self.pools[st.buf.split(b"?", 1)[0].split(b" ")[1:2] == [b"/api/best"]]
+        if not queued.acquire(blocking=False):
             self._refuse(sock, BUSY)
             return
         self.heads[sock.fileno()] = st.buf
-        self.pool.submit(self._work, sock, st.addr)
+        pool.submit(self._work, sock, st.addr, queued)
 
     def _refuse(self, sock: socket.socket, reply: bytes) -> None:
         try:
@@ -144,7 +149,7 @@ class PoolServer(HTTPServer):
             pass
         self.shutdown_request(sock)
 
-    def _work(self, sock: socket.socket, addr: Any) -> None:
+    def _work(self, sock: socket.socket, addr: Any, queued: threading.BoundedSemaphore) -> None:
         try:
             self.finish_request(sock, addr)
         except Exception:  # noqa: BLE001 - socketserver's own policy: report, close, go on
@@ -152,7 +157,7 @@ class PoolServer(HTTPServer):
         finally:
             self.heads.pop(sock.fileno(), None)
             self.shutdown_request(sock)
-            self.queued.release()
+            queued.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not getattr(self.RequestHandlerClass, "quiet", False):
@@ -161,6 +166,7 @@ class PoolServer(HTTPServer):
     def server_close(self) -> None:
         self._closing = True
         super().server_close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool, _ in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         for s in (self._wake_r, self._wake_w):
             s.close()
