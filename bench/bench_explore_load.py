@@ -5,7 +5,8 @@ Starts ``meshforge explore --port 0`` as a subprocess on the loopback interface 
 is contacted), runs each phase with a fixed number of requests and a time cap, prints the
 figures and stops the server. Clients are threads in this process, each with its own
 connection per request (the explorer answers HTTP/1.0: one request per connection), so a
-client sees connect, queueing and answer time. Also measured: the same load while 100 idle
+client sees connect, queueing and answer time; one client alone gives the service time the
+others queue behind (on a loaded machine, compare the phases side by side). Also measured: the same load while 100 idle
 connections are held open (they must cost no worker), and the largest /api/best,
 /api/estimate and /api/config (the search stops at its budget and says so: ``partial``).
 
@@ -113,6 +114,7 @@ def main() -> None:
     try:
         print(f"meshforge explore on 127.0.0.1:{port}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
         get(port, "/api/estimate?")  # warm
+        show("/api/estimate, 1 client (the service time)", load(port, 1, a.requests // 5, a.cap_s))
         for clients in (20, 100):
             show(f"/api/estimate, {clients} concurrent clients", load(port, clients, a.requests, a.cap_s))
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
