@@ -94,6 +94,16 @@ def cmd_train(argv: list[str]) -> int:
     early = run_lock.run_dir_in_argv(argv)
     if early and "--dry-run" not in argv and not launch_env.under_launcher() and Path(early).is_dir():
         run_lock.hold(Path(early))  # a second run into a busy run.dir is refused here, before torch loads
+    try:
+        return _train(argv)
+    finally:
+        if early:
+            run_lock.release(Path(early))  # (a no-op when the run released it itself)
+
+
+def _train(argv: list[str]) -> int:
+    """``meshforge train`` once run.dir is locked: in this process, or launching the ranks."""
+    from meshforge import run_lock
     from meshforge.config import load_config
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
@@ -131,7 +141,11 @@ def cmd_train(argv: list[str]) -> int:
         if k != "run.dir"
     ]
     child.append(f"--run.dir={cfg.run.dir}")
-    return launch_local(nproc, child, restarts)
+    try:
+        return launch_local(nproc, child, restarts)
+    finally:
+        os.environ.pop(run_lock.HELD_ENV, None)
+        run_lock.release(Path(cfg.run.dir))
 
 
 def dry_run(cfg: Any, world: int) -> int:

@@ -41,7 +41,6 @@ def check_nproc(nproc: int, device: str) -> None:
 def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (lifeline.py)
     args = get_args_parser().parse_args(
         [
             "--standalone",
@@ -52,6 +51,7 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
             *child_argv,
         ]
     )
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (lifeline.py)
     try:
         run(args)
     except ChildFailedError as e:
@@ -62,6 +62,8 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
             file=sys.stderr,
         )
         return code
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
     return 0
 
 

@@ -45,7 +45,7 @@ def tie_to_launcher() -> bool:
     """In a rank that meshforge's own launcher started: die when the launcher dies. Returns
     whether it did anything (False under torchrun or a plain process)."""
     raw = os.environ.get(LAUNCHER_ENV, "")
-    if not raw.isdigit():
+    if not raw.isdigit() or "LOCAL_RANK" not in os.environ:  # a rank, started by meshforge's launcher
         return False
     launcher, parent = int(raw), os.getppid()
     if parent == launcher:
