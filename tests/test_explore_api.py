@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import urllib.parse
 
@@ -13,6 +14,7 @@ import pytest
 from meshforge.cli import build_parser
 from meshforge.config import load_config
 from meshforge.explore import make_server, server
+from meshforge.explore.params import SPECS
 from meshforge.resolve import resolve
 
 SEVEN_B = {  # the textbook's 7B: the Llama-2-7B shape (6.7B parameters)
@@ -32,7 +34,7 @@ HBM = 80  # GiB, the h100-sxm preset
 
 @pytest.fixture(scope="module")
 def port():
-    srv = make_server("127.0.0.1", 0, quiet=True)
+    srv = make_server("127.0.0.1", 0, quiet=True, search_budget_s=600)  # full rankings even on a loaded machine
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv.server_address[1]
@@ -250,3 +252,61 @@ def test_only_get_from_the_local_host(port):
 def test_explore_binds_to_localhost_by_default():
     args = build_parser().parse_args(["explore"])
     assert (args.host, args.port) == ("127.0.0.1", 8800)
+
+
+# -- limits: no input gives a 500, no client holds a thread, a search stops at its budget ---------------------------
+
+HOSTILE = ["9" * 400, "-" + "9" * 400, "-1", "0", "nan", "NaN", "inf", "-inf", "1e400", "1e-400", "", "abc", "0x10"]
+HOSTILE += ["1_000", "\u0663", "1.5", " 7", "+-3", "1e", ".", "1" * 5000]
+
+
+@pytest.mark.parametrize("name", [k for k, s in SPECS.items() if s.kind in ("int", "float")])
+def test_numeric_parameters_fuzzed_give_400_naming_the_parameter(port, name):
+    for raw in HOSTILE:
+        status, _, body = request(port, "/api/estimate?" + urllib.parse.urlencode({name: raw}))
+        if status == 200:  # an in-range value written oddly but validly (" 7", "1.5" for a float)
+            continue
+        a = json.loads(body)
+        assert status == 400, (name, raw[:30], status, a)
+        assert name in a["error"] or "query string" in a["error"], (name, raw[:30], a)
+    status, _, body = request(port, "/api/estimate?" + urllib.parse.urlencode({name: "9" * 400}))
+    assert status == 400 and "out of range" in json.loads(body)["error"]
+
+
+def test_a_search_stops_at_its_budget_and_says_partial():
+    largest = {"model": "custom", "layers": 1024, "hidden": 131072, "heads": 1024, "ffn_hidden": 1048576}
+    largest.update(vocab=1048576, gpus=16384, gpus_per_node=64, seq_len=1048576, global_batch=16384)
+    r = server.route("/api/best?" + urllib.parse.urlencode(largest), budget_s=0.05)
+    assert r.status == 200 and json.loads(r.body)["partial"] is True
+    gone = server.route("/api/best?model=llama3.1-8b&gpus=64", gone=lambda: True)  # the client hung up
+    b = json.loads(gone.body)
+    assert b["partial"] is True and b["considered"] == 0 and b["layouts"] == []
+    whole = json.loads(server.route("/api/best?model=llama3.1-8b&gpus=8", budget_s=600).body)
+    assert whole["partial"] is False and whole["layouts"]
+
+
+def test_idle_and_half_sent_connections_hold_no_worker(port, monkeypatch):
+    from meshforge.explore import pool
+
+    monkeypatch.setattr(pool, "READ_S", 0.5)  # connections accepted from now on
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * pool.WORKERS + 4)]
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /api/estimate?gpus=8 HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+    try:
+        assert api(port, "estimate", gpus=8)[0] == 200  # answered while all of those are open
+        half.settimeout(30)
+        assert half.recv(100).startswith(b"HTTP/1.0 408")
+    finally:
+        for s in [*idle, half]:
+            s.close()
+
+
+def test_client_gone_is_seen_on_a_closed_socket():
+    a, b = socket.socketpair()
+    h = server.Handler.__new__(server.Handler)
+    h.connection = a
+    assert not h._client_gone()
+    b.close()
+    h._checked = 0.0
+    assert h._client_gone()
+    a.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 from meshforge import __version__, launch_env
 from meshforge.errors import ConfigError, MeshforgeError, suggest
+from meshforge.lifeline import tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
                        [--section.key=value ...]
@@ -81,15 +82,29 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 
 
 def cmd_train(argv: list[str]) -> int:
+    tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
         from meshforge.config import describe_keys
 
         print(TRAIN_USAGE)
         print(describe_keys())
         return 0
+    from meshforge import run_lock
+
+    early = run_lock.run_dir_in_argv(argv)
+    if early and "--dry-run" not in argv and not launch_env.under_launcher() and Path(early).is_dir():
+        run_lock.hold(Path(early))  # a second run into a busy run.dir is refused here, before torch loads
+    try:
+        return _train(argv)
+    finally:
+        if early:
+            run_lock.release(Path(early))  # (a no-op when the run released it itself)
+
+
+def _train(argv: list[str]) -> int:
+    """``meshforge train`` once run.dir is locked: in this process, or launching the ranks."""
+    from meshforge import run_lock
     from meshforge.config import load_config
-    from meshforge.launch import check_nproc, launch_local
-    from meshforge.train import preflight
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
@@ -100,6 +115,9 @@ def cmd_train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
+    from meshforge.launch import check_nproc, launch_local
+    from meshforge.train import preflight
+
     if launch_env.under_launcher():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
@@ -111,6 +129,9 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
     cfg = preflight(cfg, nproc)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
+    os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())
     child = ["train"]
     if config_file:
         child += ["--config", config_file]
@@ -120,7 +141,11 @@ def cmd_train(argv: list[str]) -> int:
         if k != "run.dir"
     ]
     child.append(f"--run.dir={cfg.run.dir}")
-    return launch_local(nproc, child, restarts)
+    try:
+        return launch_local(nproc, child, restarts)
+    finally:
+        os.environ.pop(run_lock.HELD_ENV, None)
+        run_lock.release(Path(cfg.run.dir))
 
 
 def train_and_report(cfg: Any) -> dict[str, Any]:
@@ -143,6 +168,7 @@ def train_and_report(cfg: Any) -> dict[str, Any]:
 def write_run_report(cfg: Any) -> None:
     """run.dir/report.html (unless metrics.report = false); a report error is logged as an
     event (``report_failed``), never raised over the run's own outcome."""
+    from meshforge.disk import describe
     from meshforge.report import write_report
     from meshforge.train.run_dir import event_writer
 
@@ -152,7 +178,12 @@ def write_run_report(cfg: Any) -> None:
     try:
         write_report([run_dir], run_dir / "report.html")
     except Exception as e:  # noqa: BLE001 - the report must never hide the training outcome
-        event_writer(cfg)("report_failed", error=f"{type(e).__name__}: {e}"[:2000])
+        why = describe(run_dir / "report.html", e, "write") if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        print(f"meshforge: note: report.html skipped ({why})", file=sys.stderr)
+        try:
+            event_writer(cfg)("report_failed", error=why[:2000])
+        except OSError:
+            pass
 
 
 def dry_run(cfg: Any, world: int) -> int:
@@ -341,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return _pipe_closed()
+    except Exception as e:
+        from meshforge.peer_lost import is_peer_lost, say_peer_lost
+
+        if launch_env.under_launcher() and is_peer_lost(e):
+            return say_peer_lost(e)
+        raise
 
 
 def _pipe_closed() -> int:

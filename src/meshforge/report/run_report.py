@@ -303,5 +303,12 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         raise MeshforgeError("give at least one run directory")
     runs = [load_run(d) for d in run_dirs]
     path = Path(out) if out else runs[0].path / "report.html"
-    path.write_text(build_html(runs))
+    html = build_html(runs)
+    part = path.with_name(f".{path.name}.part")  # never a half-written (or 0-byte) report: write, then rename
+    try:
+        part.write_text(html)
+        part.replace(path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     return path

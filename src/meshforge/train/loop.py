@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,7 +20,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshforge import faults, launch_env
+from meshforge import faults, launch_env, run_lock
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
@@ -40,11 +39,12 @@ from meshforge.parallel.parallelize import build_loss, forward_context, is_shard
 from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
 from meshforge.train.evaluate import Evaluator
+from meshforge.train.failure import on_failure
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
-from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight
+from meshforge.train.run_dir import agree_on_start, open_data, preflight
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
 from meshforge.train.stop import StopRequest
@@ -284,11 +284,15 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
             clean = True
             return result
-        except Exception as e:
-            event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
-            if mesh.is_main:
-                print(f"meshforge: the run failed; {resume_hint(cfg, mesh.world_size, False)}", file=sys.stderr)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            instead = on_failure(cfg, mesh.rank, mesh.world_size, e)
+            if instead is not None:
+                raise instead from None
             raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         shutdown(clean)
+        if launch_env.rank() == 0:
+            run_lock.release(Path(cfg.run.dir))

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge import run_lock
 from meshforge.checkpoint import store
 from meshforge.checkpoint.saver import resolve_load
 from meshforge.config import Config, to_toml
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
+from meshforge.disk import check_disk
 from meshforge.errors import ConfigError, DataError
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
@@ -121,6 +123,7 @@ def preflight(cfg: Config, world_size: int) -> Config:
         cfg.run.dir = default_run_dir(cfg)
     check_run_dir(cfg)
     refuse_binary(cfg.data.path, cfg.data.allow_binary)
+    check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
     open_data(cfg)
     return cfg
 
@@ -129,6 +132,8 @@ def prepare_run_dir(cfg: Config) -> Path:
     """Create run.dir (clearing an old run only when run.overwrite is set and this is not a
     restart) and write config.toml."""
     run_dir = check_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_lock.hold(run_dir, quiet=restart_count() > 0)  # before touching anything in it
     if cfg.run.overwrite and restart_count() == 0:
         for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
