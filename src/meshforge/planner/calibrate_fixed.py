@@ -63,7 +63,7 @@ def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) 
     train_model = parallelize(model, cfg, mesh, seed=0)
     opt = build_optimizer(model, cfg, mesh)
     tp = mesh.degrees["tp"] > 1
-    loss = LanguageModelLoss(lambda: loss_context(tp))
+    loss = LanguageModelLoss(lambda: loss_context(tp), chunk_size=cfg.train.loss_chunk_size)
     x = torch.randint(0, 256, (1, TOKENS + 1))
     pos = torch.arange(TOKENS)
 
