@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from meshforge.config import fill, load_config
 from meshforge.errors import ConfigError
