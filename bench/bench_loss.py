@@ -75,7 +75,9 @@ def main() -> None:
     print(f"vocab {a.vocab} x seq {a.seq}, hidden {a.hidden}, chunk {a.chunk}, fp32, {torch.get_num_threads()} threads")
     for name in fns:
         med = statistics.median(times[name])
-        print(f"  {name:8s} fwd+bwd {med * 1e3:9.1f} ms   peak {peaks[name] / 2**30:7.3f} GiB   loss {losses[name]:.6f}")
+        print(
+            f"  {name:8s} fwd+bwd {med * 1e3:9.1f} ms   peak {peaks[name] / 2**30:7.3f} GiB   loss {losses[name]:.6f}"
+        )
     speed = statistics.median(times["plain"]) / statistics.median(times["chunked"])
     print(f"chunked / plain: speed {speed:.2f}x, peak memory {peaks['chunked'] / peaks['plain']:.3f}x")
 
