@@ -1,8 +1,9 @@
 """The chunked loss under tensor parallelism (vocab-sharded head, log-sum-exp all-reduced
-over tp, with and without sequence parallelism, tied), the pipeline's last stage and
-context parallelism, against the single-process run with the plain full-logits loss
-(fp32, gloo, CPU): losses, gradient norms, validation loss and final weights to 1e-5,
-through conftest's assert_run_matches as in test_tensor_parallel.py / test_pipeline.py."""
+over tp, with and without sequence parallelism, tied), the pipeline's last stage, context
+parallelism, DDP and FSDP2 (ZeRO-3: the head gathered by its hooks when the loss calls
+it), against the single-process run with the plain full-logits loss (fp32, gloo, CPU):
+losses, gradient norms, validation loss and final weights to 1e-5, through conftest's
+assert_run_matches as in test_tensor_parallel.py / test_pipeline.py."""
 
 import pytest
 
@@ -35,6 +36,8 @@ LAYOUTS = {  # name: (ranks, overrides)
     ),
     "pp2-1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **CHUNK}),
     "cp2": (2, {"parallel.cp": 2, **CHUNK}),
+    "ddp2": (2, {"parallel.zero_stage": 0, **CHUNK}),  # the head's weight used outside DDP's forward
+    "zero3-tied": (2, {"parallel.zero_stage": 3, "model.tie_embeddings": True, **CHUNK}),  # FSDP2 hooks on the head
 }
 
 
