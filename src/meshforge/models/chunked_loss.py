@@ -67,7 +67,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             if need_grad:
                 grad_x[start : start + chunk] = g @ wc
                 if cdt == grad_w.dtype:  # fp32: accumulate in place, no (vocab, hidden) temporary
-                    grad_w.addmm_(g.T, xs)
+                    grad_w.addmm_(g.T, xs.to(cdt))
                 else:
                     grad_w.add_(g.T @ xs.to(cdt))
             del g  # before the next chunk's logits: one chunk alive at a time
