@@ -37,7 +37,11 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2-1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **CHUNK}),
     "cp2": (2, {"parallel.cp": 2, **CHUNK}),
     "ddp2": (2, {"parallel.zero_stage": 0, **CHUNK}),  # the head's weight used outside DDP's forward
-    "zero3-tied": (2, {"parallel.zero_stage": 3, "model.tie_embeddings": True, **CHUNK}),  # FSDP2 hooks on the head
+    "zero3": (2, {"parallel.zero_stage": 3, **CHUNK}),  # the head's own FSDP2 unit, gathered when the loss calls it
+    "zero3-tied": (
+        2,
+        {"parallel.zero_stage": 3, "model.tie_embeddings": True, **CHUNK},
+    ),  # in the root unit: kept gathered for the loss
 }
 
 
