@@ -178,3 +178,18 @@ def test_planner_counts_one_chunk_of_logits():
     head_grad = shape.vocab * shape.hidden * 4 / 2**30
     assert plain - chunked == pytest.approx((32768 - 1024) * per_token - head_grad, rel=1e-9)
     assert plain - chunked > 35  # GiB: where 1B at 32K ran out of memory
+
+
+def test_bf16_compute_matches_autocast_plain_path():
+    """compute_dtype bf16 (runs that autocast): the same bf16 logits as autocast's head, so the
+    same loss; gradients to bf16 precision (the head weight's is accumulated in fp32 here)."""
+    x, w, t = inputs(n=50, h=32, v=300)
+    got = chunked_cross_entropy(x, w, t, 16, compute_dtype=torch.bfloat16)
+    gx, gw = torch.autograd.grad(got, (x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = x @ w.T
+    ref = F.cross_entropy(logits.float().flatten(0, 1), t.flatten())
+    rx, rw = torch.autograd.grad(ref, (x, w))
+    assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+    assert gx.dtype == gw.dtype == torch.float32
+    assert rel_err(gx, rx) < 2e-2 and rel_err(gw, rw) < 2e-2
