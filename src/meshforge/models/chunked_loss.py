@@ -97,13 +97,16 @@ def _local_head(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
         return x, w, None, 0
     if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
         raise ValueError(f"chunked loss: the head weight must be vocab-sharded on one mesh dim, got {w.placements}")
-    if not isinstance(x, DTensor):  # e.g. an FSDP shard the loss was handed ungathered: refuse, never guess
+    if not isinstance(x, DTensor) or tuple(x.placements) != (Replicate(),):  # e.g. an ungathered FSDP shard
         raise ValueError(
-            f"chunked loss: the head weight is a DTensor ({w.placements}) but the hidden states are not: the head "
-            "was called outside its gathering hooks; set train.loss_chunk_size = 0"
+            f"chunked loss: the head weight is a DTensor ({w.placements}) but the hidden states are not replicated "
+            "DTensors (the head's tp plan makes them so): the head was called outside its hooks; set "
+            "train.loss_chunk_size = 0"
         )
     start = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)[1][0]
-    x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    # the gradient is a partial sum over the vocab shards; the head's input plan reduces it (a
+    # reduce-scatter under sequence parallelism), so no redistribute here, which would all-reduce it
+    x = x.to_local(grad_placements=[Partial()])
     return x, w.to_local(), w.device_mesh.get_group(), int(start)
 
 
