@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 from meshforge.calibration.collectives import COLLECTIVES, fit_alpha_beta
 from meshforge.errors import ConfigError
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
 from meshforge.planner.hardware import cost_coefficients, get_hardware
 from meshforge.planner.search import Fixed, search
@@ -87,7 +88,8 @@ def test_pipeline_stage_memory_by_schedule():
         s: estimate(shape, Layout(**lay, schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
         for s in ("gpipe", "1f1b")
     }
-    logits = 8192 * shape.vocab / 8 * (2 + 4 + 4) / 2**30
+    chunk = DEFAULT_CHUNK  # the chunked loss's logits, and its fp32 head-gradient accumulator
+    logits = (chunk * shape.vocab / 8 * (2 + 4 + 4) + shape.vocab * shape.hidden / 8 * 4) / 2**30
     assert (mem["gpipe"] - logits) / (mem["1f1b"] - logits) == pytest.approx(32 / 8)
 
 

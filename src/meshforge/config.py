@@ -11,6 +11,7 @@ written to the run directory, so a run can be reproduced from it alone.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import sys
 import types
@@ -26,6 +27,7 @@ else:  # pragma: no cover
 
 from meshforge.config_help import HELP
 from meshforge.errors import ConfigError, suggest
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 from meshforge.models.llama import ModelArgs
 from meshforge.models.presets import model_args_from_config
 
@@ -96,6 +98,7 @@ class TrainConfig:
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_exclude: list[str] = field(default_factory=lambda: ["output", "*router*"])
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    loss_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the head + cross-entropy; 0: full logits
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
     compile: bool = False
     deterministic: bool = False
@@ -473,6 +476,15 @@ def _check_train(cfg: Config) -> None:
     _need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
     _need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
     _need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
+    _need(
+        t.loss_chunk_size >= 0,
+        f"train.loss_chunk_size = {t.loss_chunk_size} must be >= 0 (tokens per loss chunk; 0: full logits)",
+    )
+    _need(
+        not t.loss_chunk_size or t.precision != "fp8" or any(fnmatch.fnmatch("output", p) for p in t.fp8_exclude),
+        f'train.loss_chunk_size = {t.loss_chunk_size} needs the head out of fp8: add "output" to '
+        "train.fp8_exclude or set train.loss_chunk_size = 0",
+    )
 
 
 def _check_optim(cfg: Config) -> None:

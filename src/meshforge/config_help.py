@@ -148,6 +148,11 @@ HELP: dict[str, str] = {
         "leaves no linear in fp8 is refused"
     ),
     "train.activation_checkpoint": "none, full (recompute each block) or selective (keep matmul outputs)",
+    "train.loss_chunk_size": (
+        "tokens per chunk of the fused head + cross-entropy (only one chunk's logits exist, in fp32"
+        " for the softmax); 0 = the plain loss over the full logits. See "
+        "[model.md](model.md#chunked-loss)"
+    ),
     "train.grad_clip": "global gradient-norm clip; 0 turns it off",
     "train.compile": "torch.compile each block",
     "train.deterministic": "deterministic algorithms; on CPU two runs give bit-identical losses",

@@ -118,7 +118,10 @@ def apply_fsdp(
     if not tied and model.output is not None:
         fully_shard([model.norm, model.output], **kw)  # one unit; returns the list, so keep a member
         units.append(model.norm)
-    fully_shard(model, **kw)
+    # a tied head is in the root unit; when the loss applies it after the forward (chunked loss,
+    # hidden_out) the root stays gathered until backward, as FSDP2 keeps a root by default
+    root_kw = {**kw, "reshard_after_forward": False} if tied and getattr(model, "hidden_out", False) else kw
+    fully_shard(model, **root_kw)
     for cur, nxt in zip(units, units[1:], strict=False):
         cur.set_modules_to_forward_prefetch([nxt])
     if dist.get_backend(fsdp_mesh.get_group(fsdp_mesh.ndim - 1)) == "gloo":

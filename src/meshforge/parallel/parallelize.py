@@ -77,8 +77,13 @@ def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
 
 def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
     """The one loss object of a run (plain step, pipeline's last stage, evaluation); under
-    tensor parallelism its context is loss_parallel, over vocab-sharded logits."""
-    return LanguageModelLoss(context=functools.partial(loss_context, mesh.degrees["tp"] > 1))
+    tensor parallelism its context is loss_parallel, over vocab-sharded logits. With
+    train.loss_chunk_size the head runs in the loss, in bf16 where the layout autocasts."""
+    return LanguageModelLoss(
+        context=functools.partial(loss_context, mesh.degrees["tp"] > 1),
+        chunk_size=cfg.train.loss_chunk_size,
+        compute_dtype=torch.bfloat16 if uses_autocast(cfg, mesh) else None,  # else: the hidden states' dtype
+    )
 
 
 def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.AbstractContextManager]:
@@ -92,6 +97,7 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     """fp8 -> TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
+    model.hidden_out = cfg.train.loss_chunk_size > 0  # the loss applies the head (build_loss)
     if cfg.train.precision == "fp8":
         apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     if mesh.degrees["tp"] > 1:

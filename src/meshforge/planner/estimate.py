@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshforge.models import flops
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 from meshforge.parallel.context_parallel_cost import (
     local_tokens,
     ring_bytes,
@@ -225,9 +226,13 @@ def stage_state_bytes(shape: Shape, lay: Layout, precision: str) -> dict[str, fl
     return {k: v + experts[k] for k, v in states.items()}
 
 
-def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) -> dict[str, float]:
+def memory(
+    shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, loss_chunk: int = DEFAULT_CHUNK
+) -> dict[str, float]:
     """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
-    states are on the host (``offload_costs``) and only their staging copies stay here."""
+    states are on the host (``offload_costs``) and only their staging copies stay here.
+    ``loss_chunk`` (train.loss_chunk_size): the loss's logits exist for that many tokens at a
+    time, plus an fp32 head-gradient accumulator; 0: for all of the micro-batch's tokens."""
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
     psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
     states = stage_state_bytes(shape, lay, precision)
@@ -251,7 +256,8 @@ def memory(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware) ->
     )
     acts = act_layer * layers_per_stage * in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
     tokens = lay.micro_batch_size * seq // lay.cp
-    logits = tokens * shape.vocab / lay.tp * (bpe + 4 + 4)  # logits, fp32 copy, its gradient
+    chunk = min(tokens, loss_chunk or tokens)  # chunked loss: one chunk's logits + an fp32 head-gradient accumulator
+    logits = chunk * shape.vocab / lay.tp * (bpe + 4 + 4) + (chunk < tokens) * shape.vocab * shape.hidden / lay.tp * 4
     acts += logits
     w = 2 if precision != "fp32" else 4
     if lay.zero_stage == 2 and lay.dp > 1:
