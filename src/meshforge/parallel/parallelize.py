@@ -65,8 +65,11 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (the rule is the layout's: ParallelDims.uses_fsdp)."""
-    return mesh.dims.uses_fsdp(cfg.parallel.zero_stage)
+    """Data parallelism runs on FSDP2 (the rules are the layout's: ParallelDims.uses_fsdp, and
+    casts_once for a world of one and DDP's layouts in bf16, and a world of one offloading)."""
+    p, d = cfg.parallel, mesh.dims
+    precision = resolve_precision(cfg.train.precision, mesh.device)
+    return d.uses_fsdp(p.zero_stage) or d.casts_once(p.zero_stage, precision, cfg.train.mixed_precision, p.offload)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
