@@ -172,7 +172,10 @@ HELP: dict[str, str] = {
     "optim.beta1": "Adam β1",
     "optim.beta2": "Adam β2",
     "optim.eps": "Adam ε",
-    "optim.implementation": "auto (fused on CUDA, foreach on CPU), fused, foreach, for-loop",
+    "optim.implementation": (
+        "auto (fused on CUDA and CPU: one kernel per step, no host reads of the step counters; "
+        "foreach elsewhere), fused, foreach, for-loop"
+    ),
     "data.path": ("empty = the default corpus (Python stdlib sources); else text/dir/JSONL, or a prepared shard dir"),
     "data.tokenizer": "byte or a path to a Hugging Face tokenizer.json",
     "data.val_fraction": "share of the corpus held out for validation",

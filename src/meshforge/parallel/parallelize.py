@@ -40,6 +40,7 @@ from torch import nn
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
+from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
@@ -107,9 +108,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_cp(model, mesh, cfg)
         apply_moe_cp(model, mesh.group("cp"))
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
-    if cfg.train.compile:
-        for block in blocks:
-            block.compile()
+    if cfg.train.compile:  # whole blocks (fullgraph) where they hold (parallel/compile.py)
+        compile_blocks(blocks)
     sharded = is_sharded(cfg, mesh)
     if sharded:
         param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None
