@@ -2,13 +2,13 @@
 mixed-precision policy) against autocast (a cast at every use), side by side in one run.
 
 Two trainers of the same small model in one process (world of one) or in the same 2 gloo
-ranks (``--nproc 2``: DDP + autocast against FSDP2 replicated over dp), eager bf16 on CPU;
+ranks (``--ranks 2``: DDP + autocast against FSDP2 replicated over dp), eager bf16 on CPU;
 blocks of steps alternate between them. Printed: ms/step medians and their ratio, and from
 torch.profiler over one unlogged step of each the dtype-cast calls per step
 (aten::_to_copy, aten::copy_): the GPU-relevant evidence, since CPU bf16 matmul speed says
 little about a GPU's (the H100 profile had element-wise kernels at 49% of an eager step).
 
-    python bench/bench_cast_once.py [--nproc 2] [--blocks 10 --block-steps 5 --hidden 256 --layers 4]
+    python bench/bench_cast_once.py [--ranks 2] [--blocks 10 --block-steps 5 --hidden 256 --layers 4]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
 def report(args: argparse.Namespace, times: dict, casts: dict, parallel) -> None:
     old, new = statistics.median(times["autocast"]), statistics.median(times["cast_once"])
     pairs = statistics.median(b / a for a, b in zip(times["autocast"], times["cast_once"], strict=False))
-    world = "world of one" if args.nproc == 1 else f"{args.nproc} gloo ranks (DDP vs FSDP2 replicated over dp)"
+    world = "world of one" if args.ranks == 1 else f"{args.ranks} gloo ranks (DDP vs FSDP2 replicated over dp)"
     print(
         f"model: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq_len} per rank, eager bf16, "
         f"{world}, {args.blocks} blocks of {args.block_steps} steps each, alternating\n"
@@ -109,7 +109,7 @@ def report(args: argparse.Namespace, times: dict, casts: dict, parallel) -> None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--block-steps", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
@@ -123,12 +123,12 @@ def main() -> None:
         worker(args)
         return
     args.run_dir = args.run_dir or tempfile.mkdtemp()
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "worker"]
-    if args.nproc == 1:
+    if args.ranks == 1:
         subprocess.run([sys.executable, __file__, "--worker", *flags], env=env, check=True)
         return
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
     subprocess.run([*run, __file__, "--worker", *flags], env=env, check=True)
 
 

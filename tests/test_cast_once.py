@@ -61,3 +61,16 @@ def test_fp32_world_of_one_is_unchanged(tmp_path, corpus):
     assert (
         "gathered_params" not in runs[0][-1]["state_mem_bytes"] or not runs[0][-1]["state_mem_bytes"]["gathered_params"]
     )
+
+
+def test_fp32_default_fused_adamw_equals_the_former_foreach(tmp_path, corpus):
+    """fp32 on CPU now steps with fused AdamW (optim.implementation = auto): the run equals
+    the former foreach run to 1e-6."""
+    runs = []
+    for impl in ("foreach", "auto"):
+        d = tmp_path / impl
+        over = {"train.precision": "fp32", "optim.implementation": impl, "train.steps": 6}
+        train(tiny_config(d, corpus, **{**COMMON, **over}))
+        runs.append(metrics(d))
+    assert [m["loss"] for m in runs[1]] == pytest.approx([m["loss"] for m in runs[0]], rel=1e-6)
+    assert [m["grad_norm"] for m in runs[1]] == pytest.approx([m["grad_norm"] for m in runs[0]], rel=1e-6)
