@@ -50,6 +50,7 @@ def host_reads(monkeypatch):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_unlogged_steps_read_only_the_guards_norm(tmp_path, corpus, host_reads, precision):
     over = {"train.steps": 6, "metrics.log_interval": 6, "train.global_batch_size": 2, "train.precision": precision}
+    over["train.mixed_precision"] = "cast_once"  # (bf16: FSDP2's path, the default on CUDA)
     loop.train(tiny_config(tmp_path / "run", corpus, **over, **{"train.eval_batches": 0}))
     unlogged = 5
     assert host_reads == {"__float__": unlogged}  # StepGuard.allow_update: float(grad_norm), one per step

@@ -96,8 +96,9 @@ class TrainConfig:
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_exclude: list[str] = field(default_factory=lambda: ["output", "*router*"])
     # bf16/fp8 weights: cast_once (FSDP2's mixed-precision policy casts each weight once per micro-batch,
-    # also on a world of one and DDP's layouts) or autocast (torch.autocast casts at every use)
-    mixed_precision: Literal["cast_once", "autocast"] = "cast_once"
+    # also on a world of one and DDP's layouts) or autocast (torch.autocast casts at every use);
+    # auto: cast_once on CUDA, autocast on CPU (where FSDP2's per-unit host work costs more than the casts)
+    mixed_precision: Literal["auto", "cast_once", "autocast"] = "auto"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
     compile: bool = False

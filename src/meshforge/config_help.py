@@ -148,10 +148,12 @@ HELP: dict[str, str] = {
         "leaves no linear in fp8 is refused"
     ),
     "train.mixed_precision": (
-        "how bf16/fp8 weights reach the matmuls: cast_once (FSDP2's mixed-precision policy casts "
-        "each fp32 weight to bf16 once per micro-batch and reduces gradients in fp32; a world of "
-        "one and DDP's layouts run on FSDP2 for it) or autocast (torch.autocast casts every weight "
-        "at every use: the old path). See [precision.md](precision.md#one-cast-per-step)"
+        "how bf16/fp8 weights reach the matmuls: auto (cast_once on CUDA, autocast on CPU, where "
+        "FSDP2's per-unit host work costs more than the casts), cast_once (FSDP2's mixed-precision "
+        "policy casts each fp32 weight to bf16 once per micro-batch and reduces gradients in fp32; "
+        "a world of one and DDP's layouts run on FSDP2 for it) or autocast (torch.autocast casts "
+        "every weight at every use: the old path). See "
+        "[precision.md](precision.md#one-cast-per-step)"
     ),
     "train.activation_checkpoint": "none, full (recompute each block) or selective (keep matmul outputs)",
     "train.grad_clip": "global gradient-norm clip; 0 turns it off",

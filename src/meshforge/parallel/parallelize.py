@@ -57,7 +57,7 @@ from meshforge.parallel.pipeline import (
     model_view,
     split_model,
 )
-from meshforge.parallel.precision import autocast, resolve_precision
+from meshforge.parallel.precision import autocast, resolve_mixed_precision, resolve_precision
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 from meshforge.parallel.zero1 import uses_flat_zero1
 
@@ -70,7 +70,8 @@ def is_sharded(cfg: Config, mesh: Mesh) -> bool:
     casts_once for a world of one and DDP's layouts in bf16, and a world of one offloading)."""
     p, d = cfg.parallel, mesh.dims
     precision = resolve_precision(cfg.train.precision, mesh.device)
-    return d.uses_fsdp(p.zero_stage) or d.casts_once(p.zero_stage, precision, cfg.train.mixed_precision, p.offload)
+    mixed = resolve_mixed_precision(cfg.train.mixed_precision, mesh.device)
+    return d.uses_fsdp(p.zero_stage) or d.casts_once(p.zero_stage, precision, mixed, p.offload)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
