@@ -97,6 +97,10 @@ class TrainConfig:
     # (linears whose dimensions are not multiples of 16 are always kept out)
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_exclude: list[str] = field(default_factory=lambda: ["output", "*router*"])
+    # bf16/fp8 weights: cast_once (FSDP2's mixed-precision policy casts each weight once per micro-batch,
+    # also on a world of one and DDP's layouts) or autocast (torch.autocast casts at every use);
+    # auto: cast_once on CUDA, autocast on CPU (where FSDP2's per-unit host work costs more than the casts)
+    mixed_precision: Literal["auto", "cast_once", "autocast"] = "auto"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     loss_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the head + cross-entropy; 0: full logits
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off

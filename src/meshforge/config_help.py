@@ -147,6 +147,14 @@ HELP: dict[str, str] = {
         "to keep the head in bf16). A pattern that matches nothing is a warning event; one that "
         "leaves no linear in fp8 is refused"
     ),
+    "train.mixed_precision": (
+        "how bf16/fp8 weights reach the matmuls: auto (cast_once on CUDA, autocast on CPU, where "
+        "FSDP2's per-unit host work costs more than the casts), cast_once (FSDP2's mixed-precision "
+        "policy casts each fp32 weight to bf16 once per micro-batch and reduces gradients in fp32; "
+        "a world of one and DDP's layouts run on FSDP2 for it) or autocast (torch.autocast casts "
+        "every weight at every use: the old path). See "
+        "[precision.md](precision.md#one-cast-per-step)"
+    ),
     "train.activation_checkpoint": "none, full (recompute each block) or selective (keep matmul outputs)",
     "train.loss_chunk_size": (
         "tokens per chunk of the fused head + cross-entropy (only one chunk's logits exist, in fp32"
@@ -171,7 +179,10 @@ HELP: dict[str, str] = {
     "optim.beta1": "Adam β1",
     "optim.beta2": "Adam β2",
     "optim.eps": "Adam ε",
-    "optim.implementation": "auto (fused on CUDA, foreach on CPU), fused, foreach, for-loop",
+    "optim.implementation": (
+        "auto (fused on CUDA and CPU: one kernel per step, no host reads of the step counters; "
+        "foreach elsewhere), fused, foreach, for-loop"
+    ),
     "data.path": ("empty = the default corpus (Python stdlib sources); else text/dir/JSONL, or a prepared shard dir"),
     "data.tokenizer": "byte or a path to a Hugging Face tokenizer.json",
     "data.val_fraction": "share of the corpus held out for validation",

@@ -202,6 +202,19 @@ class ParallelDims:
         """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp, pp or ep (DDP takes no DTensors)."""
         return self.dp_cp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1)
 
+    def casts_once(self, zero_stage: int, precision: str, mixed_precision: str, offload: str = "none") -> bool:
+        """Whether data parallelism runs on FSDP2 beyond ``uses_fsdp``: a world of one under CPU
+        offload, and -- for bf16/fp8 with ``train.mixed_precision = "cast_once"`` -- a world of one
+        (a one-rank mesh) and DDP's layouts (stage 0: replicated over dp), so that FSDP2's
+        mixed-precision policy casts each weight to bf16 once per micro-batch instead of autocast
+        at every use. (bf16 ZeRO-1 holds bf16 working weights of its own: parallel/zero1.py.)"""
+        if self.uses_fsdp(zero_stage):
+            return False
+        if self.world_size == 1 and offload == "cpu" and zero_stage >= 2:
+            return True
+        once = precision in ("bf16", "fp8") and mixed_precision == "cast_once"
+        return once and (self.world_size == 1 or (self.dp_cp > 1 and zero_stage == 0))
+
     def bubble(self, schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
         return bubble_fraction(schedule_name(schedule), self.pp, num_microbatches, virtual_stages)
 
@@ -287,17 +300,24 @@ def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[
 
 def offload_problem(d: ParallelDims, zero_stage: int, offload: str) -> Problem | None:
     """Why ``parallel.offload = "cpu"`` cannot run on this layout (None: it can). FSDP2's
-    CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 over more than one
-    data-parallel rank; the experts' own FSDP units (ep > 1) take no offload policy yet.
+    CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 on FSDP2: over more
+    than one data-parallel rank, or a world of one (a one-rank FSDP2 mesh, as DeepSpeed and
+    FSDP2 offload a single GPU); the experts' own FSDP units (ep > 1) take no offload policy yet.
     The planner puts its fixed choices to this rule too."""
     if offload != "cpu":
         return None
-    if zero_stage < 2 or not d.uses_fsdp(zero_stage):
+    if zero_stage < 2:
         return Problem(
             "parallel.offload",
-            f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3 with more than one "
-            f"data-parallel rank; here zero_stage = {zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
-            "or parallel.offload = 'none'",
+            f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3; here "
+            f"zero_stage = {zero_stage}); set parallel.zero_stage = 3 or parallel.offload = 'none'",
+        )
+    if not (d.uses_fsdp(zero_stage) or d.world_size == 1):
+        return Problem(
+            "parallel.offload",
+            f"parallel.offload = 'cpu' on {d.world_size} ranks with one data-parallel rank (dp = {d.dp_cp}): the "
+            "model-parallel axes alone do not run on FSDP2; use more data-parallel ranks (parallel.dp_shard) or "
+            "parallel.offload = 'none'",
         )
     if d.ep > 1:
         return Problem(

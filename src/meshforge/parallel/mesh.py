@@ -4,7 +4,8 @@ Which dimensions and flattened sub-meshes exist, and in which order, is a layout
 lives in ``parallel/dims.py``; this file only turns them into process groups. One
 process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks find each
 other through the launcher's environment (``launch_env``); started directly, meshforge
-is a world of one and needs no process group at all.
+is a world of one and needs no process group, except on FSDP2 (bf16 cast once, CPU
+offload), which gets a one-rank mesh over an in-memory group (``Mesh.solo_mesh``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Mesh:
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see dims.py
     ep_group: dist.ProcessGroup | None = None  # ep > 1: the token all-to-all's own group (counted as axis "ep")
+    solo: DeviceMesh | None = None  # a world of one on FSDP2 (bf16 cast once, CPU offload): its one-rank mesh
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -70,6 +72,16 @@ class Mesh:
             # the only public way to combine one with another dimension, so keep it in one place.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
             return self.device_mesh[dims]
+
+    def solo_mesh(self) -> DeviceMesh:
+        """A world of one's one-rank FSDP2 mesh (for its bf16 cast once per step and CPU offload),
+        over an in-memory process group of one; shutdown() tears it down like any other."""
+        if self.solo is None:
+            if not dist.is_initialized():
+                backend = "cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo"
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self.solo = init_device_mesh(self.device.type, (1,), mesh_dim_names=("dp_shard",))
+        return self.solo
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         return self.submesh(name).get_group() if self.device_mesh is not None else None

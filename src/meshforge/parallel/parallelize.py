@@ -40,6 +40,7 @@ from torch import nn
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
+from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
 from meshforge.parallel.dims import chunks_per_rank, schedule_name
@@ -56,7 +57,7 @@ from meshforge.parallel.pipeline import (
     model_view,
     split_model,
 )
-from meshforge.parallel.precision import autocast, resolve_precision
+from meshforge.parallel.precision import autocast, resolve_mixed_precision, resolve_precision
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 from meshforge.parallel.zero1 import uses_flat_zero1
 
@@ -65,8 +66,12 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (the rule is the layout's: ParallelDims.uses_fsdp)."""
-    return mesh.dims.uses_fsdp(cfg.parallel.zero_stage)
+    """Data parallelism runs on FSDP2 (the rules are the layout's: ParallelDims.uses_fsdp, and
+    casts_once for a world of one and DDP's layouts in bf16, and a world of one offloading)."""
+    p, d = cfg.parallel, mesh.dims
+    precision = resolve_precision(cfg.train.precision, mesh.device)
+    mixed = resolve_mixed_precision(cfg.train.mixed_precision, mesh.device)
+    return d.uses_fsdp(p.zero_stage) or d.casts_once(p.zero_stage, precision, mixed, p.offload)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
@@ -110,9 +115,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_cp(model, mesh, cfg)
         apply_moe_cp(model, mesh.group("cp"))
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
-    if cfg.train.compile:
-        for block in blocks:
-            block.compile()
+    if cfg.train.compile:  # whole blocks (fullgraph) where they hold (parallel/compile.py)
+        compile_blocks(blocks)
     sharded = is_sharded(cfg, mesh)
     if sharded:
         param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None

@@ -157,7 +157,7 @@ def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str)
     splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded
     rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/zero1.py) splits flat buffers evenly."""
     n = lay.dp * lay.cp
-    if lay.zero_stage >= 2 and n > 1:
+    if lay.zero_stage >= 2 and (n > 1 or lay.offload == "cpu"):  # FSDP2 (a world of one: when offloading)
         return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
     states = model_state_bytes(psi, n, lay.zero_stage, precision)
     if lay.zero_stage == 1 and n > 1 and precision not in ("bf16", "fp8"):
@@ -260,9 +260,10 @@ def memory(
     logits = chunk * shape.vocab / lay.tp * (bpe + 4 + 4) + (chunk < tokens) * shape.vocab * shape.hidden / lay.tp * 4
     acts += logits
     w = 2 if precision != "fp32" else 4
-    if lay.zero_stage == 2 and lay.dp > 1:
+    fsdp = lay.dp > 1 or lay.offload == "cpu"  # (a world of one offloads on a one-rank FSDP2 mesh)
+    if lay.zero_stage == 2 and fsdp:
         gathered = psi * w  # parameters kept gathered from forward to backward
-    elif lay.zero_stage == 3 and lay.dp > 1:
+    elif lay.zero_stage == 3 and fsdp:
         gathered = 2 * per_layer * w  # the running block and the prefetched one
     else:
         gathered = 0.0

@@ -176,11 +176,12 @@ def _ep_choices(shape: Shape, dp_cp: int, f: Fixed) -> list[int]:
 
 
 def _zero_choices(dp_cp: int, ep: int, f: Fixed) -> list[int]:
-    """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3."""
+    """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3,
+    as is CPU offload on one data-parallel rank (the layout rule refuses it except on a world of one)."""
     if f.zero is not None:
         return [f.zero]
-    if dp_cp == 1:
-        return [0]
+    if dp_cp == 1:  # a world of one offloads on a one-rank FSDP2 mesh (ZeRO-2/3; dims.offload_problem)
+        return [2, 3] if f.offload == "cpu" else [0]
     return [2, 3] if ep > 1 else [0, 1, 2, 3]
 
 

@@ -33,6 +33,7 @@ from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, s
 from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
 from meshforge.models.flops import num_params
 from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
@@ -252,6 +253,8 @@ class Trainer:
         )
         if self.precision == "fp8":
             self._announce_fp8()
+        if self.cfg.train.compile:  # which blocks compile whole, and why the others do not
+            self.event("compile", **compile_plan_event(list(getattr(self.model, "layers", {}).values())))
 
     def _announce_fp8(self) -> None:
         """The fp8 boundary as an event (every converted and excluded module, and why), and
