@@ -132,7 +132,7 @@ class HealthKeeper:
     def after_step(self, n: int) -> bool:
         """Report and act on the guard's verdict for step ``n``; True when the run went back
         to a checkpoint (the loop goes on from there)."""
-        if self.stragglers and self.logged:
+        if self.stragglers and self.logged and (n > 1 or self.t.cfg.metrics.log_interval == 1):  # step 1: warm-up
             for found in self.stragglers.check(self.compute_s, n):
                 self.report({"event": "straggler", "action": "log", **found})
         late, self.guard.late = self.guard.late, []

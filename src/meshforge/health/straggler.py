@@ -5,8 +5,6 @@ Compute time is the rank's own forward time (forward hooks; synchronised on GPUs
 steps only). Forward passes hold no collective under DDP, ZeRO-1/2 and pipelining, so a
 rank waiting for a slow peer does not look slow itself, as it would in the step time.
 The median is the lower median, so that with two ranks the fast one is the reference.
-Step 1 (logged, for the first progress line) is warm-up (allocations, lazy initialisation)
-and not judged.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 WINDOW = 5  # logged steps
-WARMUP_STEPS = 1  # not judged: first-step times are allocations and lazy initialisation
 
 
 class StragglerCheck:
@@ -32,8 +29,6 @@ class StragglerCheck:
     def check(self, compute_s: float, step: int) -> list[dict[str, Any]]:
         """Gather this logged step's compute times (a collective: every rank calls it) and
         return a ``straggler`` event's fields for each rank that newly became one."""
-        if step <= WARMUP_STEPS:  # the same on every rank: no collective on either
-            return []
         t = torch.tensor([compute_s], dtype=torch.float64, device=self.device)
         parts = [torch.zeros_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t)
