@@ -28,19 +28,25 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"},
     "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
     "train": {
-        *("checkpoint", "config", "data", "errors", "faults", "health", "launch_env", "metrics", "models"),
-        *("parallel", "resolve"),
+        *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
+        *("parallel", "resolve", "run_lock"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
     "planner": {"config", "errors", "metrics", "models", "parallel"},
     "report": {"errors", "planner"},
     "explore": {"errors", "models", "parallel", "planner"},
+    # the run's guards: a full or read-only disk, the run.dir lock, ranks tied to their launcher,
+    # one line for a rank whose peer went away
+    "disk": {"errors", "models", "planner"},
+    "run_lock": {"disk", "errors"},
+    "lifeline": set(),
+    "peer_lost": {"health", "launch_env"},
     # the top: what drives the rest
     "calibration": {"config", "errors", "models", "parallel", "planner", "resolve", "train"},
-    "launch": {"errors"},
+    "launch": {"errors", "lifeline"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
-        *("planner", "report", "resolve", "train"),
+        *("planner", "report", "resolve", "train", "disk", "lifeline", "peer_lost", "run_lock"),
     },
     "__main__": {"cli"},
 }
@@ -48,7 +54,7 @@ ALLOWED: dict[str, set[str]] = {
 TYPE_ONLY: dict[str, set[str]] = {"metrics": {"train"}, "checkpoint": {"train"}, "health": {"train"}}
 
 ANALYSING = ("planner", "explore", "report")
-RUNNING = ("train", "checkpoint", "health", "calibration", "launch", "cli")
+RUNNING = ("train", "checkpoint", "health", "calibration", "launch", "cli", "disk", "run_lock", "lifeline", "peer_lost")
 # what the analysing side may import from outside itself, module by module
 SHARED_CORE = {
     "meshforge.errors",
