@@ -1,0 +1,60 @@
+"""Differences between the torch versions meshforge supports (2.11 to 2.13), in one place.
+
+Every place where the installed torch's behaviour or private API differs goes through a
+function here, so the rest of the code is written once against the newest torch and the
+list of what an older one needs stays short and reviewable. Each entry says which torch
+needs it; when the floor (pyproject.toml) passes that version, the entry goes.
+
+- ``pipeline_stage_fixups``: torch 2.11's multi-stage schedules open every stage's
+  neighbours with a point-to-point handshake, including a stage whose neighbour lives on
+  the same rank (the V-shaped schedules: rank r holds chunks r and 2pp-1-r, so the middle
+  two are neighbours on one rank); gloo cannot send to itself. 2.13 skips that handshake.
+- ``STAGER_FREE_TYPES``: 2.11's ``DefaultStager`` deep-copies the state dict with a copier
+  that knows no ``type`` objects; keep the state dict plain tensors and numbers (see
+  ``checkpoint/sharded.py``).
+- ``FUNCOL_NAMES``: the functional collectives DTensor calls, which 2.11 names differently
+  (``all_gather_tensor`` where 2.13 has ``all_gather_single``), for communication counting.
+
+Private torch names used elsewhere are wrapped where they are used and named here:
+``torch.distributed._functional_collectives`` (parallel/comm_stats.py) and the stage's
+``_post_metadata_inference_cleanup`` (parallel/pipeline_aux.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
+# the oldest torch the whole CPU suite was run on (pyproject.toml's floor; .ci/compat runs it)
+TORCH_FLOOR = "2.11.0"
+
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is ``major.minor`` or newer."""
+    return TORCH_VERSION >= (major, minor)
+
+
+def pipeline_stage_fixups(stage: Any) -> None:
+    """Make ``stage`` (a ``PipelineStage``) run on this torch: on 2.11, drop the start-up
+    handshake with a neighbour on the same rank (see the module docstring)."""
+    init_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if init_ops is None or torch_at_least(2, 12):
+        return
+
+    def ops() -> list:
+        return [op for op in init_ops() if getattr(op, "group_peer", None) != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = ops
+
+
+def funcol_names() -> dict[str, str]:
+    """The functional collectives' names on this torch, by the name meshforge counts them under."""
+    import torch.distributed._functional_collectives as funcol  # private module: named here
+
+    names = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter_single"}
+    names.update({"all_to_all_single": "all_to_all_single"})
+    if hasattr(funcol, "all_gather_single"):
+        names["all_gather_single"] = "all_gather_single"
+    return names
