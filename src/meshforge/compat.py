@@ -9,9 +9,11 @@ needs it; when the floor (pyproject.toml) passes that version, the entry goes.
   neighbours with a point-to-point handshake, including a stage whose neighbour lives on
   the same rank (the V-shaped schedules: rank r holds chunks r and 2pp-1-r, so the middle
   two are neighbours on one rank); gloo cannot send to itself. 2.13 skips that handshake.
-- ``STAGER_FREE_TYPES``: 2.11's ``DefaultStager`` deep-copies the state dict with a copier
-  that knows no ``type`` objects; keep the state dict plain tensors and numbers (see
-  ``checkpoint/sharded.py``).
+- ``dcp_stager_reusable``: 2.11's ``DefaultStager`` closes itself after every ``stage``
+  call, emptying its deep-copy dispatch table, so a second background save with the same
+  stager dies in ``deepcopy_with_tensor_offload`` with ``KeyError: <class 'type'>`` (the
+  plain ``dict`` at the top of the state finds no copier and is reduced to its class).
+  2.13 keeps the stager (and its cached host buffers) until ``close()``.
 - ``FUNCOL_NAMES``: the functional collectives DTensor calls, which 2.11 names differently
   (``all_gather_tensor`` where 2.13 has ``all_gather_single``), for communication counting.
 
@@ -40,13 +42,18 @@ def pipeline_stage_fixups(stage: Any) -> None:
     """Make ``stage`` (a ``PipelineStage``) run on this torch: on 2.11, drop the start-up
     handshake with a neighbour on the same rank (see the module docstring)."""
     init_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
-    if init_ops is None or torch_at_least(2, 12):
+    if init_ops is None or torch_at_least(2, 13):
         return
 
     def ops() -> list:
         return [op for op in init_ops() if getattr(op, "group_peer", None) != stage.group_rank]
 
     stage._get_init_p2p_neighbors_ops = ops
+
+
+def dcp_stager_reusable() -> bool:
+    """Whether one DCP ``DefaultStager`` serves many saves (seen on 2.13; 2.12 untested, so treated as 2.11); else make one per save."""
+    return torch_at_least(2, 13)
 
 
 def funcol_names() -> dict[str, str]:
