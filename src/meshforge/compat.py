@@ -14,12 +14,13 @@ needs it; when the floor (pyproject.toml) passes that version, the entry goes.
   stager dies in ``deepcopy_with_tensor_offload`` with ``KeyError: <class 'type'>`` (the
   plain ``dict`` at the top of the state finds no copier and is reduced to its class).
   2.13 keeps the stager (and its cached host buffers) until ``close()``.
-- ``FUNCOL_NAMES``: the functional collectives DTensor calls, which 2.11 names differently
-  (``all_gather_tensor`` where 2.13 has ``all_gather_single``), for communication counting.
+- ``functional_collectives``: the functional collectives DTensor calls (a private module,
+  imported only here), which 2.11 names differently (``all_gather_tensor`` where 2.13 has
+  ``all_gather_single``); communication counting (parallel/comm_stats.py) wraps them.
 
-Private torch names used elsewhere are wrapped where they are used and named here:
-``torch.distributed._functional_collectives`` (parallel/comm_stats.py) and the stage's
-``_post_metadata_inference_cleanup`` (parallel/pipeline_aux.py).
+Other private torch names are used where they are wrapped and listed here: the stage's
+``_post_metadata_inference_cleanup`` (parallel/pipeline_aux.py), the stager's ``_config``
+(checkpoint/sharded.py), ``torch._grouped_mm`` (models/moe.py).
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def dcp_stager_reusable() -> bool:
     return torch_at_least(2, 13)
 
 
-def funcol_names() -> dict[str, str]:
-    """The functional collectives' names on this torch, by the name meshforge counts them under."""
-    import torch.distributed._functional_collectives as funcol  # private module: named here
+def functional_collectives() -> tuple[Any, dict[str, str]]:
+    """The functional-collectives module DTensor calls, and which of its functions gather and
+    reduce-scatter a local tensor: ``all_gather_single`` / ``reduce_scatter_single`` on 2.13
+    (whose ``*_tensor`` names are deprecated wrappers around them, so only one set may be
+    counted), ``all_gather_tensor`` / ``reduce_scatter_tensor`` on 2.11. Both take the tensor
+    as ``self``."""
+    import torch.distributed._functional_collectives as funcol  # private module: imported here only
 
-    names = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter_single"}
-    names.update({"all_to_all_single": "all_to_all_single"})
     if hasattr(funcol, "all_gather_single"):
-        names["all_gather_single"] = "all_gather_single"
-    return names
+        return funcol, {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    return funcol, {"all_gather": "all_gather_tensor", "reduce_scatter": "reduce_scatter_tensor"}
