@@ -68,3 +68,21 @@ def functional_collectives() -> tuple[Any, dict[str, str]]:
     if hasattr(funcol, "all_gather_single"):
         return funcol, {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
     return funcol, {"all_gather": "all_gather_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+
+
+def mesh_slice_names(dims: tuple[str, ...], flattened: dict[str, tuple[str, ...]], degrees: dict[str, int]) -> tuple:
+    """The names to slice a root mesh by for the sub-mesh ``dims`` (flattened names allowed).
+    torch 2.11 checks that the sliced dimensions' strides ascend, and a flattened dimension
+    of size 1 (e.g. ``dp`` under cp 2 x tp 2) carries a stride that fails it; such a name
+    (or one whose constituents are all size 1 but one) is replaced by that constituent,
+    which is the same ranks. 2.13 slices them as given."""
+    if torch_at_least(2, 13) or len(dims) < 2:
+        return dims
+    out = []
+    for name in dims:
+        parts = flattened.get(name)
+        if parts is not None:
+            big = [p for p in parts if degrees.get(p, 1) > 1]
+            name = big[0] if len(big) == 1 else parts[-1] if not big else name
+        out.append(name)
+    return tuple(out)

@@ -19,6 +19,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshforge import launch_env
+from meshforge.compat import mesh_slice_names
 from meshforge.errors import ConfigError
 from meshforge.parallel.dims import DIMS, ParallelDims
 
@@ -69,7 +70,7 @@ class Mesh:
             # PyTorch warns that slicing a flattened dimension from the root may go away; it is
             # the only public way to combine one with another dimension, so keep it in one place.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return self.device_mesh[dims]
+            return self.device_mesh[mesh_slice_names(dims, self.dims.flattened(), self.degrees)]
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         return self.submesh(name).get_group() if self.device_mesh is not None else None
