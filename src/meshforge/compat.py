@@ -53,7 +53,8 @@ def pipeline_stage_fixups(stage: Any) -> None:
 
 
 def dcp_stager_reusable() -> bool:
-    """Whether one DCP ``DefaultStager`` serves many saves (seen on 2.13; 2.12 untested, so treated as 2.11); else make one per save."""
+    """Whether one DCP ``DefaultStager`` serves many saves (seen on 2.13; 2.12 untested, treated as
+    2.11); else make one per save."""
     return torch_at_least(2, 13)
 
 
