@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from meshforge.compat import dcp_stager_reusable
+
 # A world of one saves and loads without a process group, which DCP announces every time --
 # for a background save from its own writer thread, where a catch_warnings() block around
 # the call cannot reach (and would not be thread-safe), so the filter is set once here.
@@ -62,14 +64,23 @@ def _zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, init: bool) ->
     return out
 
 
+def plain(state: Any) -> Any:
+    """``state`` as plain dicts of tensors and numbers: a module's state dict is an
+    ``OrderedDict`` carrying ``_metadata`` (module versions) that DCP does not save, and the
+    background stager would deep-copy it with every save."""
+    if isinstance(state, dict):
+        return {k: plain(v) for k, v in state.items()}
+    return state
+
+
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model and optimizer tensors to save, by parameter name."""
+    """The model and optimizer tensors to save, by parameter name (plain data: see ``plain``)."""
     if hasattr(optimizer, "full_training_state"):  # bf16 ZeRO-1 (parallel/zero1.py): full fp32 tensors
-        return optimizer.full_training_state(model)
+        return plain(optimizer.full_training_state(model))
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return {"model": msd, "optim": _zero1_state(model, optimizer, init=False)}
-    return {"model": msd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+        return plain({"model": msd, "optim": _zero1_state(model, optimizer, init=False)})
+    return plain({"model": msd, "optim": get_optimizer_state_dict(model, optimizer)["state"]})
 
 
 def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
@@ -99,7 +110,10 @@ def _stager() -> Any:
     """One DCP stager per process, so its host copies are allocated once and reused by every
     save: pinned (page-locked) on CUDA, where a pinned device-to-host copy runs at full PCIe
     speed and the training step waits only for that copy; plain memory on a CPU-only torch.
-    None where the installed torch has no ``DefaultStager`` (DCP then copies per save)."""
+    None where the installed torch has no ``DefaultStager`` (DCP then copies per save). On a
+    torch whose stager cannot be reused (2.11: see compat.py) a new one per save."""
+    if _STAGER and not dcp_stager_reusable():
+        _STAGER.clear()
     if not _STAGER:
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

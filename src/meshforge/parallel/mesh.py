@@ -20,6 +20,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshforge import launch_env
+from meshforge.compat import mesh_slice_names
 from meshforge.errors import ConfigError
 from meshforge.parallel.dims import DIMS, ParallelDims
 
@@ -71,7 +72,7 @@ class Mesh:
             # PyTorch warns that slicing a flattened dimension from the root may go away; it is
             # the only public way to combine one with another dimension, so keep it in one place.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return self.device_mesh[dims]
+            return self.device_mesh[mesh_slice_names(dims, self.dims.flattened(), self.degrees)]
 
     def solo_mesh(self) -> DeviceMesh:
         """A world of one's one-rank FSDP2 mesh (for its bf16 cast once per step and CPU offload),
