@@ -14,6 +14,7 @@ ALLOWED: dict[str, set[str]] = {
     # the bottom: no meshforge imports, or only each other
     "meshforge": set(),
     "errors": set(),
+    "compat": set(),  # the one home of torch version differences
     "launch_env": set(),
     "config_help": set(),
     "manifest": {"errors"},
@@ -21,11 +22,11 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"errors"},
     "config": {"config_help", "errors", "models"},
     "data": {"errors", "manifest"},
-    "parallel": {"config", "errors", "launch_env", "models"},
+    "parallel": {"compat", "config", "errors", "launch_env", "models"},
     "resolve": {"config", "launch_env", "models", "parallel"},
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
     "metrics": {"config", "data", "errors", "models", "parallel"},
-    "checkpoint": {"config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"},
+    "checkpoint": {"compat", "config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"},
     "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
     "train": {
         *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
