@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+OUTER_DTYPE = torch.float64  # pseudo-gradients are differences of nearby weights: exact in fp64 (see docs)
 FP8_BLOCK = 256  # values per fp8 scale
 FP8_MAX = 448.0  # largest float8_e4m3fn value
 
@@ -77,13 +78,13 @@ def fp8_decode(wire: torch.Tensor, n: int) -> torch.Tensor:
 class Fragment:
     index: int
     params: list[torch.Tensor]  # the model's parameters (DTensor or plain)
-    outer: list[torch.Tensor]  # their outer weights, local shards in fp32
+    outer: list[torch.Tensor]  # their outer weights, local shards in OUTER_DTYPE
     send_at: int  # round position (1..H) after which its pseudo-gradient is sent
     apply_at: int  # ... and after which the average is applied
-    error: torch.Tensor | None = None  # fp8 error feedback (flat, fp32)
+    error: torch.Tensor | None = None  # fp8 error feedback (flat, OUTER_DTYPE)
     work: Any = None  # the collective in flight
     wire: Any = None  # its buffer(s)
-    result: torch.Tensor | None = None  # the averaged pseudo-gradient (flat, fp32) once known
+    result: torch.Tensor | None = None  # the averaged pseudo-gradient (flat, OUTER_DTYPE) once known
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -112,7 +113,7 @@ class DiLoCo:
         self.h, self.delay, self.sync_dtype = inner_steps, delay, sync_dtype
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
-        self.outer = [local(p).detach().float().clone() for _, p in named]
+        self.outer = [local(p).detach().to(OUTER_DTYPE, copy=True) for _, p in named]
         self.outer_opt = torch.optim.SGD(
             self.outer, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
         )
@@ -126,7 +127,7 @@ class DiLoCo:
             params, outer = [named[i][1] for i in mine], [self.outer[i] for i in mine]
             frag = Fragment(f, params, outer, (f + 1) * every - delay, (f + 1) * every)
             if sync_dtype == "fp8":
-                frag.error = torch.zeros(frag.numel, device=self.outer[0].device)
+                frag.error = torch.zeros(frag.numel, dtype=OUTER_DTYPE, device=self.outer[0].device)
             self.fragments.append(frag)
 
     # -- the schedule ---------------------------------------------------------------------
@@ -149,22 +150,23 @@ class DiLoCo:
     def _send(self, frag: Fragment) -> None:
         if not frag.outer:
             return
-        pg = torch.cat([(o - local(p).float()).flatten() for o, p in zip(frag.outer, frag.params, strict=True)])
+        pg = torch.cat([(o - local(p).to(OUTER_DTYPE)).flatten() for o, p in zip(frag.outer, frag.params, strict=True)])
+        frag.work, frag.result = None, None
+        if self.group is None or self.islands == 1:  # no wire: the exact pseudo-gradient
+            frag.wire = pg
+            return
         if self.sync_dtype == "fp8":
             pg = pg + frag.error
-            wire, sent = fp8_encode(pg)
-            frag.error = pg - sent
+            wire, sent = fp8_encode(pg.float())
+            frag.error = pg - sent.to(OUTER_DTYPE)
         else:
-            wire = pg.to(torch.bfloat16) if self.sync_dtype == "bf16" else pg
-        if self.group is None or self.islands == 1:
-            frag.wire, frag.work = [wire] if self.sync_dtype == "fp8" else wire, None
-        elif self.sync_dtype == "fp8":
+            wire = pg.float().to(torch.bfloat16) if self.sync_dtype == "bf16" else pg.float()
+        if self.sync_dtype == "fp8":
             frag.wire = [torch.empty_like(wire) for _ in range(self.islands)]
             frag.work = dist.all_gather(frag.wire, wire, group=self.group, async_op=True)
         else:
             frag.wire = wire
             frag.work = dist.all_reduce(wire, group=self.group, async_op=True)
-        frag.result = None
 
     def _finish(self, frag: Fragment) -> None:
         """Wait for the fragment's collective and keep the averaged pseudo-gradient."""
@@ -173,12 +175,12 @@ class DiLoCo:
             frag.work = None
         if frag.wire is None:
             return
-        if self.sync_dtype == "fp8":
-            total = torch.zeros(frag.numel, device=frag.outer[0].device)
-            for w in frag.wire:  # island order: every island sums the same way
-                total += fp8_decode(w, frag.numel)
+        if isinstance(frag.wire, list):  # fp8: summed in island order, the same on every island
+            total = torch.zeros(frag.numel, dtype=OUTER_DTYPE, device=frag.outer[0].device)
+            for w in frag.wire:
+                total += fp8_decode(w, frag.numel).to(OUTER_DTYPE)
         else:
-            total = frag.wire.float()
+            total = frag.wire.to(OUTER_DTYPE)
         frag.result, frag.wire = total / self.islands, None
 
     @torch.no_grad()
@@ -233,7 +235,7 @@ class DiLoCo:
             if frag.outer:
                 self._finish(frag)
                 if frag.result is None:
-                    frag.result = torch.full((frag.numel,), float("nan"), device=frag.outer[0].device)
+                    frag.result = torch.full_like(frag.outer[0].new_empty(frag.numel), float("nan"))
 
 
 def build_diloco(cfg: Any, mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> DiLoCo | None:
