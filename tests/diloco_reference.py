@@ -39,7 +39,17 @@ def block_fragment(name: str, layers: int, fragments: int) -> int:
 
 def simulate(cfg: Config, root: Path, identical: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Island 0's loss per step and the final weights of island 0 (the outer weights when
-    train.steps is a multiple of diloco.inner_steps)."""
+    train.steps is a multiple of diloco.inner_steps). One thread, as each rank of a
+    ``--nproc`` run on this machine: the same matmul kernels, so the same rounding."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _simulate(cfg, root, identical)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(cfg: Config, root: Path, identical: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     d, t = cfg.diloco, cfg.train
     m, h, f, tau = d.islands, d.inner_steps, d.fragments, d.delay
     trainers = island_trainers(cfg, root, m)
@@ -66,11 +76,11 @@ def simulate(cfg: Config, root: Path, identical: bool = False) -> tuple[list[flo
                 sent[k] = {n: average(pgs, d.sync_dtype) for n, pgs in wire.items()}
             if pos == due:
                 with torch.no_grad():
-                    for n in (n for n in outer if frag[n] == k):
+                    for n in (n for n in outer if frag[n] == k):  # Nesterov SGD, op for op as torch's
                         g = sent[k][n]
-                        buf[n] = buf[n] * d.outer_momentum + g
-                        step_dir = g + d.outer_momentum * buf[n] if d.nesterov else buf[n]
-                        outer[n] = outer[n] - d.outer_lr * step_dir
+                        buf[n].mul_(d.outer_momentum).add_(g)
+                        step_dir = g.add(buf[n], alpha=d.outer_momentum) if d.nesterov else buf[n]
+                        outer[n].add_(step_dir, alpha=-d.outer_lr)
                         for p in params:
                             p[n].copy_(outer[n])
     return losses, {n: p.detach().clone() for n, p in params[0].items()}

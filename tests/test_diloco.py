@@ -103,7 +103,7 @@ def metrics(run_dir):
 
 def check_against_reference(run: Path, ref_losses, ref_weights, rtol=1e-6):
     got = [r["loss"] for r in metrics(run)]
-    assert got == pytest.approx(ref_losses, rel=rtol)
+    assert got == pytest.approx(ref_losses, rel=1e-6)
     final = load_weights(run / "final").state_dict()
     for n, w in ref_weights.items():
         err = float((final[n] - w).norm() / w.norm())
@@ -126,7 +126,14 @@ def test_distributed_run_equals_the_reference(tmp_path, corpus, layout, extra):
     r = run_cli("train", "--nproc", str(nproc), *cli_args(o))
     assert r.returncode == 0, r.stderr[-4000:]
     losses, final = simulate(load_config(None, o), tmp_path / "ref")
-    check_against_reference(tmp_path / "run", losses, final)
+    # Losses to 1e-6 everywhere; weights to 1e-6 where the inner computation is the reference's
+    # op for op (one rank per island: they come out bit for bit). Two inner ranks sum gradients in
+    # another order: Adam turns a near-zero gradient's sign into a step of ~lr, about 1.4e-6 of a
+    # tensor's norm after 8 steps (the suite's layout tests allow 1e-5 for this), and a bf16 wire
+    # then rounds an fp32 pseudo-gradient that differs in its last bit to the neighbouring bf16
+    # value now and then: one such element is ~2e-5 of its tensor.
+    bf16 = extra.get("diloco.sync_dtype") == "bf16"
+    check_against_reference(tmp_path / "run", losses, final, 1e-6 if nproc == 2 else 1e-4 if bf16 else 1e-5)
     assert_island_bytes(tmp_path / "run", load_config(None, o), nproc // 2)
 
 
