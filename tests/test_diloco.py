@@ -203,3 +203,17 @@ def test_islands_are_the_outermost_mesh_dimension(tmp_path, corpus):
     dims = layout(resolve(tiny_config(tmp_path / "r", corpus, **{"diloco.islands": 2}), 4), 4)
     assert list(dims.mesh_degrees()) == ["island", "pp", "dp_replicate", "dp_shard", "cp", "tp"]
     assert dims.dp_shard == 2 and dims.world_size == 4 and dims.data_ranks == 4
+
+
+def test_planner_compares_ddp_and_diloco_on_the_link(capsys):
+    from meshforge.cli import main
+
+    argv = ["plan", "--model", "debug", "--gpus", "8", "--islands", "4", "--inter-island-gbps", "1", "--json"]
+    assert main(argv) == 0
+    c = json.loads(capsys.readouterr().out)["islands"]
+    assert c["diloco_bytes_per_step"] == pytest.approx(c["ddp_bytes_per_step"] / 50)  # fp32, H = 50
+    assert c["ddp_step_s"] > c["diloco_step_s"] >= c["inner_step_s"] and c["speedup"] > 1
+    assert main([*argv, "--fragments", "2", "--delay", "10", "--sync-dtype", "bf16"]) == 0
+    s = json.loads(capsys.readouterr().out)["islands"]
+    assert s["diloco_peak_bytes_per_sync"] == pytest.approx(c["diloco_peak_bytes_per_sync"] / 4)  # / F / 2 bytes
+    assert s["diloco_step_s"] <= c["diloco_step_s"]
