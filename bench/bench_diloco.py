@@ -32,7 +32,8 @@ def run(name: str, root: Path, args: argparse.Namespace, extra: dict) -> dict:
         "metrics.log_interval": 5, "metrics.console": False, "metrics.tensorboard": False,
         "metrics.report": False, "checkpoint.save_final": False, "run.dir": str(d), **extra,
     }  # fmt: skip
-    cmd = [sys.executable, "-m", "meshforge", "train", "--nproc", "4", *[f"--{k}={v}" for k, v in over.items()]]
+    flags = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in over.items()]
+    cmd = [sys.executable, "-m", "meshforge", "train", "--nproc", "4", *flags]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     if r.returncode:
