@@ -40,12 +40,14 @@ def run(name: str, root: Path, args: argparse.Namespace, extra: dict) -> dict:
         raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
     wall = time.perf_counter() - t0
     recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    axis = "island" if "diloco.islands" in extra else "dp"
-    per_step = [sum(r.get("comm_bytes_by_kind", {}).get(axis, {}).values()) for r in recs]
+    axis = "island" if "diloco.islands" in extra else None  # DDP: every axis (its dp group spans the world)
+    by = [r.get("comm_bytes_by_kind", {}) for r in recs]
+    per_step = [sum(sum(k.values()) for a, k in b.items() if axis in (None, a)) for b in by]
     h = args.inner_steps if axis == "island" else 5  # one round's logged steps hold every send of it
     first = [b for r, b in zip(recs, per_step, strict=True) if r["step"] <= h]
     round_bytes = sum(first) if axis == "island" else per_step[0]
     summary = json.loads((d / "summary.json").read_text())
+    print(f"{name}: val loss {summary['val_loss']:.4f}, {time.perf_counter() - t0:.0f} s", flush=True)
     return {
         "val_loss": summary["val_loss"],
         "bytes_per_step": round_bytes / args.inner_steps if axis == "island" else round_bytes,
