@@ -189,6 +189,7 @@ def write_run_report(cfg: Any) -> None:
 def dry_run(cfg: Any, world: int) -> int:
     """Print the config resolved for ``world`` ranks and the planner's estimate of exactly that
     layout; start nothing and write nothing (run.dir is not touched)."""
+    import dataclasses
     import tempfile
 
     import torch
@@ -200,6 +201,8 @@ def dry_run(cfg: Any, world: int) -> int:
     from meshforge.train.run_dir import check_precision_and_offload
 
     cfg = resolve(cfg, world)
+    m = cfg.diloco.islands
+    inner = world // m
     text = to_toml(cfg)
     print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{text}")
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
@@ -210,9 +213,11 @@ def dry_run(cfg: Any, world: int) -> int:
     gpu = preset_for_device(torch.cuda.get_device_name(0) if use_cuda and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "config.toml"
-        path.write_text(text)
+        # DiLoCo: the planner estimates one island's layout, on its share of the global batch
+        island = dataclasses.replace(cfg.train, global_batch_size=cfg.train.global_batch_size // m)
+        path.write_text(text if m == 1 else to_toml(dataclasses.replace(cfg, train=island)))
         try:
-            pl = plan_from_args(parse_plan_args(["--config", str(path), "--gpus", str(world), "--gpu", gpu]))
+            pl = plan_from_args(parse_plan_args(["--config", str(path), "--gpus", str(inner), "--gpu", gpu]))
         except MeshforgeError as e:
             print(f"planner: no estimate for this layout ({e})")
             return 0
@@ -221,8 +226,10 @@ def dry_run(cfg: Any, world: int) -> int:
         print("planner: no estimate for this layout")
         return 0
     fits = "fits" if e.fits else f"does NOT fit: {e.overflow}"
+    if m > 1:
+        print(f"diloco: {m} islands of {inner} rank(s); the estimate is one island's")
     print(
-        f"planner estimate on {world} x {pl.hw.name}: memory {e.memory['total']:.2f} GiB per device ({fits}) | "
+        f"planner estimate on {inner} x {pl.hw.name}: memory {e.memory['total']:.2f} GiB per device ({fits}) | "
         f"step time {e.step_time_s:.4f} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
     )
     print("dry run: no ranks started, nothing written")

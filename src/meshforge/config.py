@@ -190,6 +190,20 @@ class RunConfig:
 
 
 @dataclass
+class DiLoCoConfig:
+    """DiLoCo across islands of ranks (its layout rules live in parallel/dims.py)."""
+
+    islands: int = 1  # islands (outermost mesh dimension); 1 = off
+    inner_steps: int = 50  # H: inner (AdamW) steps per round
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1  # Streaming DiLoCo: contiguous block groups synced at staggered steps
+    delay: int = 0  # tau: inner steps a fragment's sync overlaps with compute before it is applied
+    sync_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"  # pseudo-gradients on the wire (fp8: error feedback)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -201,6 +215,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -214,6 +229,7 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "health": HealthConfig,
     "profile": ProfileConfig,
+    "diloco": DiLoCoConfig,
 }
 
 

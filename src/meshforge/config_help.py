@@ -248,4 +248,21 @@ HELP: dict[str, str] = {
         "steps traced with torch.profiler into run.dir/profile/ (Chrome traces, one per rank; open "
         "in Perfetto); 0 = no tracing"
     ),
+    "diloco.islands": (
+        "DiLoCo islands (outermost mesh dimension; each runs the [parallel] layout on world / islands ranks); 1 = off"
+    ),
+    "diloco.inner_steps": "H: inner optimizer steps per round before the islands average pseudo-gradients",
+    "diloco.outer_lr": "outer SGD learning rate (the DiLoCo paper: 0.7)",
+    "diloco.outer_momentum": "outer SGD momentum (the paper: 0.9)",
+    "diloco.nesterov": "Nesterov momentum for the outer SGD",
+    "diloco.fragments": (
+        "Streaming DiLoCo: contiguous block groups synced inner_steps / fragments steps apart (1 = plain DiLoCo)"
+    ),
+    "diloco.delay": (
+        "tau: inner steps a fragment's all-reduce overlaps with compute before it is applied (< "
+        "inner_steps / fragments)"
+    ),
+    "diloco.sync_dtype": (
+        "pseudo-gradients on the wire: fp32, bf16, or fp8 (e4m3, a scale per 256 values, error feedback)"
+    ),
 }

@@ -14,7 +14,7 @@ import dataclasses
 from meshforge import launch_env
 from meshforge.config import Config, fill
 from meshforge.models.presets import model_args_from_config
-from meshforge.parallel.dims import ParallelDims, Training
+from meshforge.parallel.dims import DiLoCoRules, ParallelDims, Training
 
 
 def training_settings(cfg: Config, ranks_per_node: int | None = None) -> Training:
@@ -34,12 +34,20 @@ def training_settings(cfg: Config, ranks_per_node: int | None = None) -> Trainin
         qk_norm=bool(getattr(cfg.model, "qk_norm", False)),
         cp_balance=p.cp_balance,
         offload=p.offload,
+        diloco=diloco_rules(cfg),
     )
+
+
+def diloco_rules(cfg: Config) -> DiLoCoRules:
+    """What the DiLoCo rules read of [diloco]."""
+    d = cfg.diloco
+    keys = ("islands", "inner_steps", "fragments", "delay", "sync_dtype", "outer_lr", "outer_momentum")
+    return DiLoCoRules(**{k: getattr(d, k) for k in keys})
 
 
 def layout(cfg: Config, world_size: int) -> ParallelDims:
     """The config's degrees for this world size (one -1 inferred)."""
-    return ParallelDims.from_config(cfg.parallel, world_size)
+    return ParallelDims.from_config(cfg.parallel, world_size, cfg.diloco.islands)
 
 
 def resolve(cfg: Config, world_size: int = 1) -> Config:

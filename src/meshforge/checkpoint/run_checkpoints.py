@@ -32,6 +32,7 @@ from meshforge.launch_env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
 from meshforge.models.llama import ModelArgs
+from meshforge.parallel.diloco import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
 
@@ -61,8 +62,10 @@ class RunCheckpoints:
         optimizer: torch.optim.Optimizer,
         state: TrainState,
         event: Callable[..., None],
+        diloco: DiLoCo | None = None,
     ):
         self.cfg, self.mesh, self.args, self.event = cfg, mesh, args, event
+        self.diloco = diloco  # DiLoCo: outer state, and each island's own model and optimizer
         self.model, self.optimizer, self.state = model, optimizer, state
         self.run_dir = Path(cfg.run.dir)
         self.checkpointer = CheckpointSaver(
@@ -95,7 +98,11 @@ class RunCheckpoints:
 
     def save(self) -> None:
         state = sharded.training_state(self.model, self.optimizer)
+        if self.diloco:
+            state = self.diloco.wrap_state(state)
         self.checkpointer.save(self.state.step, state, self.meta(), background=self.cfg.checkpoint.async_)
+        if self.diloco:
+            self.diloco.settle()
 
     def maybe_save(self, last: bool, step_time_s: float) -> None:
         """Save when the cadence says so (and at the last step when saving at all)."""
@@ -131,7 +138,9 @@ class RunCheckpoints:
                 "to the checkpoint's shape, or start a new run (checkpoint.load = none or another run.dir)"
             )
         t0 = time.perf_counter()
-        sharded.load(self.model, self.optimizer, path)
+        sharded.load(self.model, self.optimizer, path, wrap=self.diloco.wrap_state if self.diloco else None)
+        if self.diloco:
+            self.diloco.settle()
         self.state.load_state_dict(meta)
         same_layout = meta["world_size"] == self.mesh.world_size and meta["degrees"] == self.mesh.degrees
         rank_file = path / f"rank-{self.mesh.rank:05d}.json"

@@ -16,6 +16,7 @@ them in the loading layout.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -135,24 +136,31 @@ def staging_is_pinned() -> bool:
 
 
 def load(
-    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+    wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
-    """Load a checkpoint's model and optimizer state into this layout's shards (collective)."""
+    """Load a checkpoint's model and optimizer state into this layout's shards (collective).
+    ``wrap``: the tree the state was saved in (DiLoCo nests it per island, beside its own state)."""
     reader = dcp.FileSystemReader(str(path))
     no_dist = not dist.is_initialized()
+    wrap = wrap or (lambda sd: sd)
     if hasattr(optimizer, "full_training_state"):
         full = optimizer.full_training_state(model, init=True)
-        dcp.load(full, storage_reader=reader, process_group=group, no_dist=no_dist)
+        dcp.load(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
         optimizer.load_full_training_state(model, full)
         return
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
-        dcp.load({"model": msd, "optim": osd_state}, storage_reader=reader, process_group=group, no_dist=no_dist)
+        sd = wrap({"model": msd, "optim": osd_state})
+        dcp.load(sd, storage_reader=reader, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, msd)
         return  # the state tensors were loaded in place into the local optimizer
     osd = get_optimizer_state_dict(model, optimizer)  # initialises empty Adam state to load into
-    dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader, process_group=group, no_dist=no_dist)
+    dcp.load(wrap({"model": msd, "optim": osd["state"]}), storage_reader=reader, process_group=group, no_dist=no_dist)
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
 

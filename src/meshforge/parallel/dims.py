@@ -30,6 +30,7 @@ and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -38,6 +39,8 @@ from typing import Any, Protocol
 from meshforge.errors import ConfigError, suggest
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when diloco.islands > 1
+SYNC_DTYPES = ("fp32", "bf16", "fp8")  # DiLoCo pseudo-gradients on the wire
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see above)
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
@@ -93,6 +96,20 @@ class Training:
     qk_norm: bool = False
     cp_balance: str = "zigzag"  # "zigzag": 2 x cp chunks per sequence; "none": cp
     offload: str = "none"  # "cpu": FSDP2 keeps sharded state in host memory
+    diloco: DiLoCoRules | None = None  # [diloco] when islands > 1
+
+
+@dataclass(frozen=True)
+class DiLoCoRules:
+    """What the DiLoCo rules read of the [diloco] section."""
+
+    islands: int = 1
+    inner_steps: int = 50
+    fragments: int = 1
+    delay: int = 0
+    sync_dtype: str = "fp32"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
 
 def schedule_name(name: str) -> str:
@@ -132,12 +149,21 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    islands: int = 1  # DiLoCo islands: the outermost mesh dimension; the degrees above are one island's
 
     # -- degrees --------------------------------------------------------------------------
 
     @classmethod
-    def resolve(cls, world_size: int, **degrees: int) -> ParallelDims:
-        """Degrees with one -1 inferred; refuses products that do not match the world size."""
+    def resolve(cls, world_size: int, islands: int = 1, **degrees: int) -> ParallelDims:
+        """Degrees with one -1 inferred; refuses products that do not match the world size
+        (under DiLoCo the degrees are one island's: world_size / islands ranks)."""
+        if islands < 1 or world_size % islands:
+            raise ConfigError(
+                f"diloco.islands = {islands} must be >= 1 and divide the world size {world_size} (every island runs "
+                f"the same inner layout); use a divisor of {world_size} or start a multiple of {max(islands, 1)} ranks"
+            )
+        if islands > 1:
+            return dataclasses.replace(cls.resolve(world_size // islands, **degrees), islands=islands)
         mesh = {k: degrees.get(k, 1) for k in DIMS}
         for k, v in {**mesh, "ep": degrees.get("ep", 1)}.items():
             if v == 0 or v < -1 or (k == "ep" and v < 1):
@@ -168,17 +194,27 @@ class ParallelDims:
         return cls(**mesh, ep=degrees.get("ep", 1))
 
     @classmethod
-    def from_config(cls, parallel: Any, world_size: int) -> ParallelDims:
+    def from_config(cls, parallel: Any, world_size: int, islands: int = 1) -> ParallelDims:
         """From a [parallel] config section (any object with the degree attributes)."""
-        return cls.resolve(world_size, **{f.name: getattr(parallel, f.name) for f in fields(cls)})
+        degrees = {f.name: getattr(parallel, f.name) for f in fields(cls) if f.name != "islands"}
+        return cls.resolve(world_size, islands, **degrees)
 
     def degrees(self) -> dict[str, int]:
-        """The mesh degrees by dimension, outermost first."""
+        """The mesh degrees by dimension, outermost first (one island's: the [parallel] keys)."""
         return {k: getattr(self, k) for k in DIMS}
+
+    def mesh_degrees(self) -> dict[str, int]:
+        """The whole mesh: the island dimension in front of ``degrees()`` when there are islands."""
+        return {ISLAND: self.islands, **self.degrees()} if self.islands > 1 else self.degrees()
 
     @property
     def world_size(self) -> int:
-        return _product(self.degrees().values())
+        return _product(self.mesh_degrees().values())
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that take distinct slices of a global batch: every island's data-parallel ranks."""
+        return self.islands * self.dp
 
     @property
     def dp(self) -> int:
@@ -192,7 +228,8 @@ class ParallelDims:
     def expert_degrees(self) -> dict[str, int]:
         """The expert mesh's degrees (ep > 1): dp_shard x cp split into edp x ep."""
         edp = self.dp_shard * self.cp // self.ep
-        return dict(zip(EXPERT_DIMS, (self.pp, self.dp_replicate, edp, self.ep, self.tp), strict=True))
+        inner = dict(zip(EXPERT_DIMS, (self.pp, self.dp_replicate, edp, self.ep, self.tp), strict=True))
+        return {ISLAND: self.islands, **inner} if self.islands > 1 else inner
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The flattened sub-meshes this layout builds (see the module docstring)."""
@@ -224,7 +261,7 @@ class ParallelDims:
         """Every reason this layout cannot run this model with these settings (empty: it runs)."""
         out: list[Problem] = []
         rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
-        for rule in (*rules, _experts):
+        for rule in (*rules, _experts, diloco_problems):
             out.extend(rule(self, model, t))
         return out
 
@@ -235,7 +272,7 @@ class ParallelDims:
             raise ConfigError(found[0].message)
 
     def local_batch(self, t: Training) -> int:
-        return t.global_batch // self.dp
+        return t.global_batch // self.data_ranks
 
     def num_microbatches(self, t: Training) -> int:
         """Pipeline micro-batches per step and dp rank: given, else from the micro-batch size,
@@ -250,15 +287,17 @@ class ParallelDims:
 
 
 def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
-    """Each global rank's coordinate on every mesh dimension (row-major, tp fastest)."""
-    sizes = [degrees[d] for d in DIMS]
+    """Each global rank's coordinate on every mesh dimension (row-major, tp fastest; the
+    island dimension first when ``degrees`` has one)."""
+    names = [d for d in (ISLAND, *DIMS) if d in degrees]
+    sizes = [degrees[d] for d in names]
     out = []
     for r in range(_product(sizes)):
         coord, rest = {}, r
-        for d, s in reversed(list(zip(DIMS, sizes, strict=True))):
+        for d, s in reversed(list(zip(names, sizes, strict=True))):
             coord[d] = rest % s
             rest //= s
-        out.append({"rank": r, **{d: coord[d] for d in DIMS}})
+        out.append({"rank": r, **{d: coord[d] for d in names}})
     return out
 
 
@@ -336,11 +375,12 @@ def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
 
 
 def _batch(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
-    dp = d.dp
+    dp = d.data_ranks
     if t.global_batch % dp:
+        what = f"diloco.islands x dp = {d.islands} x {d.dp}" if d.islands > 1 else "the data-parallel degree"
         yield Problem(
             "train.global_batch_size",
-            f"train.global_batch_size = {t.global_batch} is not divisible by the data-parallel degree {dp}; "
+            f"train.global_batch_size = {t.global_batch} is not divisible by {what} {dp}; "
             f"use a multiple of {dp}, e.g. {max(dp, (t.global_batch // dp) * dp) or dp}",
         )
         return
@@ -608,4 +648,50 @@ def _moe_context_parallel(d: ParallelDims, model: ModelShape) -> Iterator[Proble
             "sequence shard, not per micro-batch as on one device; set model.capacity_factor = 0 (dropless) "
             "or parallel.cp = 1",
             "unsupported",
+        )
+
+
+def diloco_problems(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+    """DiLoCo (islands > 1): a round of H inner steps, F fragments synced H / F steps apart,
+    each applied ``delay`` steps after its send (so at most one sync per fragment is in flight)."""
+    c = t.diloco
+    if c is None or d.islands == 1:
+        return
+    h, f, tau = c.inner_steps, c.fragments, c.delay
+    checks = (
+        (h >= 1, "diloco.inner_steps", f"diloco.inner_steps = {h} must be >= 1 (e.g. 50)"),
+        (c.outer_lr > 0, "diloco.outer_lr", f"diloco.outer_lr = {c.outer_lr} must be > 0 (the paper: 0.7)"),
+        (
+            0 <= c.outer_momentum < 1,
+            "diloco.outer_momentum",
+            f"diloco.outer_momentum = {c.outer_momentum} must be in [0, 1) (the paper: 0.9)",
+        ),
+        (
+            c.sync_dtype in SYNC_DTYPES,
+            "diloco.sync_dtype",
+            f"diloco.sync_dtype = {c.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}",
+        ),
+        (
+            1 <= f <= model.layers,
+            "diloco.fragments",
+            f"diloco.fragments = {f} must be between 1 and model.layers = {model.layers} (a fragment is a "
+            "contiguous group of blocks); lower diloco.fragments",
+        ),
+    )
+    for ok, key, message in checks:
+        if not ok:
+            yield Problem(key, message)
+    if h < 1 or not 1 <= f <= model.layers:
+        return
+    if h % f:
+        yield Problem(
+            "diloco.inner_steps",
+            f"diloco.inner_steps = {h} must be a multiple of diloco.fragments = {f} (fragments sync every "
+            f"inner_steps / fragments steps); use e.g. diloco.inner_steps = {-(-h // f) * f}",
+        )
+    elif not 0 <= tau < h // f:
+        yield Problem(
+            "diloco.delay",
+            f"diloco.delay = {tau} must be in [0, inner_steps / fragments = {h // f}) (a fragment's sync must land "
+            f"before the next one is sent); lower diloco.delay to at most {h // f - 1} or raise diloco.inner_steps",
         )

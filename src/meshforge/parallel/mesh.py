@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshforge import launch_env
 from meshforge.compat import mesh_slice_names
 from meshforge.errors import ConfigError
-from meshforge.parallel.dims import DIMS, ParallelDims
+from meshforge.parallel.dims import ISLAND, ParallelDims
 
 
 @dataclass
@@ -40,7 +40,8 @@ class Mesh:
 
     @property
     def degrees(self) -> dict[str, int]:
-        return self.dims.degrees()
+        """The whole mesh's degrees (with the island dimension first under DiLoCo)."""
+        return self.dims.mesh_degrees()
 
     @property
     def is_main(self) -> bool:
@@ -57,6 +58,12 @@ class Mesh:
     @property
     def dp_rank(self) -> int:
         return self.coordinate("dp")
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's slice of a global batch among ``dims.data_ranks`` (islands take their own slices)."""
+        island = self.coordinate(ISLAND) if self.dims.islands > 1 else 0
+        return island * self.dims.dp + self.dp_rank
 
     def submesh(self, name: str) -> DeviceMesh:
         """A named dimension or flattened sub-mesh (see module docstring)."""
@@ -95,7 +102,7 @@ class Mesh:
         out: dict[dist.ProcessGroup, str] = {}
         if self.device_mesh is None:
             return out
-        for name in (*DIMS, *self.dims.flattened()):
+        for name in (*self.dims.mesh_degrees(), *self.dims.flattened()):
             sub = self.submesh(name)
             if sub.size() > 1:
                 out.setdefault(sub.get_group(), name)
@@ -151,7 +158,7 @@ def build_mesh(
         dist.init_process_group(
             backend, timeout=timeout, store=_store(rank, world, timeout), rank=rank, world_size=world
         )
-    degrees = dims.degrees()
+    degrees = dims.mesh_degrees()
     device_mesh = init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
     flattened = {name: _flatten(device_mesh, sub, name) for name, sub in dims.flattened().items()}
     expert_mesh = ep_group = None

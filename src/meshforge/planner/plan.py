@@ -4,13 +4,15 @@ train config), search, and print or write the answer."""
 from __future__ import annotations
 
 import argparse
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
 from meshforge.models.presets import model_args_from_config
+from meshforge.planner import diloco_costs
 from meshforge.planner import output as report
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Fixed, Ranked, search
@@ -79,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
     )
+    diloco_costs.add_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
@@ -250,8 +253,10 @@ def run(args: argparse.Namespace) -> int:
     results, considered, shape, hw = pl.results, pl.considered, pl.shape, pl.hw
     gb, seq, precision, preset = pl.global_batch, pl.seq, pl.precision, pl.preset
     elapsed = time.perf_counter() - t0
+    islands = diloco_costs.island_costs(shape.num_params(), results[0].step_time_s, args) if args.islands > 1 else None
     if args.json:
-        print(report.as_json(results, args.top, shape, considered, results.refused))
+        text = report.as_json(results, args.top, shape, considered, results.refused)
+        print(text if islands is None else json.dumps({**json.loads(text), "islands": asdict(islands)}, indent=1))
     else:
         active = shape.active_params()
         moe = "" if active == shape.num_params() else f" ({active / 1e9:.2f}B active, {shape.num_experts} experts)"
@@ -266,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         print(report.table(results, args.top, results.refused))
         print("\nthe fixed layout, explained:" if results.fits_nothing else "\nbest layout, explained:")
         print(report.explain(results[0], hw.hbm_gib))
+        if islands is not None:
+            print(diloco_costs.describe(islands, args))
     if args.emit_config and results.fits_nothing:
         raise ConfigError(f"--emit-config: the fixed layout does not fit ({results[0].overflow})")
     if args.emit_config:

@@ -34,6 +34,7 @@ from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
 from meshforge.models.flops import num_params
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.compile import compile_plan_event
+from meshforge.parallel.diloco import build_diloco
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
@@ -73,9 +74,10 @@ class Trainer:
         self.args, self.model, self.pipeline = built.args, built.model, built.pipeline
         self.optimizer = build_optimizer(self.model, cfg, mesh)
         install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
+        self.diloco = build_diloco(cfg, mesh, self.model, self.optimizer)  # None unless diloco.islands > 1
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
-        self.local_batch = t.global_batch_size // mesh.dp_size
+        self.local_batch = t.global_batch_size // mesh.dims.data_ranks  # DiLoCo islands take their own slices
         self.micro = self.local_batch // self.pipeline.m if self.pipeline else t.micro_batch_size or self.local_batch
         self.accum = self.local_batch // self.micro  # the pipeline schedule runs its micro-batches itself
         self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
@@ -97,7 +99,9 @@ class Trainer:
         if mesh.is_main:
             m = cfg.metrics
             self.logger = MetricsLogger(Path(cfg.run.dir), cfg.train.steps, m.console, m.jsonl, m.tensorboard, stream)
-        self.checkpoints = RunCheckpoints(cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event)
+        self.checkpoints = RunCheckpoints(
+            cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event, self.diloco
+        )
         if launch_env.restart_count():
             self.event("restart", attempt=launch_env.restart_count(), resume_from=str(resume) if resume else None)
         if resume:
@@ -130,10 +134,12 @@ class Trainer:
     def step_once(self, measure: bool = True) -> StepResult:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
-        idx = self.state.sampler.next_batch(self.mesh.dp_rank, self.mesh.dp_size)
+        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.dims.data_ranks)
         batch = self.data.train.get(idx).to(self.device, non_blocking=True)
         with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
             result = self.runner.run(batch, measure)
+            if self.diloco:  # the outer sync (counted on the "island" axis)
+                self.diloco.after_step(self.state.step + 1)
         if measure:
             self.state_mem = result.state_mem or {}
             self.comm_bytes = self.comm.snapshot() if self.comm else {}
