@@ -31,7 +31,7 @@ from torch import nn
 
 from meshforge.config import load_config
 from meshforge.models.llama import build_model
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import DEFAULT_EXCLUDE, fp8_config, fp8_plan, require_torchao
 from meshforge.parallel.precision import autocast
 from meshforge.train import train
@@ -117,7 +117,7 @@ def module_errors(args: argparse.Namespace, device: torch.device) -> list[tuple[
     from torchao.float8.float8_linear import Float8Linear
 
     cfg = load_config(None, overrides(args, "bf16", "tensorwise", tempfile.mkdtemp()))
-    model_args = model_args_from_config(cfg.model)
+    model_args = model_shape(cfg.model)
     model = build_model(model_args, device=str(device), seed=0)
     data = open_data(cfg)
     tokens = data.train.get(list(range(args.batch))).to(device)
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--skip-training", action="store_true", help="only the per-module table")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dataclasses.asdict(model_args_from_config(load_config(None, {"model.preset": "debug"}).model))
+    shape = dataclasses.asdict(model_shape(load_config(None, {"model.preset": "debug"}).model))
     print(
         f"debug preset (hidden {shape['hidden']}, {shape['layers']} layers, ffn {shape['ffn_hidden']}), "
         f"{args.batch} x {args.seq_len} tokens per step, {device.type}"

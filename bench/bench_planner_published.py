@@ -123,7 +123,7 @@ def predict(argv: list[str], metric: str) -> tuple[float, str, bool]:
     pl = plan_from_args(parse_plan_args([*argv, "--gpus-per-node", "8"]))
     e = pl.results[0]
     L = e.layout
-    lay = f"tp{L.tp} pp{L.pp} dp{L.dp} cp{L.cp} z{L.zero_stage} mb{L.micro_batch_size} {L.recompute}"
+    lay = f"tp{L.tp} pp{L.pp} dp{L.dp} cp{L.cp} z{L.zero_stage} mb{L.micro_batch_size} {L.activation_checkpoint}"
     return (e.hfu if metric == "hfu" else e.mfu), lay, e.fits
 
 

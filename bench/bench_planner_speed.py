@@ -10,15 +10,19 @@ from __future__ import annotations
 import os
 import time
 
+from meshforge.layout import open_layout
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 
 
 def main() -> None:
     shape, hw = from_preset("llama3.1-405b"), get_hardware("h100-sxm")
     print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    cases = (("open search", Fixed()), ("schedule fixed (interleaved)", Fixed(schedule="interleaved_1f1b")))
+    cases = (
+        ("open search", open_layout()),
+        ("schedule fixed (interleaved)", open_layout(pp_schedule="interleaved_1f1b")),
+    )
     for label, fixed in cases:
         times = []
         for _ in range(3):
@@ -30,7 +34,7 @@ def main() -> None:
             f"{label:<30} {considered:>6} layouts considered, {len(results):>5} ranked, "
             f"best {min(times):.2f} s / median {sorted(times)[1]:.2f} s (target < 10 s); "
             f"best layout tp {best.tp} pp {best.pp} dp {best.dp} zero {best.zero_stage} mb {best.micro_batch_size} "
-            f"{best.recompute} {best.schedule}, MFU {100 * results[0].mfu:.1f}%"
+            f"{best.activation_checkpoint} {best.pp_schedule}, MFU {100 * results[0].mfu:.1f}%"
         )
 
 

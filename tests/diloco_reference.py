@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from meshforge.config import Config
-from meshforge.parallel.dims import ParallelDims
+from meshforge.layout import Layout
 from meshforge.parallel.mesh import Mesh
 from meshforge.resolve import resolve
 from meshforge.train.loop import Trainer
@@ -26,7 +26,7 @@ def island_trainers(cfg: Config, root: Path, islands: int) -> list[Trainer]:
     for i in range(islands):
         c = dataclasses.replace(base, run=dataclasses.replace(base.run, dir=str(root / f"island{i}")))
         Path(c.run.dir).mkdir(parents=True, exist_ok=True)
-        out.append(Trainer(c, Mesh(0, 1, 0, torch.device("cpu"), ParallelDims())))
+        out.append(Trainer(c, Mesh(0, 1, 0, torch.device("cpu"), Layout())))
     return out
 
 

@@ -19,11 +19,12 @@ ALLOWED: dict[str, set[str]] = {
     "config_help": set(),
     "manifest": {"errors"},
     "faults": {"errors", "launch_env"},
+    "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
     "models": {"errors"},
-    "config": {"config_help", "errors", "models"},
+    "config": {"config_help", "errors", "layout", "models"},
     "data": {"errors", "manifest"},
-    "parallel": {"compat", "config", "errors", "launch_env", "models"},
-    "resolve": {"config", "launch_env", "models", "parallel"},
+    "parallel": {"compat", "config", "errors", "launch_env", "layout", "models"},
+    "resolve": {"config", "launch_env", "layout", "models", "parallel"},
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
     "metrics": {"config", "data", "errors", "models", "parallel"},
     "checkpoint": {"compat", "config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"},
@@ -33,9 +34,9 @@ ALLOWED: dict[str, set[str]] = {
         *("parallel", "resolve", "run_lock"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
-    "planner": {"config", "errors", "metrics", "models", "parallel"},
+    "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},
     "report": {"errors", "planner"},
-    "explore": {"errors", "models", "parallel", "planner"},
+    "explore": {"errors", "layout", "models", "parallel", "planner"},
     # the run's guards: a full or read-only disk, the run.dir lock, ranks tied to their launcher,
     # one line for a rank whose peer went away
     "disk": {"errors", "models", "planner"},
@@ -61,6 +62,9 @@ SHARED_CORE = {
     "meshforge.errors",
     "meshforge.config",  # plan --config reads a train config; --emit-config writes one
     "meshforge.parallel.dims",  # the layout rules
+    "meshforge.parallel.schedules",  # the pipeline schedules' facts (chunks per rank, bubble)
+    "meshforge.layout",  # Layout: the one layout type
+    "meshforge.models.shape",  # ModelShape: the one model-shape type
     "meshforge.models.flops",  # the one FLOP/parameter counter
     "meshforge.models.presets",
     "meshforge.models.llama",  # ModelArgs, as a type

@@ -164,18 +164,19 @@ def test_fake_peak_equals_real():
 
 
 def test_planner_counts_one_chunk_of_logits():
-    """planner/estimate.py's memory(): the logits term is one chunk's (plus the fp32 head
+    """planner/memory.py's memory(): the logits term is one chunk's (plus the fp32 head
     gradient accumulator) with the chunked loss, the whole micro-batch's without."""
-    from meshforge.planner.estimate import Layout, memory
+    from meshforge.planner.estimate import plan_layout
     from meshforge.planner.hardware import get_hardware
+    from meshforge.planner.memory import memory
     from meshforge.planner.shape import from_preset
 
     shape, hw = from_preset("llama3.2-1b"), get_hardware("h100-sxm")
-    lay = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, num_microbatches=1, recompute="full")
+    lay = plan_layout(activation_checkpoint="full")
     plain = memory(shape, lay, 32768, "bf16", hw, loss_chunk=0)["activations"]
     chunked = memory(shape, lay, 32768, "bf16", hw, loss_chunk=1024)["activations"]
-    per_token = shape.vocab * (2 + 4 + 4) / 2**30  # bf16 logits, fp32 copy, fp32 gradient
-    head_grad = shape.vocab * shape.hidden * 4 / 2**30
+    per_token = shape.vocab_size * (2 + 4 + 4) / 2**30  # bf16 logits, fp32 copy, fp32 gradient
+    head_grad = shape.vocab_size * shape.hidden * 4 / 2**30
     assert plain - chunked == pytest.approx((32768 - 1024) * per_token - head_grad, rel=1e-9)
     assert plain - chunked > 35  # GiB: where 1B at 32K ran out of memory
 

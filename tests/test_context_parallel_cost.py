@@ -12,8 +12,9 @@ from meshforge.parallel.context_parallel_cost import (
     ring_extra_saved_bytes_per_token,
     ring_messages,
 )
-from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate
+from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import GIB, get_hardware
+from meshforge.planner.memory import activation_bytes_per_layer
 from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
@@ -43,7 +44,7 @@ def test_ring_moves_the_papers_share_of_k_and_v(cp):
 def test_planner_uses_the_ring_formulas(precision, recompute):
     shape = from_preset("llama3.1-8b")
     seq, cp, tp, m = 32768, 4, 2, 2
-    lay = Layout(tp=tp, pp=1, dp=1, cp=cp, num_microbatches=m, recompute=recompute)
+    lay = plan_layout(tp=tp, pp=1, dp=1, cp=cp, num_microbatches=m, activation_checkpoint=recompute)
     e = 4 if precision == "fp32" else 2
     est = estimate(shape, lay, seq, m, precision, H100, 8)
     tokens = local_tokens(seq, cp)

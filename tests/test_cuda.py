@@ -99,13 +99,13 @@ def test_fsdp2_world_of_one(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from meshforge.models.llama import ModelArgs, build_model
+    from meshforge.models.llama import ModelShape, build_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29581")
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        args = ModelArgs(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256, max_seq_len=64)
+        args = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256, max_seq_len=64)
         ref = build_model(args, device="cuda", seed=0)
         sharded = build_model(args, device="cuda", seed=1)
         sharded.load_state_dict(ref.state_dict())
@@ -145,9 +145,9 @@ def test_hf_export_import_on_cuda(tmp_path):
     """CUDA weights exported to a Hugging Face directory load back (and into transformers)
     with the same logits."""
     from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
-    from meshforge.models.llama import ModelArgs, build_model
+    from meshforge.models.llama import ModelShape, build_model
 
-    args = ModelArgs(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256, max_seq_len=64)
+    args = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256, max_seq_len=64)
     model = build_model(args, device="cuda", seed=0).eval()
     save_hf_checkpoint(model, tmp_path / "hf")
     back = load_hf_checkpoint(tmp_path / "hf", device="cuda").eval()

@@ -90,7 +90,7 @@ def test_estimate_answers_with_the_planners_breakdown(port):
     mem = e["memory_gib"]
     parts = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
     assert mem["total"] == pytest.approx(sum(mem[k] for k in parts), rel=1e-3)
-    assert a["layout"]["dp"] == 4 and a["layout"]["tp"] == 2
+    assert a["layout"]["dp_shard"] == 4 and a["layout"]["tp"] == 2
     assert e["step_time_s"] == pytest.approx(sum(e["step_s"].values()), rel=1e-6)
     assert set(e["comm_s"]) == {"tp", "cp", "pp", "dp"} and e["comm_s"]["tp"] > 0 and e["comm_s"]["dp"] > 0
     assert 0 < e["mfu"] <= e["hfu"] < 1
@@ -119,7 +119,7 @@ def test_layout_rules_in_words(port):
 def test_textbook_7b_on_8_gpus_needs_fsdp(port):
     dp = estimate(port, **SEVEN_B, zero=0)
     fsdp = estimate(port, **SEVEN_B, zero=3)
-    assert dp["layout"]["dp"] == 8 and dp["runnable"] and fsdp["runnable"]
+    assert dp["layout"]["dp_shard"] == 8 and dp["runnable"] and fsdp["runnable"]
     assert dp["estimate"]["memory_gib"]["total"] * 2**30 / 1e9 > 80  # > 80 GB per GPU
     assert not dp["estimate"]["fits"]
     assert fsdp["estimate"]["fits"] and fsdp["estimate"]["memory_gib"]["total"] < HBM

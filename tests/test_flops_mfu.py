@@ -9,12 +9,12 @@ from meshforge.models.flops import (
     matmul_params,
     model_flops_per_token,
 )
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import ModelShape, build_model
 from meshforge.models.presets import PRESETS
 from meshforge.parallel.pipeline import _costs
-from meshforge.planner.shape import Shape, from_args, from_preset
+from meshforge.planner.shape import check_flags, from_preset
 
-A = ModelArgs(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
+A = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
 
 
 def test_flops_against_hand_computation():
@@ -44,7 +44,7 @@ def test_planner_shape_and_flops_agree_on_every_preset(name):
 
 
 def test_head_dim_other_than_hidden_over_heads_counts_everywhere():
-    args = ModelArgs(
+    args = ModelShape(
         hidden=64,
         layers=3,
         heads=4,
@@ -57,19 +57,31 @@ def test_head_dim_other_than_hidden_over_heads_counts_everywhere():
     )
     counted = sum(p.numel() for p in build_model(args, device="meta").parameters())
     assert flops.num_params(args) == counted
-    shape = Shape(3, 64, 4, 2, 96, 50, head_dim=40, qk_norm=True)
+    shape = ModelShape(
+        layers=3, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab_size=50, head_dim=40, qk_norm=True
+    )
     assert shape.kv_dim == 80 and shape.vocab_size == 50
     _same_counts(shape, args, seq=32)
-    _same_counts(from_args(args), args, seq=32)
     # attention: 2 * seq * heads * head_dim per token, layer and matmul (not seq * hidden)
     assert flops.attention_flops_per_token(args, 32) == 4 * 3 * 32 * 160
     with pytest.raises(ConfigError, match="multiple of heads"):
-        Shape(3, 66, 4, 2, 96, 50)
+        check_flags(ModelShape(layers=3, hidden=66, heads=4, kv_heads=2, ffn_hidden=96, vocab_size=50))
 
 
 def test_gpt_shape_counts_layernorm_biases_and_learned_positions():
     h, f, v, p, L = 768, 3072, 50257, 1024, 12
-    gpt2 = Shape(L, h, 12, 12, f, v, "gelu", True, p, "gpt2")
+    gpt2 = ModelShape(
+        layers=L,
+        hidden=h,
+        heads=12,
+        kv_heads=12,
+        ffn_hidden=f,
+        vocab_size=v,
+        mlp="gelu",
+        tie_embeddings=True,
+        max_positions=p,
+        name="gpt2",
+    )
     per_block = 4 * h * h + 2 * h * f + 4 * h  # q,k,v,o; fc, proj; two LayerNorms with biases
     assert gpt2.block_params() == flops.block_params(gpt2) == per_block
     assert gpt2.num_params() == flops.num_params(gpt2) == L * per_block + (v + p) * h + h

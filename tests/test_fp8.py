@@ -10,7 +10,7 @@ import pytest
 from conftest import cli_args, run_cli, tiny_config
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import ModelShape, build_model
 from meshforge.parallel.fp8 import fp8_plan, model_fp8_plan, require_torchao, unmatched_warnings
 from meshforge.resolve import resolve
 from meshforge.train import train
@@ -56,7 +56,7 @@ def debug_overrides(run_dir, corpus, **extra):
 
 
 def test_plan_converts_block_linears_and_says_why_others_stay():
-    args = ModelArgs(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=40, vocab_size=256, max_seq_len=64)
+    args = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=40, vocab_size=256, max_seq_len=64)
     plan = fp8_plan(build_model(args, device="meta"), ["output", "*router*", "layers.1.attention.wo"])
     assert plan.excluded["output"] == "train.fp8_exclude pattern 'output'"
     assert plan.excluded["layers.1.attention.wo"] == "train.fp8_exclude pattern 'layers.1.attention.wo'"
@@ -84,7 +84,7 @@ def test_refusals_name_the_key(tmp_path, corpus, monkeypatch):
     with pytest.raises(ConfigError, match=r"needs torchao.*pip install"):
         require_torchao()
     with pytest.raises(ConfigError, match=r"needs torchao"):
-        model_fp8_plan(ModelArgs(64, 2, 4, 2, 64, 256, 64), [])
+        model_fp8_plan(ModelShape(64, 2, 4, 2, 64, 256, 64), [])
 
 
 # ----------------------------------------------------------------------------- training

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_convert_both_ways
 from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 from meshforge.models.hf_moe import HFMoEError
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import ModelShape, build_model
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MixtralConfig") or not hasattr(transformers, "Qwen3MoeConfig"):
@@ -119,7 +119,7 @@ def test_convert_cli_both_ways_qwen3_moe(tmp_path):
 
 def _tiny_moe(**kw):
     base = dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, vocab_size=64, max_seq_len=32)
-    return build_model(ModelArgs(**base, num_experts=4, experts_per_token=2, **kw), seed=0)
+    return build_model(ModelShape(**base, num_experts=4, experts_per_token=2, **kw), seed=0)
 
 
 @pytest.mark.parametrize(

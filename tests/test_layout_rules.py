@@ -2,25 +2,29 @@
 config check give the same verdict on every layout, and the import graph has no cycles."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.parallel.dims import ParallelDims, Training, rank_layout
+from meshforge.layout import Layout, open_layout
+from meshforge.models.shape import ModelShape
+from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
 from meshforge.planner import output as report
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.search import Fixed, candidates, judge
-from meshforge.planner.shape import Shape
+from meshforge.planner.search import candidates, judge
 from meshforge.resolve import resolve
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 GPUS, PER_NODE, BATCH = 8, 8, 16
 
 
-def _verdicts(shape: Shape, seq: int, fixed: Fixed):
+def _verdicts(shape: ModelShape, seq: int, fixed: Layout):
     hw = get_hardware("h100-sxm")
     for lay in candidates(shape, GPUS, BATCH, seq, fixed, PER_NODE):
         exists, reason = judge(lay, shape, seq, BATCH, PER_NODE)
@@ -31,13 +35,13 @@ def _verdicts(shape: Shape, seq: int, fixed: Fixed):
 @pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("seq", [32, 30])
-@pytest.mark.parametrize("fixed", [Fixed(), Fixed(cp=2), Fixed(pp=2, schedule="interleaved_1f1b")])
+@pytest.mark.parametrize("fixed", [open_layout(), open_layout(cp=2), open_layout(pp=2, pp_schedule="interleaved_1f1b")])
 def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq, fixed):
     """Every layout the planner considers for a small model on 8 ranks: the planner ranks it
     as runnable exactly when `meshforge train`'s config check accepts its emitted config,
     and when either refuses, both give the same reason."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(PER_NODE))
-    shape = Shape(4, 64, 4, 2, 128, 512, tie_embeddings=tie)
+    shape = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512, tie_embeddings=tie)
     seen = {"runs": 0, "refused": 0, "invalid": 0}
     for i, (lay, exists, reason, toml) in enumerate(_verdicts(shape, seq, fixed)):
         path = tmp_path / f"{i}.toml"
@@ -49,7 +53,7 @@ def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq
                 lay.tp,
                 lay.pp,
                 lay.cp,
-                lay.dp,
+                lay.dp_shard,
                 lay.zero_stage,
             )
             seen["runs"] += 1
@@ -69,17 +73,15 @@ def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq
 
 
 def test_dims_infers_one_degree_and_names_the_fix():
-    d = ParallelDims.resolve(8, pp=2, dp_shard=-1, tp=2)
+    d = resolve_degrees(Layout(pp=2, dp_shard=-1, tp=2), 8)
     assert (d.dp_shard, d.world_size, d.dp) == (2, 8, 2)
-    assert d.uses_fsdp(0)  # dp under pp runs on FSDP2
-    assert not ParallelDims.resolve(2, dp_shard=2).uses_fsdp(0)
+    assert d.uses_fsdp()  # dp under pp runs on FSDP2
+    assert not resolve_degrees(Layout(dp_shard=2), 2).uses_fsdp()
     with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
-        ParallelDims.resolve(8, pp=-1, dp_shard=-1)
-    model = Shape(4, 64, 4, 2, 128, 512)
-    problems = ParallelDims(tp=8).problems(
-        type("M", (), {**vars(model), "vocab_size": 512})(), Training(seq_len=32, global_batch=8)
-    )
-    assert [p.key for p in problems][:2] == ["model.heads", "model.kv_heads"]
+        resolve_degrees(Layout(pp=-1, dp_shard=-1), 8)
+    model = ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512)
+    found = problems(Layout(tp=8), model, Batch(seq_len=32, global_batch=8))
+    assert [p.key for p in found][:2] == ["model.heads", "model.kv_heads"]
     assert rank_layout({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})[3] == {
         "rank": 3, "pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1
     }  # fmt: skip
@@ -150,8 +152,11 @@ def test_config_imports_nothing_from_parallel_or_planner():
             reach.add(n)
             todo.append(n)
     assert not {m for m in reach if m.startswith(("meshforge.parallel", "meshforge.planner"))}, reach
-    # and the layout rules are pure: no process groups, no torch at all
-    assert not {m for m in graph["meshforge.parallel.dims"] if m != "meshforge.errors"}
+    # and the layout rules are pure: no process groups, no torch at all; they read the shared core only
+    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.layout", "meshforge.parallel.schedules"}
+    assert not {m for m in graph["meshforge.parallel.dims"] if m not in core}
+    code = "import sys, meshforge.parallel.dims; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)}).returncode == 0
     assert "import torch" not in (SRC / "meshforge/parallel/dims.py").read_text()
 
 

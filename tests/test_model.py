@@ -12,13 +12,13 @@ from meshforge.models.flops import num_params
 from meshforge.models.llama import (
     Block,
     FeedForward,
-    ModelArgs,
+    ModelShape,
     SDPAttention,
     build_feed_forward,
     build_model,
 )
 from meshforge.models.loss import LanguageModelLoss, drain_aux, report_aux
-from meshforge.models.presets import PRESETS, check_model_args, model_args_from_config
+from meshforge.models.presets import PRESETS, check_model_args, model_shape
 from meshforge.parallel.pipeline import give_positions
 
 # Published parameter counts (Meta's model cards / HF configs).
@@ -30,7 +30,7 @@ PUBLISHED = {
     "llama3.1-405b": 405.853e9,
 }
 
-SMALL = ModelArgs(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
+SMALL = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -63,7 +63,7 @@ def test_init_is_a_function_of_seed_and_name_only():
     a = build_model(SMALL, seed=3).state_dict()
     b = build_model(SMALL, seed=3).state_dict()
     c = build_model(SMALL, seed=4).state_dict()
-    deeper = build_model(ModelArgs(**{**SMALL.__dict__, "layers": 4}), seed=3).state_dict()
+    deeper = build_model(ModelShape(**{**SMALL.__dict__, "layers": 4}), seed=3).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
         if k.endswith("norm.weight"):
@@ -82,7 +82,7 @@ def test_residual_projections_scaled_by_depth():
 
 
 def test_tied_embeddings_share_storage():
-    model = build_model(ModelArgs(**{**SMALL.__dict__, "tie_embeddings": True}), seed=0)
+    model = build_model(ModelShape(**{**SMALL.__dict__, "tie_embeddings": True}), seed=0)
     assert model.output.weight is model.tok_embeddings.weight
     assert sum(p.numel() for p in model.parameters()) == num_params(model.args)
 
@@ -105,8 +105,8 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 # ----------------------------------------------------------------------------- seams
 
 
-def _args(**over) -> ModelArgs:
-    return ModelArgs(**{**SMALL.__dict__, **over})
+def _args(**over) -> ModelShape:
+    return ModelShape(**{**SMALL.__dict__, **over})
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -140,12 +140,12 @@ def test_head_dim_other_than_hidden_over_heads_builds_trains_and_counts():
 
 
 def test_head_dim_is_resolved_after_config_overrides():
-    base = model_args_from_config(SimpleNamespace(preset="debug"))
+    base = model_shape(SimpleNamespace(preset="debug"))
     assert base.head_dim == 32 and not base.explicit_head_dim
-    small = model_args_from_config(SimpleNamespace(preset="debug", hidden=64))
+    small = model_shape(SimpleNamespace(preset="debug", hidden=64))
     assert small.head_dim == 16
     assert build_model(small, device="meta").layers["0"].attention.wq.weight.shape == (64, 64)
-    explicit = model_args_from_config(SimpleNamespace(preset="debug", hidden=64, head_dim=48))
+    explicit = model_shape(SimpleNamespace(preset="debug", hidden=64, head_dim=48))
     assert explicit.head_dim == 48 and explicit.explicit_head_dim
     assert dataclasses.asdict(small)["head_dim"] == 16  # what a checkpoint's meta records
     assert PRESETS["debug"].head_dim == 32  # the preset itself is untouched

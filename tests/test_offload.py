@@ -8,11 +8,11 @@ import torch
 
 from conftest import cli_args, run_cli, tiny_overrides
 from meshforge.metrics.memory import host_state_bytes, state_bytes
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import ModelShape, build_model
 
 
 def test_host_bytes_count_the_tensors_in_host_memory():
-    model = build_model(ModelArgs(64, 2, 4, 2, 128, 256, 64), device="cpu")
+    model = build_model(ModelShape(64, 2, 4, 2, 128, 256, 64), device="cpu")
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)).sum().backward()
     opt.step()

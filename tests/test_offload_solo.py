@@ -9,8 +9,9 @@ import pytest
 
 from conftest import tiny_config
 from meshforge.errors import ConfigError
+from meshforge.layout import open_layout
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 from meshforge.train import run_dir, train
@@ -53,7 +54,7 @@ def test_planner_offloads_8b_on_one_h100():
     """8B needs 120 GiB of model states: on one 80 GB GPU only offload fits, on a one-rank
     FSDP2 mesh (ZeRO-2/3), with FSDP2's fp32 shards (16 bytes per parameter) on the host."""
     shape = from_preset("llama3.1-8b")
-    ranked, _ = search(shape, get_hardware("h100-sxm"), 1, 8, 1, 4096, "bf16", Fixed())
+    ranked, _ = search(shape, get_hardware("h100-sxm"), 1, 8, 1, 4096, "bf16", open_layout())
     assert ranked and all(e.layout.offload == "cpu" and e.layout.zero_stage in (2, 3) for e in ranked)
     assert all(not e.not_runnable and e.memory["total"] < 80 for e in ranked)
     host = ranked[0].host_memory

@@ -11,15 +11,30 @@ import pytest
 from conftest import run_cli
 from meshforge.calibration.collectives import COLLECTIVES, fit_alpha_beta
 from meshforge.errors import ConfigError
+from meshforge.layout import open_layout
 from meshforge.models.chunked_loss import DEFAULT_CHUNK
-from meshforge.planner.estimate import Layout, activation_bytes_per_layer, estimate, in_flight, model_state_bytes
+from meshforge.models.shape import ModelShape
+from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import cost_coefficients, get_hardware
-from meshforge.planner.search import Fixed, search
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.memory import activation_bytes_per_layer, in_flight, model_state_bytes
+from meshforge.planner.search import search
+from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
 # GPT-3 175B: the model Korthikanti et al. 2022 work through (a = 96, h = 12288, s = 2048)
-GPT3 = Shape(96, 12288, 96, 96, 4 * 12288, 51200, "gelu", True, 2048, "gpt3-175b", attention="materialized")
+GPT3 = ModelShape(
+    layers=96,
+    hidden=12288,
+    heads=96,
+    kv_heads=96,
+    ffn_hidden=4 * 12288,
+    vocab_size=51200,
+    mlp="gelu",
+    tie_embeddings=True,
+    max_positions=2048,
+    name="gpt3-175b",
+    attention="materialized",
+)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -83,13 +98,13 @@ def test_in_flight_microbatches_by_schedule():
 
 def test_pipeline_stage_memory_by_schedule():
     shape = from_preset("llama3.1-70b")
-    lay = dict(tp=8, pp=8, dp=1, micro_batch_size=1, num_microbatches=32, recompute="selective")
+    lay = dict(tp=8, pp=8, dp=1, micro_batch_size=1, num_microbatches=32, activation_checkpoint="selective")
     mem = {
-        s: estimate(shape, Layout(**lay, schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
+        s: estimate(shape, plan_layout(**lay, pp_schedule=s), 8192, 32, "bf16", H100, 8).memory["activations"]
         for s in ("gpipe", "1f1b")
     }
     chunk = DEFAULT_CHUNK  # the chunked loss's logits, and its fp32 head-gradient accumulator
-    logits = (chunk * shape.vocab / 8 * (2 + 4 + 4) + shape.vocab * shape.hidden / 8 * 4) / 2**30
+    logits = (chunk * shape.vocab_size / 8 * (2 + 4 + 4) + shape.vocab_size * shape.hidden / 8 * 4) / 2**30
     assert (mem["gpipe"] - logits) / (mem["1f1b"] - logits) == pytest.approx(32 / 8)
 
 
@@ -115,14 +130,22 @@ def _bubble_fraction(e) -> float:
 def test_bubble_follows_the_schedule_formulas(schedule, v, expected):
     """(p-1)/(m+p-1) of the pipelined time for GPipe and 1F1B, divided by v interleaved."""
     shape = from_preset("llama3.1-70b")
-    lay = Layout(tp=8, pp=8, dp=2, num_microbatches=16, recompute="selective", schedule=schedule, virtual_stages=v)
+    lay = plan_layout(
+        tp=8,
+        pp=8,
+        dp=2,
+        num_microbatches=16,
+        activation_checkpoint="selective",
+        pp_schedule=schedule,
+        pp_virtual_stages=v,
+    )
     e = estimate(shape, lay, 4096, 32, "bf16", H100, 8)
     assert _bubble_fraction(e) == pytest.approx(expected)
 
 
 def test_time_breakdown_adds_up_and_mfu_is_consistent():
     shape = from_preset("llama3.1-8b")
-    e = estimate(shape, Layout(tp=2, pp=1, dp=4, zero_stage=1, num_microbatches=4), 4096, 16, "bf16", H100, 8)
+    e = estimate(shape, plan_layout(tp=2, pp=1, dp=4, zero_stage=1, num_microbatches=4), 4096, 16, "bf16", H100, 8)
     t = e.time
     parts = ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "bubble", "dp_comm_exposed", "optimizer")
     assert sum(t[k] for k in parts) == pytest.approx(e.step_time_s)
@@ -134,7 +157,7 @@ def test_time_breakdown_adds_up_and_mfu_is_consistent():
 
 def test_tp_across_nodes_is_slower_than_inside():
     shape = from_preset("llama3.1-70b")
-    lay = Layout(tp=8, pp=1, dp=2, zero_stage=3, num_microbatches=8, recompute="full")
+    lay = plan_layout(tp=8, pp=1, dp=2, zero_stage=3, num_microbatches=8, activation_checkpoint="full")
     inside = estimate(shape, lay, 4096, 16, "bf16", H100, 8).time["tp_comm"]
     across = estimate(shape, lay, 4096, 16, "bf16", H100, 4).time["tp_comm"]
     assert across > 4 * inside
@@ -155,9 +178,9 @@ def test_calibrated_collectives_price_each_path():
     """A profile's own figures for a collective replace the generic link for that path
     (FSDP's gathers, DTensor's redistributes), and only inside a node."""
     shape = from_preset("llama3.2-1b")
-    zero3 = Layout(tp=1, pp=1, dp=8, zero_stage=3, num_microbatches=1)
-    ddp = Layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
-    tp = Layout(tp=8, pp=1, dp=1, num_microbatches=1)
+    zero3 = plan_layout(tp=1, pp=1, dp=8, zero_stage=3, num_microbatches=1)
+    ddp = plan_layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    tp = plan_layout(tp=8, pp=1, dp=1, num_microbatches=1)
     slow = replace(H100, collectives={"fsdp_all_gather": [1e-3, 1e9], "dtensor_reduce_scatter": [1e-3, 1e9]})
     for lay, part in ((zero3, "dp_comm_total"), (tp, "tp_comm")):
         base = estimate(shape, lay, 4096, 8, "bf16", H100, 8).time[part]
@@ -180,8 +203,8 @@ def test_cpu_fixed_costs_and_thread_count_are_priced_per_layout_kind():
     measured = replace(cpu, layout_fixed_s=kinds, collectives={k: [1e-3, 1e9] for k in COLLECTIVES})
     plain = replace(measured, layout_fixed_s={})
     for lay, kind, comm in (
-        (Layout(tp=2, pp=1, dp=1, num_microbatches=4), "tp", "tp_comm"),
-        (Layout(tp=1, pp=1, dp=2, zero_stage=3, num_microbatches=2), "fsdp", "dp_comm_total"),
+        (plan_layout(tp=2, pp=1, dp=1, num_microbatches=4), "tp", "tp_comm"),
+        (plan_layout(tp=1, pp=1, dp=2, zero_stage=3, num_microbatches=2), "fsdp", "dp_comm_total"),
     ):
         k, m, blocks = kinds[kind], lay.num_microbatches, shape.layers
         got, base = (estimate(shape, lay, seq, batch, "fp32", h, 2).time for h in (measured, plain))
@@ -192,13 +215,13 @@ def test_cpu_fixed_costs_and_thread_count_are_priced_per_layout_kind():
             k["block_step"] * blocks + k["ends_step"] - plain.optimizer_fixed_s * (blocks + 1)
         )
         assert got[comm] < base[comm]  # latency is in the measured fixed costs
-    ddp = Layout(tp=1, pp=1, dp=2, zero_stage=0, num_microbatches=2)
+    ddp = plan_layout(tp=1, pp=1, dp=2, zero_stage=0, num_microbatches=2)
     assert (
         estimate(shape, ddp, seq, batch, "fp32", measured, 2).time
         == estimate(shape, ddp, seq, batch, "fp32", plain, 2).time
     )  # a plain layout keeps the plain block's figures
     threads = replace(cpu, by_ranks={"1": {"peak_flops": {"fp32": 2 * cpu.peak_flops["fp32"]}}})
-    single = Layout(tp=1, pp=1, dp=1, num_microbatches=4)
+    single = plan_layout(tp=1, pp=1, dp=1, num_microbatches=4)
     one, two = (estimate(shape, single, seq, batch, "fp32", h, 2).time["gemm"] for h in (cpu, threads))
     assert two == pytest.approx(one / 2)
     assert (
@@ -211,7 +234,7 @@ def test_comm_overlap_decides_what_data_parallel_traffic_hides():
     """With communication on its own engine only the last bucket is exposed; where it
     shares the cores (overlap 0) all of it is."""
     shape = from_preset("llama3.2-1b")
-    lay = Layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    lay = plan_layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
     t = estimate(shape, lay, 4096, 8, "bf16", replace(H100, comm_interference=0.0), 8).time
     assert t["dp_comm_exposed"] == pytest.approx(t["dp_comm_total"] / shape.layers)
     # hidden traffic still slows the compute beside it (NCCL kernels take SMs and bandwidth)
@@ -231,7 +254,7 @@ def test_tp_collectives_per_layer_follow_megatron():
     hw = replace(H100, intra_latency=0.0, collectives={})
 
     def tp_time(recompute: str, sp: bool) -> float:
-        lay = Layout(tp=8, pp=1, dp=1, num_microbatches=1, recompute=recompute, sequence_parallel=sp)
+        lay = plan_layout(tp=8, pp=1, dp=1, num_microbatches=1, activation_checkpoint=recompute, sequence_parallel=sp)
         return estimate(shape, lay, 4096, 1, "bf16", hw, 8).time["tp_comm"]
 
     act = 4096 * shape.hidden * 2
@@ -248,7 +271,7 @@ def test_tp_collectives_per_layer_follow_megatron():
 
 def test_405b_on_16384_gpus_is_searched_in_seconds():
     t0 = time.perf_counter()
-    results, considered = search(from_preset("llama3.1-405b"), H100, 16384, 8, 2048, 8192, "bf16", Fixed())
+    results, considered = search(from_preset("llama3.1-405b"), H100, 16384, 8, 2048, 8192, "bf16", open_layout())
     elapsed = time.perf_counter() - t0
     assert elapsed < 10, elapsed
     assert considered > 100 and results
@@ -265,7 +288,7 @@ def test_llama3_shapes_from_8_to_16384_gpus(preset):
     shape = from_preset(preset)
     for gpus in (8, 64, 1024, 16384):
         try:
-            results, _ = search(shape, H100, gpus, 8, max(gpus, 512), 8192, "bf16", Fixed())
+            results, _ = search(shape, H100, gpus, 8, max(gpus, 512), 8192, "bf16", open_layout())
         except ConfigError as e:
             states_gib = shape.num_params() * 16 / 2**30 / gpus  # even fully sharded
             assert states_gib > 40, e  # only a model whose states crowd the GPUs may fit nowhere
@@ -275,9 +298,9 @@ def test_llama3_shapes_from_8_to_16384_gpus(preset):
 
 
 def test_fixed_choices_are_kept():
-    fixed = Fixed(tp=2, zero=3, recompute="full")
+    fixed = open_layout(tp=2, zero_stage=3, activation_checkpoint="full")
     results, _ = search(from_preset("llama3.1-8b"), H100, 64, 8, 64, 4096, "bf16", fixed)
-    assert {(e.layout.tp, e.layout.zero_stage, e.layout.recompute) for e in results} == {(2, 3, "full")}
+    assert {(e.layout.tp, e.layout.zero_stage, e.layout.activation_checkpoint) for e in results} == {(2, 3, "full")}
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -286,12 +309,12 @@ def test_fixed_choices_are_kept():
 @pytest.mark.parametrize(
     "fixed, gpus, message",
     [
-        (Fixed(tp=3), 48, r"--tp 3 does not divide heads 32 / kv_heads 8; use one of \[1, 2, 4, 8\]"),
-        (Fixed(tp=16), 64, r"--tp 16 is more than --gpus-per-node 8"),
-        (Fixed(tp=2, pp=2, dp=2, cp=1), 16, r"multiply to 8, not --gpus 16"),
-        (Fixed(tp=8, pp=4), 48, r"fixed degrees multiply to 32, which does not divide --gpus 48"),
-        (Fixed(ep=2), 16, r"--ep 2: this model has no experts"),
-        (Fixed(schedule="zigzag"), 16, r"--schedule 'zigzag': one of gpipe, 1f1b"),
+        (open_layout(tp=3), 48, r"--tp 3 does not divide heads 32 / kv_heads 8; use one of \[1, 2, 4, 8\]"),
+        (open_layout(tp=16), 64, r"--tp 16 is more than --gpus-per-node 8"),
+        (open_layout(tp=2, pp=2, dp_shard=2, cp=1), 16, r"multiply to 8, not --gpus 16"),
+        (open_layout(tp=8, pp=4), 48, r"fixed degrees multiply to 32, which does not divide --gpus 48"),
+        (open_layout(ep=2), 16, r"--ep 2: this model has no experts"),
+        (open_layout(pp_schedule="zigzag"), 16, r"--schedule 'zigzag': one of gpipe, 1f1b"),
     ],
 )
 def test_impossible_fixed_choices_are_refused(fixed, gpus, message):
@@ -305,7 +328,7 @@ def test_unknown_gpu_preset_suggests_the_closest():
 
 
 def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
-    no_offload = Fixed(offload="none")
+    no_offload = open_layout(offload="none")
     with pytest.raises(ConfigError) as e:
         search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", no_offload)
     msg = str(e.value)
@@ -314,7 +337,7 @@ def test_a_model_that_fits_nowhere_names_the_cluster_it_needs():
     assert n >= 32  # 1051 GiB of states over 40 GiB GPUs
     assert search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), n, 8, 16, 4096, "bf16", no_offload)[0]
     with pytest.raises(ConfigError) as e:  # with CPU offload (auto) the states may live in host memory
-        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", Fixed())
+        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", open_layout())
     msg = str(e.value)
     assert int(msg.split("that fits it (doubling --gpus) is ")[1].split()[0]) < n and "with CPU offload" in msg
 
@@ -324,12 +347,12 @@ def test_fits_nowhere_says_what_overflows_and_what_caps_the_cluster():
     names the host memory that overflows; without offload no power-of-two cluster fits because
     the batch caps dp at 8, and the message says so instead of just blaming the GPUs."""
     with pytest.raises(ConfigError) as e:
-        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", Fixed())
+        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", open_layout())
     assert "with CPU offload, needs" in str(e.value) and "overflows host memory" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", Fixed(offload="none"))
+        search(from_preset("llama3.1-405b"), H100, 8, 8, 8, 4096, "bf16", open_layout(offload="none"))
     msg = str(e.value)
-    assert "the smallest needs 760.6 GiB per GPU" in msg and "data-parallel degree is at most 8" in msg
+    assert "the smallest needs 761.1 GiB per GPU" in msg and "data-parallel degree is at most 8" in msg
     assert msg.endswith("use GPUs with more memory, a larger batch or a smaller model")
 
 
@@ -341,13 +364,24 @@ def test_plan_json_interface():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["layouts"]) == 3
-    keys = {"tp", "pp", "dp", "cp", "ep", "num_params", "zero_stage", "micro_batch_size", "num_microbatches"}
-    keys |= {"recompute", "virtual_stages", "schedule", "memory_gib", "fits", "step_time_s"}
+    keys = {
+        "tp",
+        "pp",
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "ep",
+        "num_params",
+        "zero_stage",
+        "micro_batch_size",
+        "num_microbatches",
+    }
+    keys |= {"activation_checkpoint", "pp_virtual_stages", "pp_schedule", "memory_gib", "fits", "step_time_s"}
     keys |= {"tokens_per_s_per_gpu", "mfu", "hfu"}
     for lay in out["layouts"]:
         assert keys <= set(lay)
         assert {"params", "grads", "optimizer", "activations", "total"} <= set(lay["memory_gib"])
-        assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp"] * lay["cp"] == 512
+        assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp_shard"] * lay["cp"] == 512
         assert lay["num_params"] == from_preset("llama3.1-70b").num_params()
     steps = [lay["tokens_per_s_per_gpu"] for lay in out["layouts"]]
     assert steps == sorted(steps, reverse=True)
@@ -392,7 +426,7 @@ def test_emitted_config_trains_and_plans_back(tmp_path, corpus):
     r = run_cli("plan", "--config", str(run / "config.toml"), *cluster, "--json")
     again = json.loads(r.stdout)["layouts"]
     assert len(again) == 1  # every choice was fixed by the resolved config
-    for k in ("tp", "dp", "zero_stage", "micro_batch_size", "recompute"):
+    for k in ("tp", "dp_shard", "zero_stage", "micro_batch_size", "activation_checkpoint"):
         assert again[0][k] == best[k]
 
 

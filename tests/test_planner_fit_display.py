@@ -8,9 +8,10 @@ import json
 import pytest
 
 from meshforge.errors import ConfigError
+from meshforge.layout import open_layout
 from meshforge.planner.hardware import PRESETS, get_hardware
 from meshforge.planner.plan import parse_plan_args, run
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 
 FIXED_70B = ["--model", "llama3.1-70b", "--gpus", "8", "--tp", "8", "--pp", "1", "--dp", "1", "--zero", "0"]
@@ -19,7 +20,7 @@ FIXED_70B += ["--micro-batch", "1", "--global-batch", "8", "--seq-len", "4096", 
 
 def test_fixed_overflowing_layout_is_shown_with_its_memory():
     """70B under tp 8 with DDP: 16 bytes x 70.6e9 / 8 = 131 GiB of model states on an 80 GiB GPU."""
-    fixed = Fixed(tp=8, pp=1, dp=1, zero=0, micro_batch=1, recompute="full")
+    fixed = open_layout(tp=8, pp=1, dp_shard=1, zero_stage=0, micro_batch_size=1, activation_checkpoint="full")
     results, considered = search(from_preset("llama3.1-70b"), get_hardware("h100-sxm"), 8, 8, 8, 4096, "bf16", fixed)
     assert results.fits_nothing and considered == 1 and len(results) == 1
     e = results[0]
@@ -29,14 +30,14 @@ def test_fixed_overflowing_layout_is_shown_with_its_memory():
     assert f"needs {e.memory['total']:.1f} GiB of 80 GiB" in e.overflow
     assert "model states alone" in e.overflow and "optimizer" in e.overflow
     # a fixed layout that fits (8B, ZeRO-3 over 8 ranks: 16 GiB of states) is an ordinary answer
-    ok = Fixed(tp=1, pp=1, dp=8, zero=3, micro_batch=1, recompute="full")
+    ok = open_layout(tp=1, pp=1, dp_shard=8, zero_stage=3, micro_batch_size=1, activation_checkpoint="full")
     fits, _ = search(from_preset("llama3.1-8b"), get_hardware("h100-sxm"), 8, 8, 8, 4096, "bf16", ok)
     assert not fits.fits_nothing and fits[0].fits
 
 
 def test_open_search_that_fits_nothing_is_still_refused():
     with pytest.raises(ConfigError, match="fits no layout on 2 x a100-40g"):
-        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", Fixed(zero=3))
+        search(from_preset("llama3.1-70b"), get_hardware("a100-40g"), 2, 8, 16, 4096, "bf16", open_layout(zero_stage=3))
 
 
 def test_plan_table_and_json_show_the_overflow(capsys, tmp_path):

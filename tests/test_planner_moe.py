@@ -11,18 +11,19 @@ from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models import flops
 from meshforge.models.presets import PRESETS
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
 from meshforge.planner import kernel_costs, moe_costs
 from meshforge.planner import output as report
-from meshforge.planner.estimate import Layout, estimate
+from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 
 
-def _est(shape: Shape, **kw):
-    lay = Layout(**{"tp": 1, "pp": 1, "dp": 64, "zero_stage": 3, "recompute": "full", **kw})
+def _est(shape: ModelShape, **kw):
+    lay = plan_layout(**{"tp": 1, "pp": 1, "dp": 64, "zero_stage": 3, "activation_checkpoint": "full", **kw})
     return estimate(shape, lay, 4096, 64, "bf16", get_hardware("h100-sxm"), 8)
 
 
@@ -55,12 +56,12 @@ def test_all_to_all_time_uses_the_logged_formula_and_the_eps_link():
     assert _est(s, ep=1).time["ep_a2a"] == 0.0
     tokens = 64 * 4096 / 64
     for ep in (2, 8):
-        lay = Layout(1, 1, 64, ep=ep, zero_stage=3, recompute="none")
+        lay = plan_layout(1, 1, 64, ep=ep, zero_stage=3, activation_checkpoint="none")
         t = moe_costs.a2a_seconds(s, lay, tokens, 2, hw, 8, "none")
         bw, _ = hw.link("all_to_all", True)
         assert t >= a2a_bytes_formula(s, int(tokens), 2, ep) / bw
-    inside = moe_costs.a2a_seconds(s, Layout(1, 1, 64, ep=8), tokens, 2, hw, 8, "none")
-    across = moe_costs.a2a_seconds(s, Layout(1, 1, 64, ep=8), tokens, 2, hw, 4, "none")  # ep 8 spans 2 nodes
+    inside = moe_costs.a2a_seconds(s, plan_layout(1, 1, 64, ep=8), tokens, 2, hw, 8, "none")
+    across = moe_costs.a2a_seconds(s, plan_layout(1, 1, 64, ep=8), tokens, 2, hw, 4, "none")  # ep 8 spans 2 nodes
     assert across > inside
 
 
@@ -104,14 +105,14 @@ def test_ep_times_tp_pays_the_slot_all_reduces():
     parallel/moe_tensor_parallel.py): the planner's tp time carries exactly that on top of
     the dense block's collectives, and it grows with the number of slots (top-k)."""
     s = from_preset("mixtral-8x7b")
-    lay = {"tp": 4, "dp": 16, "ep": 8, "zero_stage": 2, "recompute": "selective", "micro_batch_size": 4}
+    lay = {"tp": 4, "dp": 16, "ep": 8, "zero_stage": 2, "activation_checkpoint": "selective", "micro_batch_size": 4}
     with_moe = _est(s, **lay).time["tp_comm"]
-    dense_like = _est(Shape(**{**vars(s), "num_experts": 0}), **lay).time["tp_comm"]
-    extra = moe_costs.tp_seconds(s, Layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b)
+    dense_like = _est(ModelShape(**{**vars(s), "num_experts": 0}), **lay).time["tp_comm"]
+    extra = moe_costs.tp_seconds(s, plan_layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b)
     assert with_moe > dense_like and extra > 0
-    wider = Shape(**{**vars(s), "experts_per_token": 4})
-    assert moe_costs.tp_seconds(wider, Layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b) > extra
-    assert moe_costs.tp_seconds(s, Layout(**{"pp": 1, **{**lay, "tp": 1}}), 4 * 4096, 2, lambda k, b: b) == 0
+    wider = ModelShape(**{**vars(s), "experts_per_token": 4})
+    assert moe_costs.tp_seconds(wider, plan_layout(**{"pp": 1, **lay}), 4 * 4096, 2, lambda kind, b: b) > extra
+    assert moe_costs.tp_seconds(s, plan_layout(**{"pp": 1, **{**lay, "tp": 1}}), 4 * 4096, 2, lambda k, b: b) == 0
 
 
 @pytest.mark.parametrize("preset", ["debug", "debug-moe", "qwen3-30b-a3b"])
@@ -122,27 +123,27 @@ def test_zero1_partition_sees_every_parameter_tensor(preset):
 
     s = from_preset(preset)
     assert sum(map(sum, param_groups(s, 1, 1))) == s.num_params()
-    dense_twin = Shape(**{**vars(s), "num_experts": 0})
+    dense_twin = ModelShape(**{**vars(s), "num_experts": 0})
     if s.num_experts:  # a few huge expert tensors split less evenly than the dense twin's
         assert largest_share(s, 1, 1, 8) != largest_share(dense_twin, 1, 1, 8)
 
 
 _H100 = get_hardware("h100-sxm")
-_MOE = dict(layers=8, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000)
+_MOE = dict(layers=8, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000)
 
 
 def test_expert_gemms_slow_down_as_rows_per_expert_shrink():
-    few = Shape(**_MOE, num_experts=8, experts_per_token=2)
-    many = Shape(**_MOE, num_experts=64, experts_per_token=2)  # same active FLOPs, 8x fewer rows per expert
+    few = ModelShape(**_MOE, num_experts=8, experts_per_token=2)
+    many = ModelShape(**_MOE, num_experts=64, experts_per_token=2)  # same active FLOPs, 8x fewer rows per expert
     assert few.model_flops_per_token(4096) == many.model_flops_per_token(4096)
-    lay = Layout(1, 1, 64, ep=1, recompute="none")
+    lay = plan_layout(1, 1, 64, ep=1, activation_checkpoint="none")
     assert moe_costs.rows_per_expert(few, lay, 4096) == 8 * moe_costs.rows_per_expert(many, lay, 4096)
     per_token = {
         s.num_experts: moe_costs.expert_gemm_seconds(s, lay, 4096, 4096, _H100, "bf16")[0] for s in (few, many)
     }
     assert per_token[64] > per_token[8] > 0
     # and it reaches the step: the same active FLOPs take longer in the GEMMs
-    gemm = {s.num_experts: _est(s, recompute="none").time["gemm"] for s in (few, many)}
+    gemm = {s.num_experts: _est(s, activation_checkpoint="none").time["gemm"] for s in (few, many)}
     assert gemm[64] - gemm[8] == pytest.approx(per_token[64] - per_token[8], rel=1e-9)
 
 
@@ -168,14 +169,14 @@ def test_rows_per_expert_follow_the_dispatch():
             for d in range(ep):  # what ep rank d's grouped GEMM gets per local expert
                 _, local_counts = _by_local_expert([sh[d * local : (d + 1) * local] for sh in shares], "cpu")
                 rows += local_counts.tolist()
-        lay = Layout(tp, 1, 8, ep=ep)
+        lay = plan_layout(tp, 1, 8, ep=ep)
         assert sum(rows) / len(rows) == pytest.approx(moe_costs.rows_per_expert(s, lay, tokens_mb))
 
 
 def test_dense_compute_time_is_the_dense_formula():
     s = from_preset("llama3.1-8b")
     assert moe_costs.routed_flops_per_token(s, "full") == 0.0
-    lay = Layout(2, 1, 32, zero_stage=1, micro_batch_size=2, num_microbatches=1, recompute="selective")
+    lay = plan_layout(2, 1, 32, zero_stage=1, micro_batch_size=2, num_microbatches=1, activation_checkpoint="selective")
     e = estimate(s, lay, 4096, 64, "bf16", _H100, 8)
     rate = kernel_costs.gemm_rate(_H100, 2 * 2 * 4096 * s.hidden * s.ffn_hidden / 2, "bf16")
     tokens = 64 * 4096 / 64
@@ -188,15 +189,15 @@ def test_dense_compute_time_is_the_dense_formula():
 def test_capacity_factor_caps_the_imbalance():
     dropless = from_preset("mixtral-8x7b")
     assert dropless.capacity_factor == 0
-    capped = {cf: Shape(**{**dropless.__dict__, "capacity_factor": cf}) for cf in (1.0, 1.1, 2.0)}
-    one_per_rank = Layout(1, 1, 64, ep=8)  # 8 experts on 8 ranks: a rank's load is its expert's
+    capped = {cf: ModelShape(**{**dropless.__dict__, "capacity_factor": cf}) for cf in (1.0, 1.1, 2.0)}
+    one_per_rank = plan_layout(1, 1, 64, ep=8)  # 8 experts on 8 ranks: a rank's load is its expert's
     default = moe_costs.DEFAULT_EXPERT_IMBALANCE
     assert moe_costs.expert_imbalance(dropless, one_per_rank) == default
     assert moe_costs.expert_imbalance(capped[1.1], one_per_rank) == pytest.approx(1.1)
     assert moe_costs.expert_imbalance(capped[1.0], one_per_rank) == 1.0
     assert moe_costs.expert_imbalance(capped[2.0], one_per_rank) == default  # the cap is above the default
     # more experts per rank average some of it out; ep = 1 computes exactly its own slots
-    by_ep = [moe_costs.expert_imbalance(dropless, Layout(1, 1, 64, ep=ep)) for ep in (1, 2, 4, 8)]
+    by_ep = [moe_costs.expert_imbalance(dropless, plan_layout(1, 1, 64, ep=ep)) for ep in (1, 2, 4, 8)]
     assert by_ep[0] == 1.0 and by_ep == sorted(by_ep) and len(set(by_ep)) == 4
     gemm = {s.capacity_factor: _est(s, ep=8).time["gemm"] for s in (dropless, capped[1.1])}
     assert gemm[1.1] < gemm[0.0]

@@ -12,12 +12,14 @@ import torch
 from meshforge.cli import main
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.parallel.dims import ParallelDims, offload_problem
+from meshforge.layout import Layout, open_layout
+from meshforge.parallel.dims import offload_problem
 from meshforge.planner import offload_costs
-from meshforge.planner.estimate import GIB, Layout, estimate, stage_params, stage_state_bytes
+from meshforge.planner.estimate import GIB, estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
+from meshforge.planner.memory import stage_params, stage_state_bytes
 from meshforge.planner.plan import parse_plan_args, run
-from meshforge.planner.search import Fixed, search
+from meshforge.planner.search import search
 from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 
@@ -28,7 +30,7 @@ ARGV = ["--model", "llama3.2-1b", "--gpus", "2", "--gpus-per-node", "2", "--seq-
 
 
 def plan(hw, **fixed):
-    return search(SHAPE, hw, GPUS, GPUS, BATCH, SEQ, "bf16", Fixed(**fixed))
+    return search(SHAPE, hw, GPUS, GPUS, BATCH, SEQ, "bf16", open_layout(**fixed))
 
 
 def test_offload_is_picked_only_when_nothing_fits_without_it():
@@ -38,8 +40,7 @@ def test_offload_is_picked_only_when_nothing_fits_without_it():
     assert ranked and all(e.fits and e.layout.offload == "cpu" for e in ranked)
     for e in ranked:  # the layout rule's verdict (parallel/dims.py), not the planner's own
         L = e.layout
-        dims = ParallelDims(pp=L.pp, dp_shard=L.dp, cp=L.cp, tp=L.tp, ep=L.ep)
-        assert L.zero_stage >= 2 and offload_problem(dims, L.zero_stage, "cpu") is None
+        assert L.zero_stage >= 2 and offload_problem(L) is None
         assert e.memory["total"] <= SMALL.hbm_gib < sum(stage_state_bytes(SHAPE, L, "bf16").values()) / GIB
         assert e.host_memory["per_node"] == pytest.approx(e.host_memory["total"] * GPUS)
     roomy = get_hardware("h100-sxm")  # where something fits without offload, auto does not offload
@@ -52,19 +53,19 @@ def test_offload_is_picked_only_when_nothing_fits_without_it():
 
 def test_offload_is_refused_where_the_rules_or_the_hardware_refuse_it():
     with pytest.raises(ConfigError, match=r"--offload cpu --zero 1: parallel.offload = 'cpu' needs FSDP2"):
-        plan(SMALL, offload="cpu", zero=1)
+        plan(SMALL, offload="cpu", zero_stage=1)
     with pytest.raises(ConfigError, match=r"--offload cpu: cpu has no host to offload to"):
         plan(get_hardware("cpu"), offload="cpu")
     with pytest.raises(ConfigError, match=r"--offload 'disk': one of auto, none, cpu"):
         plan(SMALL, offload="disk")
-    moe = ParallelDims(dp_shard=4, ep=2)  # the experts' own FSDP units are not offloaded
-    assert offload_problem(moe, 3, "cpu").kind == "unsupported"
+    moe = Layout(dp_shard=4, ep=2, zero_stage=3, offload="cpu")  # the experts' own FSDP units are not offloaded
+    assert offload_problem(moe).kind == "unsupported"
 
 
 @pytest.mark.parametrize("zero, micro", [(3, 1), (2, 2)])
 def test_offloaded_device_bytes_are_the_states_less_what_moves_to_the_host(zero, micro):
     hw = get_hardware("h100-sxm")
-    lay = Layout(tp=1, pp=1, dp=2, zero_stage=zero, micro_batch_size=1, num_microbatches=micro)
+    lay = plan_layout(tp=1, pp=1, dp=2, zero_stage=zero, micro_batch_size=1, num_microbatches=micro)
     kept = estimate(SHAPE, lay, SEQ, 2 * micro, "bf16", hw, GPUS)
     off = estimate(SHAPE, replace(lay, offload="cpu"), SEQ, 2 * micro, "bf16", hw, GPUS)
     states = stage_state_bytes(SHAPE, lay, "bf16")

@@ -7,13 +7,23 @@ from dataclasses import replace
 
 import pytest
 
+from meshforge.models.shape import ModelShape
 from meshforge.planner import kernel_costs
-from meshforge.planner.estimate import Layout, estimate
+from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.shape import Shape
 
 A100, H100 = get_hardware("a100-80g"), get_hardware("h100-sxm")
-GPT = Shape(24, 2304, 24, 24, 4 * 2304, 51200, "gelu", True, 0, "gpt-1.7b")
+GPT = ModelShape(
+    layers=24,
+    hidden=2304,
+    heads=24,
+    kv_heads=24,
+    ffn_hidden=4 * 2304,
+    vocab_size=51200,
+    mlp="gelu",
+    tie_embeddings=True,
+    name="gpt-1.7b",
+)
 
 
 def test_materialized_scores_cost_traffic_that_grows_with_the_sequence():
@@ -36,7 +46,7 @@ def test_fused_attention_is_slower_per_flop_on_short_sequences():
 
 
 def test_tp_without_sequence_parallelism_repeats_the_residual_stream_work():
-    lay = Layout(tp=8, pp=1, dp=1, micro_batch_size=1, num_microbatches=8, recompute="full")
+    lay = plan_layout(tp=8, pp=1, dp=1, micro_batch_size=1, num_microbatches=8, activation_checkpoint="full")
     sp = estimate(GPT, lay, 2048, 8, "bf16", A100, 8).time["non_gemm"]
     no_sp = estimate(GPT, replace(lay, sequence_parallel=False), 2048, 8, "bf16", A100, 8).time["non_gemm"]
     stream, sharded = kernel_costs.elementwise_elements(GPT)

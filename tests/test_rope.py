@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from meshforge.models.llama import ModelArgs, apply_rope, rope_cos_sin, rope_inv_freq
+from meshforge.models.llama import ModelShape, apply_rope, rope_cos_sin, rope_inv_freq
 
-ARGS = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=10, max_seq_len=512)
+ARGS = ModelShape(hidden=64, layers=1, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=10, max_seq_len=512)
 
 
 def test_rotation_preserves_norm():
@@ -39,7 +39,7 @@ def test_position_zero_is_identity():
 
 def test_llama3_scaling_bands():
     plain = rope_inv_freq(ARGS)
-    args = ModelArgs(
+    args = ModelShape(
         **{**ARGS.__dict__, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_max_seq_len": 256}
     )
     scaled = rope_inv_freq(args)
@@ -71,7 +71,7 @@ def test_llama3_scaling_matches_transformers():
         },
     )
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    args = ModelArgs(
+    args = ModelShape(
         hidden=64,
         layers=1,
         heads=2,
@@ -97,6 +97,8 @@ def test_rotation_of_a_shard_with_offset_positions_is_the_slice_of_the_full_rota
 
 
 def test_explicit_head_dim_sets_the_rotated_pairs():
-    args = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=10, max_seq_len=8, head_dim=48)
+    args = ModelShape(
+        hidden=64, layers=1, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=10, max_seq_len=8, head_dim=48
+    )
     assert rope_inv_freq(args).shape == (24,)
     assert rope_inv_freq(ARGS).shape == (16,)

@@ -61,12 +61,12 @@ import torch
 from meshforge.metrics.memory import peak_mem_gib
 from meshforge.metrics.mfu import peak_flops, utilization
 from meshforge.models import flops
-from meshforge.models.llama import ModelArgs
 from meshforge.models.presets import get_preset
+from meshforge.models.shape import ModelShape
 
 FLAVORS = {"llama3.2-1b": "1B", "llama3.2-3b": "3B", "debug": "debugmodel"}
 # torchtitan's debugmodel flavor (dim 256, 16 heads, no GQA, ffn 768, vocab 2048, untied).
-DEBUG_SHAPE = ModelArgs(
+DEBUG_SHAPE = ModelShape(
     hidden=256, layers=6, heads=16, kv_heads=16, ffn_hidden=768, vocab_size=2048, max_seq_len=131072
 )
 
@@ -298,12 +298,12 @@ def build_config(a: argparse.Namespace, tok_cls: type, data_cls: type, dump: str
     )
 
 
-def meshforge_shape(a: argparse.Namespace) -> ModelArgs:
+def meshforge_shape(a: argparse.Namespace) -> ModelShape:
     """The meshforge preset this run compares with (for the FLOPs and the shape check)."""
     return DEBUG_SHAPE if a.model == "debug" else get_preset(a.model)
 
 
-def check_same_shape(model: torch.nn.Module, shape: ModelArgs) -> int:
+def check_same_shape(model: torch.nn.Module, shape: ModelShape) -> int:
     """Refuse to report a comparison of two different models: parameter counts must agree."""
     n = sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
     if n != flops.num_params(shape):

@@ -27,17 +27,19 @@ else:  # pragma: no cover
 
 from meshforge.config_help import HELP
 from meshforge.errors import ConfigError, suggest
+from meshforge.layout import DILOCO_KEYS, TRAIN_KEYS, Layout
 from meshforge.models.chunked_loss import DEFAULT_CHUNK
-from meshforge.models.llama import ModelArgs
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
+from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
 
 def _model_config() -> type:
-    """[model]: a preset name, then every shape field of ModelArgs as an optional override
-    (None: the preset's value), then where to start from. Derived from ModelArgs so that a
+    """[model]: a preset name, then every shape field of ModelShape as an optional override
+    (None: the preset's value), then where to start from. Derived from ModelShape so that a
     new model field is a config key without being written twice."""
-    hints = typing.get_type_hints(ModelArgs)
-    shape = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
+    hints = typing.get_type_hints(ModelShape)
+    keys = [f.name for f in dataclasses.fields(ModelShape) if f.name not in ANALYSIS_ONLY]
+    shape = [(k, hints[k] | None, field(default=None)) for k in keys]
     # init_from: start from these weights instead of a random init: a Hugging Face Llama
     # directory or a meshforge weights directory (see `meshforge convert`)
     return dataclasses.make_dataclass(
@@ -50,39 +52,25 @@ def _model_config() -> type:
 ModelConfig = _model_config()
 
 
-@dataclass
-class ParallelConfig:
-    # Degrees of the mesh dimensions; their product is the world size. Any one of
-    # dp_replicate, dp_shard, tp, pp, cp may be -1: whatever the others leave.
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    # 0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2).
-    zero_stage: int = 0
-    # Reduce gradients on every micro-batch instead of only the last one (saves the
-    # unsharded gradient memory under ZeRO-2/3 at the cost of more communication).
-    sync_every_microbatch: bool = False
-    ddp_bucket_mb: int = 25
-    # Under tp > 1: run norms and residuals on sequence shards (reduce-scatter/all-gather
-    # instead of all-reduce: same bytes, 1/tp of those activations). Off: replicated.
-    sequence_parallel: bool = True
-    # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev (parallel/pipeline.py)
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules: >= 2; V schedules: 2)
-    # blocks per stage chunk, in pipeline order (pp x pp_virtual_stages entries); empty: balanced by cost
-    pp_layers: list[int] = field(default_factory=list)
-    num_microbatches: int = 0  # pipeline micro-batches per step and dp rank; 0: from train.micro_batch_size
-    # Context parallelism (cp > 1): zigzag gives rank r sequence chunks r and 2cp-1-r (equal causal work);
-    # none: contiguous 1/cp. ring: key/value blocks pass rank to rank; allgather: gathered once.
-    cp_balance: Literal["zigzag", "none"] = "zigzag"
-    cp_rotate: Literal["ring", "allgather"] = "ring"
-    # bf16 ZeRO-1: the dtype gradients are reduce-scattered in (bf16 halves the traffic)
-    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # cpu: FSDP2 keeps sharded parameters, gradients and the optimizer step in host memory (CUDA, ZeRO-2/3)
-    offload: Literal["none", "cpu"] = "none"
+def _parallel_config() -> type:
+    """[parallel]: every field of ``Layout`` (meshforge/layout.py) but the [train] and [diloco] ones, so a new
+    layout setting is a config key without being written twice. dp_shard defaults to -1
+    (inferred); pp_layers is a list."""
+    hints = typing.get_type_hints(Layout)
+    out = []
+    for f in dataclasses.fields(Layout):
+        if f.name in TRAIN_KEYS or f.name in DILOCO_KEYS:
+            continue
+        if f.name == "pp_layers":
+            out.append((f.name, list[int], field(default_factory=list)))
+        else:
+            out.append((f.name, hints[f.name], field(default=-1 if f.name == "dp_shard" else f.default)))
+    return dataclasses.make_dataclass(
+        "ParallelConfig", out, namespace={"__doc__": "The layout's degrees and settings (meshforge/layout.py)."}
+    )
+
+
+ParallelConfig = _parallel_config()
 
 
 @dataclass
@@ -425,9 +413,10 @@ def fill(cfg: Config) -> Config:
     value-checked. Layout rules (degrees, divisibility) are not checked here: see
     ``meshforge.resolve.resolve``."""
     cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s)) for s in SECTIONS})
-    args = model_args_from_config(cfg.model)
+    args = model_shape(cfg.model)
     for f in dataclasses.fields(args):
-        setattr(cfg.model, f.name, getattr(args, f.name))
+        if f.name not in ANALYSIS_ONLY:
+            setattr(cfg.model, f.name, getattr(args, f.name))
     if cfg.optim.warmup_steps < 0:
         cfg.optim.warmup_steps = min(100, cfg.train.steps // 10)
     check_values(cfg)
@@ -480,7 +469,7 @@ def _check_health(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
     t = cfg.train
-    max_seq = cfg.model.max_seq_len or model_args_from_config(cfg.model).max_seq_len
+    max_seq = cfg.model.max_seq_len or model_shape(cfg.model).max_seq_len
     _need(t.steps > 0, f"train.steps = {t.steps} must be > 0")
     _need(t.seq_len > 0, f"train.seq_len = {t.seq_len} must be > 0")
     _need(

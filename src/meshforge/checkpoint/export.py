@@ -7,7 +7,7 @@ from pathlib import Path
 from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.models.hf import save_hf_checkpoint
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import ModelShape, build_model
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -24,7 +24,7 @@ def checkpoint_to_hf(path: Path, out: Path) -> Path:
     """Verify a checkpoint, load its full weights on CPU and write them as a Hugging Face Llama."""
     path = resolve_checkpoint(path)
     meta = store.verify(path)
-    model = build_model(ModelArgs(**meta["model"]), device="cpu", seed=None)
+    model = build_model(ModelShape(**meta["model"]), device="cpu", seed=None)
     sharded.load_model_only(model, path)
     save_hf_checkpoint(model, out)
     return path

@@ -19,13 +19,14 @@ from torch import nn
 from meshforge.errors import MeshforgeError
 from meshforge.manifest import read_manifest
 from meshforge.models.hf import load_hf_checkpoint, read_hf_config, unwrap
-from meshforge.models.llama import ModelArgs, Transformer, build_model
+from meshforge.models.llama import Transformer, build_model
+from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
 FORMAT = "meshforge-weights"
 VERSION = 1
 
 
-def save_weights(args: ModelArgs, state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
+def save_weights(args: ModelShape, state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
     """Write full (unsharded) weights and the model shape."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,7 +50,7 @@ def save_model_weights(model: nn.Module, path: str | Path) -> Path:
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
     p = Path(path)
     meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
-    args = ModelArgs(**meta["model"])
+    args = ModelShape(**meta["model"])
     model = build_model(args, device=device, seed=None)
     try:
         tensors = load_file(str(p / "model.safetensors"), device=str(device))
@@ -79,11 +80,11 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> Tra
     raise MeshforgeError(f"{p} holds neither meshforge.json nor a Hugging Face config.json")
 
 
-def shape_mismatch(a: ModelArgs, b: ModelArgs) -> list[str]:
+def shape_mismatch(a: ModelShape, b: ModelShape) -> list[str]:
     """Shape fields where two model descriptions differ (ignoring init-only fields)."""
-    skip = {"init_std", "max_seq_len"}
+    skip = {"init_std", "max_seq_len", *ANALYSIS_ONLY}
     return [
         f"{f.name}: {getattr(a, f.name)} vs {getattr(b, f.name)}"
-        for f in dataclasses.fields(ModelArgs)
+        for f in dataclasses.fields(ModelShape)
         if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)
     ]

@@ -11,15 +11,18 @@ from dataclasses import asdict
 from typing import Any
 
 from meshforge.errors import ConfigError
+from meshforge.layout import Layout, open_layout
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
-from meshforge.parallel.dims import ParallelDims, Problem, Training
+from meshforge.models.shape import ModelShape
+from meshforge.parallel import dims
+from meshforge.parallel.dims import Batch, Problem, resolve_degrees
 from meshforge.planner import output as report
-from meshforge.planner.estimate import Estimate, Layout, estimate
+from meshforge.planner.estimate import Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.search import Fixed, rules_view, search, training_of
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.search import search
+from meshforge.planner.shape import from_preset
 
 from .params import SPECS, BadRequest, hardware_of, shape_of
 
@@ -32,29 +35,28 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
     An ep the expert rules refuse (dense model, ep not dividing the experts or dp x cp) is a
     refused parameter (BadRequest), in the rule's words."""
     try:
-        dims = ParallelDims.resolve(v["gpus"], pp=v["pp"], dp_shard=-1, cp=v["cp"], tp=v["tp"], ep=v["ep"] or 1)
+        degrees = resolve_degrees(Layout(pp=v["pp"], dp_shard=-1, cp=v["cp"], tp=v["tp"], ep=v["ep"] or 1), v["gpus"])
     except ConfigError as e:
         return None, [{"key": "parallel", "message": str(e), "kind": "invalid"}]
-    pp = dims.pp
-    dp = dims.dp_shard
+    pp, dp = degrees.pp, degrees.dp_shard
     local = v["global_batch"] // dp
-    lay = Layout(
-        tp=dims.tp,
-        pp=pp,
-        dp=dp,
-        cp=dims.cp,
-        ep=dims.ep,
-        zero_stage=v["zero"] if dp * dims.cp > 1 else 0,
+    lay = plan_layout(
+        degrees.tp,
+        pp,
+        dp,
+        cp=degrees.cp,
+        ep=degrees.ep,
+        zero_stage=v["zero"] if dp * degrees.cp > 1 else 0,
         micro_batch_size=v["micro_batch"],
         num_microbatches=max(1, local // v["micro_batch"]),
-        recompute=v["recompute"],
-        virtual_stages=v["virtual_stages"] if pp > 1 else 1,
-        schedule=v["schedule"] if pp > 1 else "none",
+        activation_checkpoint=v["recompute"],
+        pp_virtual_stages=v["virtual_stages"] if pp > 1 else 1,
+        pp_schedule=v["schedule"] if pp > 1 else "none",
         sequence_parallel=v["sp"],
         offload=v["offload"],
     )
     shape = shape_of(v)
-    found = dims.problems(rules_view(shape), training_of(lay, v["seq_len"], v["global_batch"], v["gpus_per_node"]))
+    found = dims.problems(run_layout(lay), shape, Batch(v["seq_len"], v["global_batch"], v["gpus_per_node"]))
     _refuse_ep(found)
     problems = [asdict(p) for p in found]
     whole = v["global_batch"] % dp == 0 and local % v["micro_batch"] == 0
@@ -68,12 +70,12 @@ def _refuse_ep(found: list[Problem]) -> None:
         raise BadRequest("; and ".join(refused))
 
 
-def _check_best_ep(shape: Shape, v: dict[str, Any]) -> None:
+def _check_best_ep(shape: ModelShape, v: dict[str, Any]) -> None:
     """A fixed ep for the search, put to the same expert rules on a layout whose dp_shard every
     candidate divides (so the rule's suggestion is any divisor of the experts): what is left to
     refuse is a dense model or ep not dividing the experts."""
-    dims = ParallelDims(dp_shard=math.lcm(v["ep"], max(1, shape.num_experts)), ep=v["ep"])
-    _refuse_ep(dims.problems(rules_view(shape), Training(v["seq_len"], v["global_batch"])))
+    lay = Layout(dp_shard=math.lcm(v["ep"], max(1, shape.num_experts)), ep=v["ep"])
+    _refuse_ep(dims.problems(lay, shape, Batch(v["seq_len"], v["global_batch"])))
 
 
 def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
@@ -108,7 +110,7 @@ def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:
     }
 
 
-def _context(shape: Shape, hw: Hardware, v: dict[str, Any]) -> dict[str, Any]:
+def _context(shape: ModelShape, hw: Hardware, v: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": {"name": shape.name, "num_params": shape.num_params(), **_shape_fields(shape)},
         "cluster": {
@@ -158,7 +160,7 @@ def best(
             v["global_batch"],
             v["seq_len"],
             v["precision"],
-            Fixed(ep=v["ep"]),
+            open_layout(ep=v["ep"]),
             max_gpus=max(v["gpus"], MAX_SEARCH_GPUS),
             deadline=deadline,
             cancelled=cancelled,
@@ -189,14 +191,14 @@ def train_config(v: dict[str, Any]) -> str:
     return report.train_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
 
 
-def _shape_fields(shape: Shape) -> dict[str, Any]:
+def _shape_fields(shape: ModelShape) -> dict[str, Any]:
     return {
         "layers": shape.layers,
         "hidden": shape.hidden,
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
         "ffn_hidden": shape.ffn_hidden,
-        "vocab": shape.vocab,
+        "vocab": shape.vocab_size,
         "tie_embeddings": shape.tie_embeddings,
         "num_experts": shape.num_experts,
         "experts_per_token": shape.experts_per_token,

@@ -225,8 +225,8 @@ function render(a) {
   const e = a.estimate;
   $("nparams").textContent = `${fmt(a.model.num_params / 1e9, 2)}B parameters`;
   const L = a.layout, experts = L && L.ep > 1 ? `; ep = ${L.ep} splits the experts over ${L.ep} of ` +
-    `the dp x cp ranks (each expert sharded over edp = ${L.dp * L.cp / L.ep})` : "";
-  $("dp").textContent = L ? `dp = gpus / (tp x pp x cp) = ${L.dp}; ` +
+    `the dp x cp ranks (each expert sharded over edp = ${L.dp_shard * L.cp / L.ep})` : "";
+  $("dp").textContent = L ? `dp = gpus / (tp x pp x cp) = ${L.dp_shard}; ` +
     `${L.num_microbatches} micro-batch(es) per step${experts}` : "dp: the degrees do not divide the GPUs";
   const probs = a.problems.map((p) => `<li class="${p.kind === "invalid" ? "bad" : ""}"><b>${esc(p.kind)}</b> ` +
     `${esc(p.message)}</li>`);
@@ -273,8 +273,8 @@ async function update() {
 }
 function loadLayout(L) {
   setValues({tp: L.tp, pp: L.pp, cp: L.cp, zero: L.zero_stage, micro_batch: L.micro_batch_size,
-    recompute: L.recompute, schedule: L.pp > 1 ? L.schedule : $("schedule").value,
-    virtual_stages: L.virtual_stages, sp: L.sequence_parallel, ep: L.ep, offload: L.offload});
+    recompute: L.activation_checkpoint, schedule: L.pp > 1 ? L.pp_schedule : $("schedule").value,
+    virtual_stages: L.pp_virtual_stages, sp: L.sequence_parallel, ep: L.ep, offload: L.offload});
   update();
 }
 async function updateBest() {
@@ -288,9 +288,9 @@ async function updateBest() {
     if (mine !== bestSeq) return;
     $("best-msg").textContent = b.message || `${b.considered} layouts considered; the fastest that fit:`;
     $("best").tBodies[0].innerHTML = b.layouts.map((L, i) => `<tr><td>${i + 1}</td><td>${L.tp}</td>` +
-      `<td>${L.pp}</td><td>${L.dp}</td><td>${L.cp}</td><td>${L.ep}</td><td>${L.zero_stage}</td>` +
+      `<td>${L.pp}</td><td>${L.dp_shard}</td><td>${L.cp}</td><td>${L.ep}</td><td>${L.zero_stage}</td>` +
       `<td>${esc(L.offload)}</td><td>${L.micro_batch_size}</td>` +
-      `<td>${esc(L.recompute)}</td><td>${esc(L.pp > 1 ? L.schedule : "-")}</td>` +
+      `<td>${esc(L.activation_checkpoint)}</td><td>${esc(L.pp > 1 ? L.pp_schedule : "-")}</td>` +
       `<td>${fmt(L.memory_total_gib, 1)}</td><td>${fmt(L.step_time_s, 3)}</td>` +
       `<td>${fmt(L.tokens_per_s_per_gpu, 0)}</td><td>${pct(L.mfu)}</td>` +
       `<td><button data-row="${i}">load</button></td></tr>`).join("");

@@ -14,11 +14,12 @@ from typing import Any
 
 from meshforge.errors import suggest
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
+from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware, get_hardware
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.shape import Shape, from_preset
+from meshforge.planner.shape import check_flags, from_preset
 
 MAX_GPUS = 16384
 SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
@@ -150,19 +151,22 @@ def _cross_check(out: dict[str, Any], given: dict[str, Any]) -> None:
             raise BadRequest(f"model=custom needs {', '.join(missing)}")
 
 
-def shape_of(v: dict[str, Any]) -> Shape:
+def shape_of(v: dict[str, Any]) -> ModelShape:
     """The model: a preset, or the explicit shape (refused with the shape's own message)."""
     if v["model"] != "custom":
         return from_preset(v["model"])
     try:
-        return Shape(
-            v["layers"],
-            v["hidden"],
-            v["heads"],
-            v["kv_heads"] or v["heads"],
-            v["ffn_hidden"],
-            v["vocab"],
-            tie_embeddings=v["tie_embeddings"],
+        return check_flags(
+            ModelShape(
+                layers=v["layers"],
+                hidden=v["hidden"],
+                heads=v["heads"],
+                kv_heads=v["kv_heads"] or v["heads"],
+                ffn_hidden=v["ffn_hidden"],
+                vocab_size=v["vocab"],
+                tie_embeddings=v["tie_embeddings"],
+                name="custom",
+            )
         )
     except Exception as e:  # the planner's ConfigError names the field
         raise BadRequest(f"model shape: {e}") from None

@@ -5,7 +5,7 @@ Every function takes a duck-typed shape: anything with ``hidden``, ``layers``, `
 ``kv_heads``, ``head_dim``, ``ffn_hidden``, ``vocab_size``, ``tie_embeddings``, and
 optionally ``mlp`` ("swiglu" | "gelu"; default swiglu), ``max_positions`` (learned
 position embeddings, GPT-style; default 0) and ``qk_norm`` (default False). A
-``ModelArgs`` and the planner's ``Shape`` both are one.
+``ModelShape`` and the planner's ``Shape`` both are one.
 
 Parameters: a block has wq, wo (hidden x heads*head_dim), wk, wv (hidden x
 kv_heads*head_dim), the MLP (SwiGLU: three hidden x ffn matrices; GeLU: two), two norms

@@ -28,7 +28,7 @@ from meshforge.models.hf_moe import (
     moe_hf_config,
     moe_to_hf,
 )
-from meshforge.models.llama import ModelArgs, Transformer, build_model
+from meshforge.models.llama import ModelShape, Transformer, build_model
 from meshforge.models.presets import check_model_args
 
 _LAYER_MAP = {
@@ -97,7 +97,7 @@ def _check_hf_family(cfg: dict, source: str) -> bool:
     return qwen3
 
 
-def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelShape:
     qwen3 = _check_hf_family(cfg, source)
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or rope
@@ -106,7 +106,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
     if rtype not in ("default", "llama3"):
         raise HFCheckpointError(f"{source}: rope type '{rtype}' is not supported (only default and llama3)")
     heads = cfg["num_attention_heads"]
-    args = ModelArgs(
+    args = ModelShape(
         hidden=cfg["hidden_size"],
         layers=cfg["num_hidden_layers"],
         heads=heads,
@@ -135,7 +135,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
     return args
 
 
-def hf_config_from_args(a: ModelArgs, dtype: torch.dtype) -> dict:
+def hf_config_from_args(a: ModelShape, dtype: torch.dtype) -> dict:
     """config.json for ``a``: Qwen3 when it has QK-norm, else Llama."""
     cfg = {
         "architectures": ["Qwen3ForCausalLM" if a.qk_norm else "LlamaForCausalLM"],
@@ -273,7 +273,7 @@ def save_hf_checkpoint(
 
 
 def save_hf_state(
-    args: ModelArgs,
+    args: ModelShape,
     state_dict: dict[str, torch.Tensor],
     path: str | Path,
     dtype: torch.dtype | None = None,

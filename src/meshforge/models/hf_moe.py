@@ -24,7 +24,7 @@ import torch
 from meshforge.errors import MeshforgeError
 from meshforge.models.moe import is_moe_layer
 
-ArgsLike = Any  # a ModelArgs (duck-typed, like models/moe.py)
+ArgsLike = Any  # a ModelShape (duck-typed, like models/moe.py)
 
 MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # per-expert names by family: meshforge's stacked weight -> HF's per-expert projection
@@ -74,7 +74,7 @@ def _layer_plan(cfg: dict, layers: int, source: str) -> tuple[int, int]:
 
 
 def moe_args_from_hf(cfg: dict, family: str, layers: int, source: str) -> dict:
-    """The ModelArgs MoE fields (and QK-norm) for a Mixtral / Qwen3-MoE config.json."""
+    """The ModelShape MoE fields (and QK-norm) for a Mixtral / Qwen3-MoE config.json."""
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:
         raise HFMoEError(f"{source}: a {family} config needs num_local_experts (or num_experts)")

@@ -23,71 +23,15 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.moe import build_moe, is_moe_layer
+from meshforge.models.shape import ModelShape
 
-
-@dataclass
-class ModelArgs:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab_size: int
-    max_seq_len: int
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    init_std: float = 0.02
-    head_dim: int = 0  # 0 or None: hidden // heads, resolved whenever read (see _get_head_dim below)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
-    # mixture of experts (models/moe.py); num_experts = 0: a dense model
-    num_experts: int = 0
-    experts_per_token: int = 2  # top-k
-    num_shared_experts: int = 0  # always-on experts of moe_ffn_hidden each
-    moe_ffn_hidden: int = 0  # hidden size of one expert; 0: ffn_hidden
-    moe_interval: int = 1  # every n-th block (from first_dense_layers on) is MoE, the rest dense
-    first_dense_layers: int = 0  # the first blocks stay dense
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk: bool = True  # renormalise the chosen experts' weights to sum to 1
-    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes cf x tokens x k / E per micro-batch
-    load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
-    aux_loss_coeff: float = 0.01  # Switch/GShard balance loss E * sum(f_i * P_i) weight
-    bias_update_rate: float = 1e-3  # DeepSeek-V3 auxiliary-loss-free bias step per optimizer step
-    z_loss_coeff: float = 0.0  # router z-loss weight (mean squared logsumexp of the router logits)
-
-    @property
-    def explicit_head_dim(self) -> bool:
-        """Whether head_dim was set rather than derived from hidden // heads."""
-        return bool(self.__dict__.get("head_dim"))
-
-
-def _get_head_dim(self: ModelArgs) -> int:
-    return self.__dict__.get("head_dim") or (self.hidden // self.heads if self.heads else 0)
-
-
-def _set_head_dim(self: ModelArgs, value: int | None) -> None:
-    self.__dict__["head_dim"] = int(value or 0)  # the raw value: 0 stays "derived"
-
-
-# head_dim is a dataclass field (a config key, saved in checkpoints) whose reads resolve
-# 0 to hidden // heads at that moment: a preset's derived head_dim follows hidden/heads
-# overrides laid over it later, while an explicit value sticks. The instance __dict__
-# keeps the raw value (so copy.copy and ModelArgs(**a.__dict__) keep "derived");
-# dataclasses.replace and asdict see the resolved value.
-ModelArgs.head_dim = property(_get_head_dim, _set_head_dim)  # type: ignore[assignment]
+ModelArgs = ModelShape  # the old name, kept until train/checkpointing.py and train/metrics.py move (issue 26)
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 
 from meshforge.models.loss import report_aux
 
-ArgsLike = Any  # a ModelArgs (duck-typed: this file must not import llama.py, which imports it)
+ArgsLike = Any  # a ModelShape (duck-typed: this file must not import llama.py, which imports it)
 
 
 def is_moe_layer(args: ArgsLike, layer_id: int) -> bool:

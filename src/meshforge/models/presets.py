@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from meshforge.errors import ConfigError, suggest
-from meshforge.models.llama import ModelArgs
+from meshforge.models.shape import ModelShape
 
 _LLAMA3 = dict(
     norm_eps=1e-5,
@@ -21,10 +21,10 @@ _LLAMA3 = dict(
     max_seq_len=131072,
 )
 
-PRESETS: dict[str, ModelArgs] = {
+PRESETS: dict[str, ModelShape] = {
     # Trains on a laptop CPU in seconds; vocab 512 holds the byte tokenizer's 258 ids
     # and divides by every tensor-parallel degree up to 512.
-    "debug": ModelArgs(
+    "debug": ModelShape(
         hidden=128,
         layers=4,
         heads=4,
@@ -35,7 +35,7 @@ PRESETS: dict[str, ModelArgs] = {
         rope_theta=10000.0,
     ),
     # 8 experts, top-2, one dense block first: the MoE paths on a CPU in seconds
-    "debug-moe": ModelArgs(
+    "debug-moe": ModelShape(
         hidden=128,
         layers=4,
         heads=4,
@@ -49,7 +49,7 @@ PRESETS: dict[str, ModelArgs] = {
         moe_ffn_hidden=128,
         first_dense_layers=1,
     ),
-    "llama3.2-1b": ModelArgs(
+    "llama3.2-1b": ModelShape(
         hidden=2048,
         layers=16,
         heads=32,
@@ -59,7 +59,7 @@ PRESETS: dict[str, ModelArgs] = {
         rope_factor=32.0,
         **_LLAMA3,
     ),
-    "llama3.2-3b": ModelArgs(
+    "llama3.2-3b": ModelShape(
         hidden=3072,
         layers=28,
         heads=24,
@@ -69,17 +69,17 @@ PRESETS: dict[str, ModelArgs] = {
         rope_factor=32.0,
         **_LLAMA3,
     ),
-    "llama3.1-8b": ModelArgs(
+    "llama3.1-8b": ModelShape(
         hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336, rope_factor=8.0, **_LLAMA3
     ),
-    "llama3.1-70b": ModelArgs(
+    "llama3.1-70b": ModelShape(
         hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, rope_factor=8.0, **_LLAMA3
     ),
-    "llama3.1-405b": ModelArgs(
+    "llama3.1-405b": ModelShape(
         hidden=16384, layers=126, heads=128, kv_heads=8, ffn_hidden=53248, rope_factor=8.0, **_LLAMA3
     ),
     # Mistral's Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active per token
-    "mixtral-8x7b": ModelArgs(
+    "mixtral-8x7b": ModelShape(
         hidden=4096,
         layers=32,
         heads=32,
@@ -93,7 +93,7 @@ PRESETS: dict[str, ModelArgs] = {
         aux_loss_coeff=0.02,
     ),
     # Qwen's Qwen3-30B-A3B config.json: 30.5B parameters, 3.3B active; heads x head_dim = 4096 > hidden
-    "qwen3-30b-a3b": ModelArgs(
+    "qwen3-30b-a3b": ModelShape(
         hidden=2048,
         layers=48,
         heads=32,
@@ -113,7 +113,7 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def get_preset(name: str) -> ModelArgs:
+def get_preset(name: str) -> ModelShape:
     if name not in PRESETS:
         hint = suggest(name, PRESETS, cutoff=0.4)
         hint = f"{hint} " if hint.startswith("did you mean") else ""
@@ -121,13 +121,13 @@ def get_preset(name: str) -> ModelArgs:
     return copy.copy(PRESETS[name])  # not dataclasses.replace: that would pin a derived head_dim
 
 
-def model_args_from_config(model_cfg: Any) -> ModelArgs:
+def model_shape(model_cfg: Any) -> ModelShape:
     """A preset with the config's explicit shape fields laid over it, checked for consistency.
 
     A head_dim the preset derives (0) stays derived, so it follows hidden/heads overrides;
     an explicit ``model.head_dim`` wins."""
     args = get_preset(model_cfg.preset)
-    for f in dataclasses.fields(ModelArgs):
+    for f in dataclasses.fields(ModelShape):
         v = getattr(model_cfg, f.name, None)
         if v is not None:
             setattr(args, f.name, v)
@@ -135,7 +135,10 @@ def model_args_from_config(model_cfg: Any) -> ModelArgs:
     return args
 
 
-def check_model_args(a: ModelArgs) -> None:
+model_args_from_config = model_shape  # the old name, kept until train/ and planner/calibrate* move (issue 26)
+
+
+def check_model_args(a: ModelShape) -> None:
     for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
         if getattr(a, k) <= 0:
             raise ConfigError(f"model.{k} = {getattr(a, k)} must be > 0")
@@ -157,7 +160,7 @@ def check_model_args(a: ModelArgs) -> None:
     check_moe_args(a)
 
 
-def check_moe_args(a: ModelArgs) -> None:
+def check_moe_args(a: ModelShape) -> None:
     """Mixture-of-experts values, each refused with its key and a valid value."""
     if a.num_experts < 0:
         raise ConfigError(f"model.num_experts = {a.num_experts} must be >= 0 (0: a dense model)")
@@ -200,9 +203,9 @@ MOE_FIELDS = (
 )
 
 
-def _check_dense(a: ModelArgs) -> None:
+def _check_dense(a: ModelShape) -> None:
     """A dense model (num_experts = 0) with an MoE option changed: the option would do nothing."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelShape)}
     for k in MOE_FIELDS:
         if getattr(a, k) != defaults[k]:
             raise ConfigError(

@@ -1,6 +1,6 @@
 """The one home of layout rules: degrees, what divides what, and which meshes exist.
 
-``ParallelDims`` is pure Python (no process groups, no tensors), so the config check
+``Layout`` is pure Python (no process groups, no tensors), so the config check
 before launch, the device mesh, ``parallelize.py`` and the planner's search all ask the
 same object whether a layout can run, and a layout the planner ranks is one ``meshforge
 train`` runs (or it is marked not runnable with the reason this file gives).
@@ -30,46 +30,18 @@ and the fix.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from meshforge.errors import ConfigError, suggest
+from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
+from meshforge.models.shape import ModelShape
+from meshforge.parallel.schedules import SCHEDULES, schedule_available, schedule_name
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when diloco.islands > 1
+__all__ = ["DIMS", "EXPERT_DIMS", "FLATTENED", "ISLAND", "Layout"]  # the layout data lives in meshforge/layout.py
+
 SYNC_DTYPES = ("fp32", "bf16", "fp8")  # DiLoCo pseudo-gradients on the wire
-EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see above)
-FLATTENED = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
-
-# pipeline schedule -> (torch.distributed.pipelining class, model chunks per rank: "1", ">=1", ">=2" or "2")
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "1"),
-    "1f1b": ("Schedule1F1B", "1"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", ">=2"),
-    "zero_bubble": ("ScheduleInterleavedZeroBubble", ">=1"),
-    "zbv": ("ScheduleZBVZeroBubble", "2"),
-    "dualpipev": ("ScheduleDualPipeV", "2"),
-}
-SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b", "zb": "zero_bubble"}
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank placed in a V
-
-
-class ModelShape(Protocol):
-    """What the rules read of a model (a ModelArgs, or the planner's Shape)."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab_size: int
-    tie_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -80,30 +52,19 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class Training:
-    """The settings besides the degrees that decide whether a layout runs."""
+class Batch:
+    """What the rules read besides the layout and the model: the batch and the node size."""
 
     seq_len: int
     global_batch: int
-    micro_batch: int = 0  # sequences per forward pass per rank; 0: the whole local batch
-    zero_stage: int = 0
-    sequence_parallel: bool = True
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    num_microbatches: int = 0  # pipeline micro-batches per step; 0: automatic
-    pp_layers: tuple[int, ...] = ()
     ranks_per_node: int | None = None
-    qk_norm: bool = False
-    cp_balance: str = "zigzag"  # "zigzag": 2 x cp chunks per sequence; "none": cp
-    offload: str = "none"  # "cpu": FSDP2 keeps sharded state in host memory
-    diloco: DiLoCoRules | None = None  # [diloco] when islands > 1
+    diloco: DiLoCoRules | None = None  # [diloco] when diloco.islands > 1 (the islands are a Layout field)
 
 
 @dataclass(frozen=True)
 class DiLoCoRules:
-    """What the DiLoCo rules read of the [diloco] section."""
+    """What the DiLoCo rules read of the [diloco] section besides ``Layout.islands``."""
 
-    islands: int = 1
     inner_steps: int = 50
     fragments: int = 1
     delay: int = 0
@@ -112,178 +73,74 @@ class DiLoCoRules:
     outer_momentum: float = 0.9
 
 
-def schedule_name(name: str) -> str:
-    return SCHEDULE_ALIASES.get(name.lower(), name.lower())
-
-
-def schedule_available(name: str) -> bool:
-    """Whether the installed PyTorch has this schedule's class."""
-    pipelining = importlib.import_module("torch.distributed.pipelining")
-    return getattr(pipelining, SCHEDULES[name][0], None) is not None
-
-
-def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
-    return 2 if schedule_name(schedule) in V_SHAPED else virtual_stages
-
-
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipelined step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
-    2019; Narayanan et al. 2021), divided by v for interleaved 1F1B; the zero-bubble
-    schedules (Qi et al. 2023) fill most of it with deferred weight-gradient work, counted
-    here as a third of the 1F1B bubble."""
-    if p <= 1:
-        return 0.0
-    b = (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return b / v
-    if schedule in ("zero_bubble", "zbv", "dualpipev"):
-        return b / 3
-    return b
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    islands: int = 1  # DiLoCo islands: the outermost mesh dimension; the degrees above are one island's
-
-    # -- degrees --------------------------------------------------------------------------
-
-    @classmethod
-    def resolve(cls, world_size: int, islands: int = 1, **degrees: int) -> ParallelDims:
-        """Degrees with one -1 inferred; refuses products that do not match the world size
-        (under DiLoCo the degrees are one island's: world_size / islands ranks)."""
-        if islands < 1 or world_size % islands:
+def resolve_degrees(layout: Layout, world_size: int) -> Layout:
+    """The layout with one -1 degree inferred; refuses products that do not match the world size
+    (under DiLoCo the degrees are one island's: world_size / islands ranks)."""
+    islands = layout.islands
+    if islands < 1 or world_size % islands:
+        raise ConfigError(
+            f"diloco.islands = {islands} must be >= 1 and divide the world size {world_size} (every island runs "
+            f"the same inner layout); use a divisor of {world_size} or start a multiple of {max(islands, 1)} ranks"
+        )
+    world_size //= islands
+    mesh = layout.degrees()
+    for k, v in {**mesh, "ep": layout.ep}.items():
+        if v == 0 or v < -1 or (k == "ep" and v < 1):
+            raise ConfigError(f"parallel.{k} = {v} must be >= 1" + ("" if k == "ep" else " (or -1 to infer it)"))
+    free = [k for k, v in mesh.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
+    known = _product(v for v in mesh.values() if v > 0)
+    shown = " x ".join(f"{k}={v}" for k, v in mesh.items())
+    if free:
+        if world_size % known:
             raise ConfigError(
-                f"diloco.islands = {islands} must be >= 1 and divide the world size {world_size} (every island runs "
-                f"the same inner layout); use a divisor of {world_size} or start a multiple of {max(islands, 1)} ranks"
+                f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
+                f"product {known}; use a world size that is a multiple of {known} or change the degrees"
             )
-        if islands > 1:
-            return dataclasses.replace(cls.resolve(world_size // islands, **degrees), islands=islands)
-        mesh = {k: degrees.get(k, 1) for k in DIMS}
-        for k, v in {**mesh, "ep": degrees.get("ep", 1)}.items():
-            if v == 0 or v < -1 or (k == "ep" and v < 1):
-                raise ConfigError(f"parallel.{k} = {v} must be >= 1" + ("" if k == "ep" else " (or -1 to infer it)"))
-        free = [k for k, v in mesh.items() if v == -1]
-        if len(free) > 1:
-            raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
-        known = _product(v for v in mesh.values() if v > 0)
-        shown = " x ".join(f"{k}={v}" for k, v in mesh.items())
-        if free:
-            if world_size % known:
-                raise ConfigError(
-                    f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
-                    f"product {known}; use a world size that is a multiple of {known} or change the degrees"
-                )
-            mesh[free[0]] = world_size // known
-        elif known != world_size:
-            rest = known // mesh["dp_shard"]
-            hint = (
-                f"set parallel.dp_shard = {world_size // rest}"
-                if world_size % rest == 0
-                else ("make their product equal the world size")
-            )
-            raise ConfigError(
-                f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
-                f"set parallel.dp_shard = -1 to infer it, or {hint}"
-            )
-        return cls(**mesh, ep=degrees.get("ep", 1))
+        mesh[free[0]] = world_size // known
+    elif known != world_size:
+        rest = known // mesh["dp_shard"]
+        hint = (
+            f"set parallel.dp_shard = {world_size // rest}"
+            if world_size % rest == 0
+            else ("make their product equal the world size")
+        )
+        raise ConfigError(
+            f"parallel degrees {shown} multiply to {known}, not the world size {world_size}; "
+            f"set parallel.dp_shard = -1 to infer it, or {hint}"
+        )
+    return layout.replace(**mesh)
 
-    @classmethod
-    def from_config(cls, parallel: Any, world_size: int, islands: int = 1) -> ParallelDims:
-        """From a [parallel] config section (any object with the degree attributes)."""
-        degrees = {f.name: getattr(parallel, f.name) for f in fields(cls) if f.name != "islands"}
-        return cls.resolve(world_size, islands, **degrees)
 
-    def degrees(self) -> dict[str, int]:
-        """The mesh degrees by dimension, outermost first (one island's: the [parallel] keys)."""
-        return {k: getattr(self, k) for k in DIMS}
+def casts_once(d: Layout, precision: str, mixed_precision: str) -> bool:
+    """Whether data parallelism runs on FSDP2 beyond ``uses_fsdp``: a world of one under CPU
+    offload, and -- for bf16/fp8 with ``train.mixed_precision = "cast_once"`` -- a world of one
+    (a one-rank mesh) and DDP's layouts (stage 0: replicated over dp), so that FSDP2's
+    mixed-precision policy casts each weight to bf16 once per micro-batch instead of autocast
+    at every use. (bf16 ZeRO-1 holds bf16 working weights of its own: parallel/zero1.py.)"""
+    if d.uses_fsdp():
+        return False
+    if d.world_size == 1 and d.offload == "cpu" and d.zero_stage >= 2:
+        return True
+    once = precision in ("bf16", "fp8") and mixed_precision == "cast_once"
+    return once and (d.world_size == 1 or (d.dp_cp > 1 and d.zero_stage == 0))
 
-    def mesh_degrees(self) -> dict[str, int]:
-        """The whole mesh: the island dimension in front of ``degrees()`` when there are islands."""
-        return {ISLAND: self.islands, **self.degrees()} if self.islands > 1 else self.degrees()
 
-    @property
-    def world_size(self) -> int:
-        return _product(self.mesh_degrees().values())
+def problems(d: Layout, model: ModelShape, t: Batch) -> list[Problem]:
+    """Every reason this layout cannot run this model with this batch (empty: it runs)."""
+    out: list[Problem] = []
+    rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
+    for rule in (*rules, _experts, diloco_problems):
+        out.extend(rule(d, model, t))
+    return out
 
-    @property
-    def data_ranks(self) -> int:
-        """Ranks that take distinct slices of a global batch: every island's data-parallel ranks."""
-        return self.islands * self.dp
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def dp_cp(self) -> int:
-        """Ranks that hold the same parameters and average gradients (cp ranks see other tokens)."""
-        return self.dp * self.cp
-
-    def expert_degrees(self) -> dict[str, int]:
-        """The expert mesh's degrees (ep > 1): dp_shard x cp split into edp x ep."""
-        edp = self.dp_shard * self.cp // self.ep
-        inner = dict(zip(EXPERT_DIMS, (self.pp, self.dp_replicate, edp, self.ep, self.tp), strict=True))
-        return {ISLAND: self.islands, **inner} if self.islands > 1 else inner
-
-    def flattened(self) -> dict[str, tuple[str, ...]]:
-        """The flattened sub-meshes this layout builds (see the module docstring)."""
-        return dict(FLATTENED)
-
-    def uses_fsdp(self, zero_stage: int) -> bool:
-        """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp, pp or ep (DDP takes no DTensors)."""
-        return self.dp_cp > 1 and (zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1)
-
-    def casts_once(self, zero_stage: int, precision: str, mixed_precision: str, offload: str = "none") -> bool:
-        """Whether data parallelism runs on FSDP2 beyond ``uses_fsdp``: a world of one under CPU
-        offload, and -- for bf16/fp8 with ``train.mixed_precision = "cast_once"`` -- a world of one
-        (a one-rank mesh) and DDP's layouts (stage 0: replicated over dp), so that FSDP2's
-        mixed-precision policy casts each weight to bf16 once per micro-batch instead of autocast
-        at every use. (bf16 ZeRO-1 holds bf16 working weights of its own: parallel/zero1.py.)"""
-        if self.uses_fsdp(zero_stage):
-            return False
-        if self.world_size == 1 and offload == "cpu" and zero_stage >= 2:
-            return True
-        once = precision in ("bf16", "fp8") and mixed_precision == "cast_once"
-        return once and (self.world_size == 1 or (self.dp_cp > 1 and zero_stage == 0))
-
-    def bubble(self, schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
-        return bubble_fraction(schedule_name(schedule), self.pp, num_microbatches, virtual_stages)
-
-    # -- rules ----------------------------------------------------------------------------
-
-    def problems(self, model: ModelShape, t: Training) -> list[Problem]:
-        """Every reason this layout cannot run this model with these settings (empty: it runs)."""
-        out: list[Problem] = []
-        rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
-        for rule in (*rules, _experts, diloco_problems):
-            out.extend(rule(self, model, t))
-        return out
-
-    def check(self, model: ModelShape, t: Training) -> None:
-        """Raise the first problem as a ConfigError."""
-        found = self.problems(model, t)
-        if found:
-            raise ConfigError(found[0].message)
-
-    def local_batch(self, t: Training) -> int:
-        return t.global_batch // self.data_ranks
-
-    def num_microbatches(self, t: Training) -> int:
-        """Pipeline micro-batches per step and dp rank: given, else from the micro-batch size,
-        else the largest divisor of the local batch up to 2 x pp x chunks per rank."""
-        local = self.local_batch(t)
-        if t.num_microbatches:
-            return t.num_microbatches
-        if t.micro_batch:
-            return max(1, local // t.micro_batch)
-        target = 2 * self.pp * t.pp_virtual_stages
-        return max(d for d in range(1, max(1, min(local, target)) + 1) if local % d == 0)
+def check(d: Layout, model: ModelShape, t: Batch) -> None:
+    """Raise the first problem as a ConfigError."""
+    found = problems(d, model, t)
+    if found:
+        raise ConfigError(found[0].message)
 
 
 def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
@@ -308,19 +165,19 @@ def _product(values: Any) -> int:
     return out
 
 
-def _axes_available(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def _axes_available(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     return iter(())  # every axis is available; compositions not yet run are refused by each axis' rule
 
 
-def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
-    if d.dp_replicate > 1 and t.zero_stage < 2:
+def _data_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
+    if d.dp_replicate > 1 and d.zero_stage < 2:
         yield Problem(
             "parallel.dp_replicate",
             f"parallel.dp_replicate = {d.dp_replicate} (HSDP: replicate across groups, shard within) needs "
             f"parallel.zero_stage = 2 or 3; for plain data parallel use parallel.dp_shard = {d.dp} with "
             "dp_replicate = 1",
         )
-    if t.zero_stage == 1 and d.tp > 1:
+    if d.zero_stage == 1 and d.tp > 1:
         yield Problem(
             "parallel.zero_stage",
             f"parallel.zero_stage = 1 with parallel.tp = {d.tp}: ZeRO-1 (ZeroRedundancyOptimizer) does not take "
@@ -328,7 +185,7 @@ def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[
             "gradients sharded too) or 0",
             "unsupported",
         )
-    if t.zero_stage == 1 and d.pp > 1:
+    if d.zero_stage == 1 and d.pp > 1:
         yield Problem(
             "parallel.zero_stage",
             "parallel.zero_stage = 1 with parallel.pp > 1: data parallelism under pipelining runs on FSDP2; use "
@@ -337,21 +194,21 @@ def _data_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[
         )
 
 
-def offload_problem(d: ParallelDims, zero_stage: int, offload: str) -> Problem | None:
+def offload_problem(d: Layout) -> Problem | None:
     """Why ``parallel.offload = "cpu"`` cannot run on this layout (None: it can). FSDP2's
     CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 on FSDP2: over more
     than one data-parallel rank, or a world of one (a one-rank FSDP2 mesh, as DeepSpeed and
     FSDP2 offload a single GPU); the experts' own FSDP units (ep > 1) take no offload policy yet.
     The planner puts its fixed choices to this rule too."""
-    if offload != "cpu":
+    if d.offload != "cpu":
         return None
-    if zero_stage < 2:
+    if d.zero_stage < 2:
         return Problem(
             "parallel.offload",
             f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3; here "
-            f"zero_stage = {zero_stage}); set parallel.zero_stage = 3 or parallel.offload = 'none'",
+            f"zero_stage = {d.zero_stage}); set parallel.zero_stage = 3 or parallel.offload = 'none'",
         )
-    if not (d.uses_fsdp(zero_stage) or d.world_size == 1):
+    if not (d.uses_fsdp() or d.world_size == 1):
         return Problem(
             "parallel.offload",
             f"parallel.offload = 'cpu' on {d.world_size} ranks with one data-parallel rank (dp = {d.dp_cp}): the "
@@ -368,13 +225,13 @@ def offload_problem(d: ParallelDims, zero_stage: int, offload: str) -> Problem |
     return None
 
 
-def _offload(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
-    found = offload_problem(d, t.zero_stage, t.offload)
+def _offload(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
+    found = offload_problem(d)
     if found:
         yield found
 
 
-def _batch(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def _batch(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     dp = d.data_ranks
     if t.global_batch % dp:
         what = f"diloco.islands x dp = {d.islands} x {d.dp}" if d.islands > 1 else "the data-parallel degree"
@@ -385,11 +242,12 @@ def _batch(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]
         )
         return
     local = t.global_batch // dp
-    micro = t.micro_batch or local
+    micro = d.micro_batch_size or local
     if d.pp == 1 and (micro <= 0 or local % micro):
         yield Problem(
             "train.micro_batch_size",
-            f"train.micro_batch_size = {t.micro_batch} must divide the per-rank batch global_batch_size / dp = {local}",
+            f"train.micro_batch_size = {d.micro_batch_size} must divide the per-rank batch "
+            f"global_batch_size / dp = {local}",
         )
 
 
@@ -408,7 +266,7 @@ def tp_divides_heads(model: ModelShape, tp: int) -> bool:
     return model.heads % tp == 0 and model.kv_heads % tp == 0
 
 
-def _tensor_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def _tensor_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     tp = d.tp
     if tp == 1:
         return
@@ -426,7 +284,7 @@ def _tensor_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterato
         f"pad the vocabulary: set --model.vocab_size={padded} (the extra rows are never produced by the "
         "tokenizer and cost nothing but memory)",
     )
-    if t.sequence_parallel:
+    if d.sequence_parallel:
         yield from _divisible(
             t.seq_len,
             tp,
@@ -441,7 +299,7 @@ def _tensor_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterato
             "communicates on every layer and must stay on one node's fast links; use parallel.tp <= "
             f"{t.ranks_per_node} and scale out with data or pipeline parallelism",
         )
-    if t.qk_norm:
+    if model.qk_norm:
         yield Problem(
             "model.qk_norm",
             f"model.qk_norm = true with parallel.tp = {tp}: the QK-norm weights are not yet sharded by the "
@@ -450,19 +308,19 @@ def _tensor_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterato
         )
 
 
-def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def _context_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     if d.cp == 1:
         return
-    chunks = 2 * d.cp if t.cp_balance == "zigzag" else d.cp
+    chunks = 2 * d.cp if d.cp_balance == "zigzag" else d.cp
     if t.seq_len % chunks:
-        what = f"2 x parallel.cp = {chunks}" if t.cp_balance == "zigzag" else f"parallel.cp = {chunks}"
-        why = "2 x cp load-balanced chunks (cp_balance = zigzag)" if t.cp_balance == "zigzag" else "cp slices"
+        what = f"2 x parallel.cp = {chunks}" if d.cp_balance == "zigzag" else f"parallel.cp = {chunks}"
+        why = "2 x cp load-balanced chunks (cp_balance = zigzag)" if d.cp_balance == "zigzag" else "cp slices"
         yield Problem(
             "train.seq_len",
             f"train.seq_len = {t.seq_len} must be a multiple of {what} (context parallelism splits each sequence "
             f"into {why}); use e.g. {-(-t.seq_len // chunks) * chunks}",
         )
-    elif d.tp > 1 and t.sequence_parallel and t.seq_len % (d.cp * d.tp):
+    elif d.tp > 1 and d.sequence_parallel and t.seq_len % (d.cp * d.tp):
         yield Problem(
             "train.seq_len",
             f"train.seq_len = {t.seq_len} must be a multiple of parallel.cp x parallel.tp = {d.cp * d.tp} (sequence "
@@ -471,21 +329,21 @@ def _context_parallel(d: ParallelDims, model: ModelShape, t: Training) -> Iterat
         )
 
 
-def _pipeline(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def _pipeline(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     if d.pp == 1:
-        if t.pp_layers:
+        if d.pp_layers:
             yield Problem(
                 "parallel.pp_layers",
-                f"parallel.pp_layers = {list(t.pp_layers)} is set but parallel.pp = 1; set parallel.pp or leave "
+                f"parallel.pp_layers = {list(d.pp_layers)} is set but parallel.pp = 1; set parallel.pp or leave "
                 "pp_layers empty",
             )
         return
-    name = schedule_name(t.pp_schedule)
+    name = schedule_name(d.pp_schedule)
     if name not in SCHEDULES:
         hint = suggest(name, SCHEDULES)
         yield Problem(
             "parallel.pp_schedule",
-            f"parallel.pp_schedule = {t.pp_schedule!r} is not a pipeline schedule"
+            f"parallel.pp_schedule = {d.pp_schedule!r} is not a pipeline schedule"
             + (f"; {hint}" if hint.startswith("did you mean") else "")
             + f" (valid: {', '.join(SCHEDULES)})",
         )
@@ -503,8 +361,8 @@ def _pipeline(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Probl
     yield from _pipeline_microbatches(d, t, name)
 
 
-def _pipeline_chunks(d: ParallelDims, model: ModelShape, t: Training, name: str) -> Iterator[Problem]:
-    v, rule = t.pp_virtual_stages, SCHEDULES[name][1]
+def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Iterator[Problem]:
+    v, rule = d.pp_virtual_stages, SCHEDULES[name][1]
     if not {"1": v == 1, ">=1": v >= 1, ">=2": v >= 2, "2": v == 2}[rule]:
         want = {"1": "1", ">=2": "2 or more", "2": "exactly 2"}[rule]
         yield Problem(
@@ -522,7 +380,7 @@ def _pipeline_chunks(d: ParallelDims, model: ModelShape, t: Training, name: str)
             f"{chunks} pipeline chunks (each needs at least one block); lower parallel.pp or pp_virtual_stages",
         )
         return
-    sizes = t.pp_layers
+    sizes = d.pp_layers
     if sizes and (len(sizes) != chunks or sum(sizes) != model.layers or min(sizes) < 1):
         even = [model.layers // chunks + (1 if i < model.layers % chunks else 0) for i in range(chunks)]
         yield Problem(
@@ -539,10 +397,10 @@ def _pipeline_chunks(d: ParallelDims, model: ModelShape, t: Training, name: str)
         )
 
 
-def _pipeline_microbatches(d: ParallelDims, t: Training, name: str) -> Iterator[Problem]:
-    if t.global_batch % d.dp:
+def _pipeline_microbatches(d: Layout, t: Batch, name: str) -> Iterator[Problem]:
+    if t.global_batch % d.data_ranks:
         return  # _batch says so
-    local, m = d.local_batch(t), d.num_microbatches(t)
+    local, m = d.local_batch(t.global_batch), d.microbatches(t.global_batch)
     if local % m:
         yield Problem(
             "parallel.num_microbatches",
@@ -550,10 +408,10 @@ def _pipeline_microbatches(d: ParallelDims, t: Training, name: str) -> Iterator[
             f"{local}; use a divisor of {local}",
         )
         return
-    if t.micro_batch and t.num_microbatches and t.micro_batch * t.num_microbatches != local:
+    if d.micro_batch_size and d.num_microbatches and d.micro_batch_size * d.num_microbatches != local:
         yield Problem(
             "train.micro_batch_size",
-            f"train.micro_batch_size = {t.micro_batch} x parallel.num_microbatches = {t.num_microbatches} is "
+            f"train.micro_batch_size = {d.micro_batch_size} x parallel.num_microbatches = {d.num_microbatches} is "
             f"not the per-rank batch {local}; set only one of them",
         )
     need = d.pp * 2 if name == "dualpipev" else d.pp
@@ -577,7 +435,7 @@ def _pipeline_microbatches(d: ParallelDims, t: Training, name: str) -> Iterator[
             )
 
 
-def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def _experts(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     """Mixtures of experts and expert parallelism (ep borrows data-parallel ranks: dp_shard x cp)."""
     experts = getattr(model, "num_experts", 0)
     if experts:
@@ -615,7 +473,7 @@ def _experts(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Proble
         )
 
 
-def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
+def _moe_unsupported(d: Layout) -> Iterator[Problem]:
     """Mixtures of experts under axes that this version does not run them on (each is refused
     until an equivalence test covers it): tp without ep would leave the experts to the dense
     plan."""
@@ -636,7 +494,7 @@ def _moe_unsupported(d: ParallelDims) -> Iterator[Problem]:
             )
 
 
-def _moe_context_parallel(d: ParallelDims, model: ModelShape) -> Iterator[Problem]:
+def _moe_context_parallel(d: Layout, model: ModelShape) -> Iterator[Problem]:
     """Under cp a rank routes its shard of each sequence; the balance statistics are summed
     over the cp ranks (parallel/moe_context_parallel.py), but capacity drops the lowest
     scores per expert among a micro-batch's tokens, which no rank sees whole."""
@@ -651,7 +509,7 @@ def _moe_context_parallel(d: ParallelDims, model: ModelShape) -> Iterator[Proble
         )
 
 
-def diloco_problems(d: ParallelDims, model: ModelShape, t: Training) -> Iterator[Problem]:
+def diloco_problems(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     """DiLoCo (islands > 1): a round of H inner steps, F fragments synced H / F steps apart,
     each applied ``delay`` steps after its send (so at most one sync per fragment is in flight)."""
     c = t.diloco

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from meshforge.errors import ConfigError
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import ModelShape, build_model
 
 FP8_DIM_MULTIPLE = 16
 TORCHAO_PIN = "0.18.0"
@@ -123,7 +123,7 @@ def apply_fp8(model: nn.Module, recipe: str, exclude: list[str], device: torch.d
 DEFAULT_EXCLUDE = ("output", "*router*")  # train.fp8_exclude's default; these may match nothing silently
 
 
-def model_fp8_plan(args: ModelArgs, exclude: list[str]) -> Fp8Plan:
+def model_fp8_plan(args: ModelShape, exclude: list[str]) -> Fp8Plan:
     """The plan for the whole model of ``args`` (built on the meta device: no memory), checked:
     torchao must import and at least one linear must be left in fp8. Used before launch and
     for the ``fp8_modules`` event."""

@@ -1,4 +1,4 @@
-"""The device mesh: every layout is a named N-D mesh of ranks, built from a ParallelDims.
+"""The device mesh: every layout is a named N-D mesh of ranks, built from a Layout.
 
 Which dimensions and flattened sub-meshes exist, and in which order, is a layout rule and
 lives in ``parallel/dims.py``; this file only turns them into process groups. One
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshforge import launch_env
 from meshforge.compat import mesh_slice_names
 from meshforge.errors import ConfigError
-from meshforge.parallel.dims import ISLAND, ParallelDims
+from meshforge.layout import ISLAND, Layout
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Mesh:
     world_size: int
     local_rank: int
     device: torch.device
-    dims: ParallelDims = field(default_factory=ParallelDims)
+    dims: Layout = field(default_factory=Layout)
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see dims.py
@@ -139,14 +139,12 @@ def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     return mesh[dims]._flatten(name)
 
 
-def build_mesh(
-    dims: ParallelDims, device_kind: str = "auto", timeout_s: float = 600.0, cpu_backend: bool = False
-) -> Mesh:
+def build_mesh(dims: Layout, device_kind: str = "auto", timeout_s: float = 600.0, cpu_backend: bool = False) -> Mesh:
     """Join the process group (gloo on CPU, NCCL on GPU) and build the named mesh of ``dims``.
     ``cpu_backend``: on GPU, also gloo for host tensors (CPU offload reduces its host-side figures)."""
     world, rank = launch_env.world_size(), launch_env.rank()
     if dims.world_size != world:
-        raise ConfigError(f"the layout {dims.degrees()} needs {dims.world_size} ranks, but {world} were started")
+        raise ConfigError(f"the layout {dims.mesh_degrees()} needs {dims.world_size} ranks, but {world} were started")
     device = pick_device(device_kind)
     if world == 1:
         return Mesh(0, 1, 0, device, dims)

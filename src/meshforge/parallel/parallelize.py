@@ -43,7 +43,7 @@ from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
-from meshforge.parallel.dims import chunks_per_rank, schedule_name
+from meshforge.parallel.dims import casts_once
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
@@ -58,6 +58,7 @@ from meshforge.parallel.pipeline import (
     split_model,
 )
 from meshforge.parallel.precision import autocast, resolve_mixed_precision, resolve_precision
+from meshforge.parallel.schedules import chunks_per_rank, schedule_name
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 from meshforge.parallel.zero1 import uses_flat_zero1
 
@@ -66,12 +67,11 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (the rules are the layout's: ParallelDims.uses_fsdp, and
-    casts_once for a world of one and DDP's layouts in bf16, and a world of one offloading)."""
-    p, d = cfg.parallel, mesh.dims
+    """Data parallelism runs on FSDP2 (the rules are the layout's: Layout.uses_fsdp, and
+    dims.casts_once for a world of one and DDP's layouts in bf16, and a world of one offloading)."""
     precision = resolve_precision(cfg.train.precision, mesh.device)
     mixed = resolve_mixed_precision(cfg.train.mixed_precision, mesh.device)
-    return d.uses_fsdp(p.zero_stage) or d.casts_once(p.zero_stage, precision, mixed, p.offload)
+    return mesh.dims.uses_fsdp() or casts_once(mesh.dims, precision, mixed)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:

@@ -38,10 +38,10 @@ from torch.distributed.pipelining import PipelineStage
 
 from meshforge.compat import pipeline_stage_fixups
 from meshforge.models import flops
-from meshforge.models.llama import ModelArgs, Transformer
+from meshforge.models.llama import ModelShape, Transformer
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.parallel.dims import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.pipeline_aux import StageAux, forget_metadata_inference
+from meshforge.parallel.schedules import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.tensor_parallel import local_value
 
 if TYPE_CHECKING:
@@ -59,13 +59,13 @@ def schedule_class(name: str) -> type | None:
 # ----------------------------------------------------------------------------- splitting
 
 
-def _costs(args: ModelArgs, seq_len: int) -> tuple[float, float, float]:
+def _costs(args: ModelShape, seq_len: int) -> tuple[float, float, float]:
     """Relative forward+backward cost of a block, the embedding and the final norm + head."""
     head = flops.head_flops_per_token(args)
     return flops.block_flops_per_token(args, seq_len), head / 3.0, head
 
 
-def balanced_split(args: ModelArgs, seq_len: int, chunks: int) -> list[int]:
+def balanced_split(args: ModelShape, seq_len: int, chunks: int) -> list[int]:
     """Blocks per chunk (contiguous, each >= 1) minimising the most loaded chunk's cost."""
     block, emb, head = _costs(args, seq_len)
     n = args.layers

@@ -46,20 +46,26 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from meshforge.layout import Layout
 from meshforge.models import flops
-from meshforge.models.chunked_loss import DEFAULT_CHUNK
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.context_parallel_cost import (
     local_tokens,
     ring_bytes,
-    ring_extra_saved_bytes_per_token,
     ring_messages,
 )
-from meshforge.parallel.dims import SCHEDULES as DIMS_SCHEDULES
-from meshforge.parallel.dims import V_SHAPED, bubble_fraction
+from meshforge.parallel.schedules import SCHEDULES as DIMS_SCHEDULES
+from meshforge.parallel.schedules import V_SHAPED, bubble_fraction
 from meshforge.planner import kernel_costs, moe_costs, offload_costs
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
-from meshforge.planner.shape import Shape
-from meshforge.planner.zero1_partition import largest_share
+from meshforge.planner.memory import (
+    memory,
+    model_state_bytes,
+    overflow_reason,
+    stage_layers,
+    stage_params,
+    stage_state_bytes,
+)
 
 # the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
@@ -67,21 +73,30 @@ V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per ra
 RECOMPUTE = ("none", "selective", "full")
 
 
-@dataclass
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    cp: int = 1
-    ep: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
-    recompute: str = "none"
-    virtual_stages: int = 1
-    schedule: str = "1f1b"
-    sequence_parallel: bool = True
-    offload: str = "none"  # "cpu": FSDP2 keeps the sharded state in host memory (planner/offload_costs.py)
+def run_layout(lay: Layout) -> Layout:
+    """The layout as ``--emit-config`` states it to ``meshforge train``: a pipeline's
+    micro-batches as a count, otherwise as a size."""
+    if lay.pp > 1:
+        return lay.replace(micro_batch_size=0)
+    return lay.replace(num_microbatches=0)
+
+
+JSON_SETTINGS = (
+    "zero_stage",
+    "micro_batch_size",
+    "num_microbatches",
+    "activation_checkpoint",
+    "pp_virtual_stages",
+    "pp_schedule",
+    "sequence_parallel",
+    "offload",
+)
+
+
+def plan_layout(tp: int = 1, pp: int = 1, dp: int = 1, **settings: Any) -> Layout:
+    """A layout as the planner prices it: its dp ranks shard (dp_replicate 1; ``--emit-config``
+    writes them so), one sequence per micro-batch unless given."""
+    return Layout(tp=tp, pp=pp, dp_shard=dp, **{"micro_batch_size": 1, "num_microbatches": 1, **settings})
 
 
 @dataclass
@@ -103,16 +118,9 @@ class Estimate:
     def as_json(self) -> dict[str, Any]:
         lay = asdict(self.layout)
         return {
-            **{k: lay[k] for k in ("tp", "pp", "dp", "cp", "ep")},
+            **{k: lay[k] for k in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep")},
             "num_params": self.num_params,
-            "zero_stage": lay["zero_stage"],
-            "micro_batch_size": lay["micro_batch_size"],
-            "num_microbatches": lay["num_microbatches"],
-            "recompute": lay["recompute"],
-            "virtual_stages": lay["virtual_stages"],
-            "schedule": lay["schedule"],
-            "sequence_parallel": lay["sequence_parallel"],
-            "offload": lay["offload"],
+            **{k: lay[k] for k in JSON_SETTINGS},
             "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
             "host_memory_gib": {k: round(v, 3) for k, v in self.host_memory.items()},
             "memory_bytes": {
@@ -131,172 +139,6 @@ class Estimate:
             "time_s": {k: round(v, 6) for k, v in self.time.items()},
             "loss_budget": {k: round(v, 4) for k, v in self.budget.items()},
         }
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[str, float]:
-    """ZeRO paper: bytes of parameters, gradients and optimizer state per GPU."""
-    p, g, k = (2.0, 2.0, 12.0) if precision in ("bf16", "fp8") else (4.0, 4.0, 8.0)
-    return {
-        "params": psi * p / (n if stage >= 3 else 1),
-        "grads": psi * g / (n if stage >= 2 else 1),
-        "optimizer": psi * k / (n if stage >= 1 else 1),
-    }
-
-
-def allocated_state_bytes(shape: Shape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
-    """What meshforge allocates for parameters, gradients and optimizer state on the most
-    loaded GPU (held equal to a run's ``state_mem_bytes`` by tests/test_planner_memory.py).
-    ZeRO-2/3 are FSDP2, which keeps fp32 shards of parameters and gradients (the sharded
-    parameter is the fp32 master; bf16 working copies are gathered per unit and counted under
-    buffers): 4Ψ/N + 4Ψ/N + 8Ψ/N in either precision — the ZeRO paper's 16Ψ/N for stage 3,
-    and stage 2 without its replicated 2Ψ (FSDP2 holds it gathered only from forward to
-    backward). DDP and ZeRO-1 follow the paper. fp32 ZeRO-1 (``ZeroRedundancyOptimizer``)
-    splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded
-    rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/zero1.py) splits flat buffers evenly."""
-    n = lay.dp * lay.cp
-    if lay.zero_stage >= 2 and (n > 1 or lay.offload == "cpu"):  # FSDP2 (a world of one: when offloading)
-        return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
-    states = model_state_bytes(psi, n, lay.zero_stage, precision)
-    if lay.zero_stage == 1 and n > 1 and precision not in ("bf16", "fp8"):
-        states["optimizer"] *= n * largest_share(shape, lay.tp, lay.pp, n)
-    return states
-
-
-def activation_bytes_per_layer(
-    shape: Shape, seq: int, micro: int, tp: int, sp: bool, recompute: str, bytes_per: int = 2
-) -> float:
-    """Activation bytes one layer keeps for backward for one micro-batch (see module doc)."""
-    s, b, h, a = seq, micro, shape.hidden, shape.heads
-    if shape.mlp == "gelu":  # Korthikanti et al. 2022, Table 2 (bf16, with dropout)
-        if recompute == "full":
-            return 2 * s * b * h / (tp if sp else 1)
-        attn_sq = 0.0 if recompute == "selective" or shape.attention == "flash" else 5 * a * s * s * b / tp
-        if sp:
-            return s * b * h * 34 / tp + attn_sq
-        return s * b * h * (10 + 24 / tp) + attn_sq
-    kv, f = shape.kv_dim, shape.ffn_hidden
-    if recompute == "full":
-        return s * b * h * bytes_per / (tp if sp else 1)
-    if recompute == "selective":
-        sharded, whole = (2 * kv + 2 * f + 2 * h), 2 * h  # matmul outputs; residual-stream inputs
-    else:
-        sharded, whole = (h + 2 * kv + 4 * f), 4 * h  # + norm outputs, activation and product
-    # sharded parts split over tp (heads/columns); the residual-stream parts only under SP
-    return s * b * bytes_per * (sharded / tp + whole / (tp if sp else 1))
-
-
-def in_flight(schedule: str, p: int, m: int, v: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (in stage units)."""
-    if p == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "interleaved_1f1b":
-        return p * (1 + (p - 1) / (p * v))
-    return float(min(m, p))
-
-
-def stage_layers(shape: Shape, pp: int) -> int:
-    """Blocks on the most loaded stage (stages may be uneven: the first ceil(L/p))."""
-    return -(-shape.layers // pp)
-
-
-def stage_params(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
-    """Parameters on the most loaded stage's GPU, and the per-layer parameters on it."""
-    per_layer = shape.block_params() / tp
-    layers = stage_layers(shape, pp)
-    first = layers * per_layer + shape.embedding_params() / tp
-    last = layers * per_layer + (shape.head_params() + shape.hidden) / tp
-    if pp == 1:
-        return layers * per_layer + (shape.embedding_params() + shape.head_params() + shape.hidden) / tp, per_layer
-    return max(first, last), per_layer
-
-
-def stage_state_bytes(shape: Shape, lay: Layout, precision: str) -> dict[str, float]:
-    """Parameters, gradients and optimizer state the most loaded GPU's rank allocates (experts included)."""
-    psi, _ = stage_params(shape, lay.tp, lay.pp)
-    psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
-    states = allocated_state_bytes(shape, lay, psi - psi_e, precision)
-    experts = moe_costs.expert_state_bytes(
-        shape, lay, psi_e, precision, lambda p: allocated_state_bytes(shape, lay, p, precision)
-    )
-    return {k: v + experts[k] for k, v in states.items()}
-
-
-def memory(
-    shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, loss_chunk: int = DEFAULT_CHUNK
-) -> dict[str, float]:
-    """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
-    states are on the host (``offload_costs``) and only their staging copies stay here.
-    ``loss_chunk`` (train.loss_chunk_size): the loss's logits exist for that many tokens at a
-    time, plus an fp32 head-gradient accumulator; 0: for all of the micro-batch's tokens."""
-    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
-    psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
-    states = stage_state_bytes(shape, lay, precision)
-    offloaded = lay.offload == "cpu"
-    if offloaded:
-        states = {k: 0.0 for k in states}
-    bpe = 4 if precision == "fp32" else 2
-    act_layer = activation_bytes_per_layer(
-        shape, local_tokens(seq, lay.cp), lay.micro_batch_size, lay.tp, lay.sequence_parallel, lay.recompute, bpe
-    )
-    if lay.cp > 1 and lay.recompute != "full":  # ring attention's lse (and fp32 output under bf16)
-        extra = ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, bpe)
-        act_layer += lay.micro_batch_size * local_tokens(seq, lay.cp) * extra
-    layers_per_stage = stage_layers(shape, lay.pp)
-    act_layer += (
-        moe_costs.moe_layers_on_stage(shape, lay.pp)
-        / layers_per_stage
-        * moe_costs.activation_delta_bytes(
-            shape, lay.micro_batch_size * local_tokens(seq, lay.cp), lay.tp, lay.recompute, bpe
-        )
-    )
-    acts = act_layer * layers_per_stage * in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
-    tokens = lay.micro_batch_size * seq // lay.cp
-    chunk = min(tokens, loss_chunk or tokens)  # chunked loss: one chunk's logits + an fp32 head-gradient accumulator
-    logits = chunk * shape.vocab / lay.tp * (bpe + 4 + 4) + (chunk < tokens) * shape.vocab * shape.hidden / lay.tp * 4
-    acts += logits
-    w = 2 if precision != "fp32" else 4
-    fsdp = lay.dp > 1 or lay.offload == "cpu"  # (a world of one offloads on a one-rank FSDP2 mesh)
-    if lay.zero_stage == 2 and fsdp:
-        gathered = psi * w  # parameters kept gathered from forward to backward
-    elif lay.zero_stage == 3 and fsdp:
-        gathered = 2 * per_layer * w  # the running block and the prefetched one
-    else:
-        gathered = 0.0
-    gathered += moe_costs.gathered_delta_bytes(shape, lay, psi_e, w) if lay.dp > 1 else 0.0
-    buffers = 2 * 25 * 2**20 + gathered
-    if offloaded:
-        buffers += offload_costs.staging_bytes(per_layer, lay.dp * lay.cp)
-    out = {
-        "params": states["params"] / GIB,
-        "grads": states["grads"] / GIB,
-        "optimizer": states["optimizer"] / GIB,
-        "activations": acts / GIB,
-        "buffers": buffers / GIB,
-        "reserve": hw.reserve_gib,
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def overflow_reason(mem: dict[str, float], hbm_gib: float) -> str:
-    """What overflows: the total against the GPU, the largest parts, and whether the model
-    states or the activations alone exceed it (so the fix is more sharding or recomputation)."""
-    over = mem["total"] - hbm_gib
-    parts = sorted((k for k in mem if k != "total"), key=lambda k: -mem[k])[:3]
-    msg = f"needs {mem['total']:.1f} GiB of {hbm_gib:.0f} GiB ({over:.1f} over); largest: " + ", ".join(
-        f"{k} {mem[k]:.1f}" for k in parts
-    )
-    states = mem["params"] + mem["grads"] + mem["optimizer"]
-    if states > hbm_gib:
-        msg += f"; the model states alone ({states:.1f} GiB) exceed the GPU: shard them (higher zero, tp, pp)"
-    elif mem["activations"] > hbm_gib - states:
-        msg += "; the activations exceed what the model states leave: recompute, smaller micro-batch, or more tp/cp"
-    return msg
 
 
 # ----------------------------------------------------------------------------- time
@@ -330,7 +172,7 @@ def _bytes_per_element(precision: str) -> int:
 
 
 def _compute_time(
-    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
+    shape: ModelShape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware
 ) -> dict[str, float]:
     """This GPU's share of the hardware FLOPs, in seconds (planner/kernel_costs.py): GEMMs at
     the rate of their typical size (an MoE's routed experts at theirs, planner/moe_costs.py),
@@ -343,24 +185,26 @@ def _compute_time(
     imbalance = stage_layers(shape, lay.pp) * lay.pp / shape.layers
     tokens_gpu = global_batch * seq / n_gpus
     attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
-    if lay.recompute in ("full", "selective"):
+    if lay.activation_checkpoint in ("full", "selective"):
         attn_flops *= 4 / 3
-    flops_step = shape.hardware_flops_per_token(seq, lay.recompute) * tokens_gpu
+    flops_step = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tokens_gpu
     typical_gemm = 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp
     rate = kernel_costs.gemm_rate(hw, typical_gemm, precision)
-    attn_s = kernel_costs.attention_seconds(shape, hw, seq, tokens_gpu, shape.layers, lay.recompute, precision, rate)
+    attn_s = kernel_costs.attention_seconds(
+        shape, hw, seq, tokens_gpu, shape.layers, lay.activation_checkpoint, precision, rate
+    )
     # the routed experts' GEMMs at their own (smaller) size and load (moe_costs; 0 if dense)
-    routed_flops = moe_costs.routed_flops_per_token(shape, lay.recompute) * tokens_gpu
+    routed_flops = moe_costs.routed_flops_per_token(shape, lay.activation_checkpoint) * tokens_gpu
     expert_s, expert_recompute_s = moe_costs.expert_gemm_seconds(shape, lay, tokens_mb, tokens_gpu, hw, precision)
     gemm_s = imbalance * ((flops_step - attn_flops - routed_flops) / rate + attn_s) + expert_s
     bpe = _bytes_per_element(precision)
     other_s = imbalance * kernel_costs.elementwise_seconds(
-        shape, hw, tokens_gpu, shape.layers, lay.recompute, bpe, 1 if lay.sequence_parallel else lay.tp
+        shape, hw, tokens_gpu, shape.layers, lay.activation_checkpoint, bpe, 1 if lay.sequence_parallel else lay.tp
     )
     recompute_flops = (
-        shape.hardware_flops_per_token(seq, lay.recompute) - shape.model_flops_per_token(seq)
+        shape.hardware_flops_per_token(seq, lay.activation_checkpoint) - shape.model_flops_per_token(seq)
     ) * tokens_gpu
-    routed_recompute = routed_flops / 4 if lay.recompute == "full" else 0.0
+    routed_recompute = routed_flops / 4 if lay.activation_checkpoint == "full" else 0.0
     recompute_s = (recompute_flops - routed_recompute) / rate + expert_recompute_s
     other_s += _dispatch_time(shape, lay, hw)
     return {
@@ -384,11 +228,11 @@ def _layout_fixed(lay: Layout, hw: Hardware) -> dict[str, float] | None:
     return None
 
 
-def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
+def _dispatch_time(shape: ModelShape, lay: Layout, hw: Hardware) -> float:
     """Per-op costs whatever the size (measured on a CPU): every block on the stage, every
     micro-batch, forward + backward (+ the recomputed forward), plus the embedding, head and
     loss - as measured for the layout's kind (``_layout_fixed``), or as about one plain block more."""
-    passes = 4 / 3 if lay.recompute != "none" else 1.0
+    passes = 4 / 3 if lay.activation_checkpoint != "none" else 1.0
     blocks = stage_layers(shape, lay.pp) * passes
     kind = _layout_fixed(lay, hw)
     if kind:
@@ -397,7 +241,7 @@ def _dispatch_time(shape: Shape, lay: Layout, hw: Hardware) -> float:
     return per_block * lay.num_microbatches * (blocks + 1)
 
 
-def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _tp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
     """Tensor-parallel collectives, all on the critical path. Per layer and micro-batch two
     all-reduces of the block's activations in forward and two in backward (each a
     reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
@@ -406,7 +250,7 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds)."""
     tokens_mb = lay.micro_batch_size * seq / lay.cp
     act = tokens_mb * shape.hidden * _bytes_per_element(precision)
-    per_mb = stage_layers(shape, lay.pp) * (6 if lay.recompute == "full" else 4) + (2 if lay.pp == 1 else 1)
+    per_mb = stage_layers(shape, lay.pp) * (6 if lay.activation_checkpoint == "full" else 4) + (2 if lay.pp == 1 else 1)
 
     latency = _layout_fixed(lay, hw) is None  # else measured with the layout's fixed costs
 
@@ -421,13 +265,13 @@ def _tp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
 
 
-def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
     """Ring attention: K/V blocks passed around the cp ranks, half of it exposed beside the
     attention compute."""
     if lay.cp <= 1:
         return 0.0
     tokens_mb = lay.micro_batch_size * local_tokens(seq, lay.cp)
-    recompute = lay.recompute != "none"  # the block's forward, ring included, runs again in backward
+    recompute = lay.activation_checkpoint != "none"  # the block's forward, ring included, runs again in backward
     sent = sum(
         ring_bytes(tokens_mb, shape.kv_dim / lay.tp, lay.cp, "ring", _bytes_per_element(precision), recompute).values()
     )
@@ -437,7 +281,7 @@ def _cp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     return 0.5 * layers_stage * lay.num_microbatches * per_layer
 
 
-def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
+def _pp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
     """Activations (forward) and their gradients (backward) between stages, per micro-batch
     and model chunk."""
     if lay.pp <= 1:
@@ -447,13 +291,13 @@ def _pp_time(shape: Shape, lay: Layout, seq: int, precision: str, hw: Hardware, 
     return (
         2
         * lay.num_microbatches
-        * lay.virtual_stages
+        * lay.pp_virtual_stages
         * collective_time(hw, "send_recv", act / lay.tp, inner, lay.pp, gpus_per_node)
     )
 
 
 def _dp_time(
-    shape: Shape,
+    shape: ModelShape,
     lay: Layout,
     precision: str,
     hw: Hardware,
@@ -493,7 +337,7 @@ def _dp_time(
 
 
 def _dp_exposed(
-    dp_s: float, compute_s: float, shape: Shape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
+    dp_s: float, compute_s: float, shape: ModelShape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
 ) -> float:
     """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
     reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
@@ -516,7 +360,7 @@ def _dp_link_share(lay: Layout, hw: Hardware, gpus_per_node: int) -> float:
     return min(1.0, hw.inter_bw / hw.intra_bw)
 
 
-def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> float:
+def _optimizer_time(shape: ModelShape, lay: Layout, precision: str, hw: Hardware) -> float:
     """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
@@ -529,7 +373,7 @@ def _optimizer_time(shape: Shape, lay: Layout, precision: str, hw: Hardware) -> 
 
 
 def _offload_time(
-    shape: Shape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, dp_s: float, compute_s: float
+    shape: ModelShape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, dp_s: float, compute_s: float
 ) -> tuple[float, float, float]:
     """(exposed host-link seconds, all host-link seconds, CPU optimizer seconds) under CPU
     offload (planner/offload_costs.py). The copies are chained to the data-parallel traffic: a
@@ -580,7 +424,7 @@ def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str
 
 
 def estimate(
-    shape: Shape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
+    shape: ModelShape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
 ) -> Estimate:
     """Memory and step time of one layout, each as a breakdown (see the module doc)."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
@@ -601,11 +445,10 @@ def estimate(
         edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
         dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e * lay.tp / lay.ep, edp))
         dp_s = max(0.0, dp_s - _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
-    ep_s = moe_costs.a2a_seconds(
-        shape, lay, global_batch * seq / n_gpus, _bytes_per_element(precision), hw, gpus_per_node, lay.recompute
-    )
+    bpe, ac = _bytes_per_element(precision), lay.activation_checkpoint
+    ep_s = moe_costs.a2a_seconds(shape, lay, global_batch * seq / n_gpus, bpe, hw, gpus_per_node, ac)
     dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw, _dp_link_share(lay, hw, gpus_per_node))
-    bubble = bubble_fraction(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
+    bubble = bubble_fraction(lay.pp_schedule, lay.pp, lay.num_microbatches, lay.pp_virtual_stages)
     pipelined = compute_s + tp_s + cp_s + pp_s + ep_s  # the bubble is over the per-micro-batch work
     bubble_s = pipelined * bubble / (1 - bubble)
     opt_s = _optimizer_time(shape, lay, precision, hw)
@@ -617,7 +460,7 @@ def estimate(
     tps = global_batch * seq / step / n_gpus
     peak = hw.peak(precision)
     mfu = shape.model_flops_per_token(seq) * tps / peak  # active parameters for an MoE (models/flops.py)
-    hfu = shape.hardware_flops_per_token(seq, lay.recompute) * tps / peak
+    hfu = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tps / peak
     time = {
         "ideal_compute": comp["ideal_compute"],
         "gemm": comp["gemm"],

@@ -7,8 +7,8 @@ block arithmetic is here; nothing is fitted to a particular run."""
 from __future__ import annotations
 
 from meshforge.models import flops
+from meshforge.models.shape import ModelShape
 from meshforge.planner.hardware import Hardware
-from meshforge.planner.shape import Shape
 
 
 def gemm_rate(hw: Hardware, flop: float, precision: str) -> float:
@@ -32,7 +32,7 @@ def scores_bytes_per_element(recompute: str) -> float:
     return forward + backward + (forward if recompute in ("full", "selective") else 0.0)
 
 
-def elementwise_elements(shape: Shape) -> tuple[float, float]:
+def elementwise_elements(shape: ModelShape) -> tuple[float, float]:
     """Elements read and written per token and layer by one forward's memory-bound kernels
     (backward moves about twice as many), as (residual-stream part, tp-sharded part). GPT
     block: two LayerNorms (2h each), bias + dropout + residual twice (3.5h each, the mask at
@@ -46,7 +46,7 @@ def elementwise_elements(shape: Shape) -> tuple[float, float]:
 
 
 def elementwise_seconds(
-    shape: Shape, hw: Hardware, tokens: float, layers: float, recompute: str, bytes_per: int, replicated: int = 1
+    shape: ModelShape, hw: Hardware, tokens: float, layers: float, recompute: str, bytes_per: int, replicated: int = 1
 ) -> float:
     """Memory-bound work of ``layers`` blocks over ``tokens`` tokens (this GPU's share):
     forward, backward (2x) and the recomputed forward; the residual-stream part runs
@@ -63,7 +63,7 @@ def elementwise_seconds(
 
 
 def attention_seconds(
-    shape: Shape, hw: Hardware, seq: int, tokens: float, layers: float, recompute: str, precision: str, gemm: float
+    shape: ModelShape, hw: Hardware, seq: int, tokens: float, layers: float, recompute: str, precision: str, gemm: float
 ) -> float:
     """The attention core (scores and weighted sum) of ``layers`` blocks over ``tokens``
     tokens, forward + backward (+ the recomputed forward): a fused kernel at its rate for this

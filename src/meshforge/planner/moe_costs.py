@@ -25,10 +25,10 @@ from typing import Any
 
 from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
 from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import Hardware
-from meshforge.planner.shape import Shape
 
 # Busiest expert's load over the mean under dropless routing when the user's run is not known:
 # a default, not a measurement of that run. bench/bench_moe.py measured 1.22 with aux_loss
@@ -38,7 +38,7 @@ DEFAULT_EXPERT_IMBALANCE = 1.2
 Layout = Any  # planner/estimate.py's Layout (which imports this module)
 
 
-def moe_layers_on_stage(shape: Shape, pp: int) -> int:
+def moe_layers_on_stage(shape: ModelShape, pp: int) -> int:
     """MoE blocks on the pipeline stage that has the most (stages take ceil(L/p) blocks in order)."""
     if shape.num_experts <= 0:
         return 0
@@ -52,12 +52,12 @@ def _moe_layers_on_stage(layers: int, first_dense: int, interval: int, pp: int) 
     return max(sum(1 for i in range(s, min(s + per, layers)) if is_moe_layer(grid, i)) for s in range(0, layers, per))
 
 
-def expert_params_on_stage(shape: Shape, tp: int, pp: int) -> float:
+def expert_params_on_stage(shape: ModelShape, tp: int, pp: int) -> float:
     """The routed experts' parameters on the most loaded stage, before ep splits them."""
     return moe_layers_on_stage(shape, pp) * flops.moe_expert_params(shape) / tp
 
 
-def expert_state_bytes(shape: Shape, lay: Layout, psi_e: float, precision: str, dense_states) -> dict[str, float]:
+def expert_state_bytes(shape: ModelShape, lay: Layout, psi_e: float, precision: str, dense_states) -> dict[str, float]:
     """Bytes of the experts' parameters, gradients and optimizer state on one GPU.
     ``dense_states(psi)``: how the layout's ZeRO stage keeps ``psi`` ordinary parameters (ep = 1)."""
     if lay.ep <= 1:
@@ -68,7 +68,7 @@ def expert_state_bytes(shape: Shape, lay: Layout, psi_e: float, precision: str, 
     return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
 
 
-def gathered_delta_bytes(shape: Shape, lay: Layout, psi_e: float, w: int) -> float:
+def gathered_delta_bytes(shape: ModelShape, lay: Layout, psi_e: float, w: int) -> float:
     """How the experts change the gathered working copies the dense model would hold: under
     ep > 1 a rank gathers only its own E/ep experts (all of them on the stage from forward to
     backward under ZeRO-0/1/2, the running and prefetched block's under ZeRO-3)."""
@@ -83,7 +83,7 @@ def gathered_delta_bytes(shape: Shape, lay: Layout, psi_e: float, w: int) -> flo
     return own * w  # the experts' own FSDP units, kept gathered (no reshard)
 
 
-def activation_delta_bytes(shape: Shape, tokens: float, tp: int, recompute: str, bpe: int) -> float:
+def activation_delta_bytes(shape: ModelShape, tokens: float, tp: int, recompute: str, bpe: int) -> float:
     """Per MoE block and micro-batch of ``tokens`` tokens: what its feed-forward keeps for
     backward beyond the dense MLP the block model counted. Per token: the router's fp32 logits
     and probabilities (2E x 4 bytes); per chosen expert the dispatched input, the SwiGLU's
@@ -100,7 +100,7 @@ def activation_delta_bytes(shape: Shape, tokens: float, tp: int, recompute: str,
 
 
 def a2a_seconds(
-    shape: Shape, lay: Layout, tokens_per_rank: float, bpe: int, hw: Hardware, gpus_per_node: int, recompute: str
+    shape: ModelShape, lay: Layout, tokens_per_rank: float, bpe: int, hw: Hardware, gpus_per_node: int, recompute: str
 ) -> float:
     """The token all-to-alls of one step on this rank, on the critical path: dispatch and
     combine per MoE block and micro-batch, forward and backward (plus the forward again under
@@ -116,7 +116,9 @@ def a2a_seconds(
     return sent / bw + exchanges * 1.25 * (lay.ep - 1) * alpha
 
 
-def tp_seconds(shape: Shape, lay: Layout, tokens_mb: float, bpe: int, coll: Callable[[str, float], float]) -> float:
+def tp_seconds(
+    shape: ModelShape, lay: Layout, tokens_mb: float, bpe: int, coll: Callable[[str, float], float]
+) -> float:
     """What ep x tp adds to a step's tensor-parallel traffic (parallel/moe_tensor_parallel.py):
     per MoE block and micro-batch one all-reduce over tp of the slots' outputs in forward and
     one of their input gradients in backward (tokens x k x hidden each; again in forward under
@@ -125,14 +127,14 @@ def tp_seconds(shape: Shape, lay: Layout, tokens_mb: float, bpe: int, coll: Call
     prices one collective over the tp group."""
     if lay.tp <= 1 or shape.num_experts <= 0:
         return 0.0
-    passes = 3 if lay.recompute == "full" else 2
+    passes = 3 if lay.activation_checkpoint == "full" else 2
     slots = tokens_mb * shape.experts_per_token * shape.hidden * bpe
     per_step = moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * passes * coll("all_reduce", slots)
     grad_shard = expert_params_on_stage(shape, lay.tp, lay.pp) * lay.tp / (lay.dp * lay.cp) * 4
     return per_step + coll("all_reduce", grad_shard)
 
 
-def rows_per_expert(shape: Shape, lay: Layout, tokens_mb: float) -> float:
+def rows_per_expert(shape: ModelShape, lay: Layout, tokens_mb: float) -> float:
     """Rows of one local expert's GEMM per micro-batch of ``tokens_mb`` tokens on a rank, at
     balance: the rank routes tokens x k slots over E experts; under ep its E/ep experts take the
     slots of its ep group's ep ranks (parallel/expert_parallel.py), and under ep x tp each tp
@@ -141,7 +143,7 @@ def rows_per_expert(shape: Shape, lay: Layout, tokens_mb: float) -> float:
     return tokens_mb * shape.experts_per_token * lay.ep / (shape.num_experts * lay.tp)
 
 
-def expert_imbalance(shape: Shape, lay: Layout) -> float:
+def expert_imbalance(shape: ModelShape, lay: Layout) -> float:
     """Busiest ep rank's expert rows over the mean. Per expert: min(capacity_factor, default)
     with a capacity factor (the cap is cf x the mean), else the default. It is per rank that
     counts: one expert's time is (flop + half_flop) / rate_max on the gemm_rate curve, so a
@@ -159,7 +161,7 @@ def expert_imbalance(shape: Shape, lay: Layout) -> float:
     return 1.0 + (per_expert - 1.0) * ((e - n) / (n * (e - 1))) ** 0.5
 
 
-def routed_flops_per_token(shape: Shape, recompute: str) -> float:
+def routed_flops_per_token(shape: ModelShape, recompute: str) -> float:
     """Hardware FLOPs of the routed experts per token over all MoE blocks: 6 x the k chosen
     experts' parameters (forward + backward), 8 x under full recomputation."""
     per_pass = 2.0 * moe_layers_on_stage(shape, 1) * shape.experts_per_token * 3 * shape.hidden * expert_ffn(shape)
@@ -167,7 +169,7 @@ def routed_flops_per_token(shape: Shape, recompute: str) -> float:
 
 
 def expert_gemm_seconds(
-    shape: Shape, lay: Layout, tokens_mb: float, tokens_gpu: float, hw: Hardware, precision: str
+    shape: ModelShape, lay: Layout, tokens_mb: float, tokens_gpu: float, hw: Hardware, precision: str
 ) -> tuple[float, float]:
     """(seconds, of which recomputation) of the routed experts' GEMMs on the busiest rank of
     the most loaded stage: this GPU's share of their FLOPs at the gemm_rate of one expert's
@@ -177,6 +179,12 @@ def expert_gemm_seconds(
     flop = 2 * rows_per_expert(shape, lay, tokens_mb) * shape.hidden * expert_ffn(shape)
     rate = kernel_costs.gemm_rate(hw, flop, precision)
     stage = moe_layers_on_stage(shape, lay.pp) * lay.pp / max(1, moe_layers_on_stage(shape, 1))
-    total = routed_flops_per_token(shape, lay.recompute) * tokens_gpu / rate * stage * expert_imbalance(shape, lay)
-    recompute = total / 4 if lay.recompute == "full" else 0.0
+    total = (
+        routed_flops_per_token(shape, lay.activation_checkpoint)
+        * tokens_gpu
+        / rate
+        * stage
+        * expert_imbalance(shape, lay)
+    )
+    recompute = total / 4 if lay.activation_checkpoint == "full" else 0.0
     return total, recompute

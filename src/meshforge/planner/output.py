@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import Estimate
-from meshforge.planner.shape import Shape
 
 COLUMNS = (
     "columns: tp, pp, dp, cp: tensor-, pipeline-, data- and context-parallel degrees; ep: expert-parallel degree "
@@ -46,10 +46,14 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
     rows, notes = [head, "-" * len(head)], []
     for i, e in enumerate(results[:top], 1):
         L = e.layout
-        sched = "-" if L.pp == 1 else (f"{L.schedule} v={L.virtual_stages}" if L.virtual_stages > 1 else L.schedule)
+        sched = (
+            "-"
+            if L.pp == 1
+            else (f"{L.pp_schedule} v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else L.pp_schedule)
+        )
         rows.append(
             f"{i:>3} {L.tp:>3} {L.pp:>3} {L.dp:>5} {L.cp:>3} {L.ep:>3} {L.zero_stage:>4} {L.micro_batch_size:>3} "
-            f"{L.num_microbatches:>4} {L.recompute:>9} {sched:>17} {e.memory['total']:>8.1f}"
+            f"{L.num_microbatches:>4} {L.activation_checkpoint:>9} {sched:>17} {e.memory['total']:>8.1f}"
             + (f" {_host(e):>8}" if offloads else "")
             + f" {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>10.0f} {100 * e.mfu:>5.1f}% {100 * e.hfu:>5.1f}%"
             + ("  *" if e.not_runnable else "")
@@ -66,7 +70,7 @@ def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> st
     for e in faster:
         L = e.layout
         notes.append(
-            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {L.schedule}: "
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {L.pp_schedule}: "
             f"{e.tokens_per_s_per_gpu:.0f} tok/s/gpu -- {e.not_runnable}"
         )
     return "\n".join(rows + notes + [COLUMNS])
@@ -109,7 +113,7 @@ def _shown(part: str, e: Estimate) -> bool:
     return part != "offload_copy" or e.layout.offload == "cpu"
 
 
-def as_json(results: list[Estimate], top: int, shape: Shape, considered: int, refused: list[Estimate] = ()) -> str:
+def as_json(results: list[Estimate], top: int, shape: ModelShape, considered: int, refused: list[Estimate] = ()) -> str:
     return json.dumps(
         {
             "model": shape.name,
@@ -128,7 +132,7 @@ def runnable(e: Estimate) -> bool:
     return not e.not_runnable
 
 
-def moe_keys(shape: Shape) -> str:
+def moe_keys(shape: ModelShape) -> str:
     """The [model] keys of a mixture of experts given by its shape (none for a dense model)."""
     if shape.num_experts <= 0:
         return ""
@@ -143,7 +147,9 @@ def moe_keys(shape: Shape) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precision: str, preset: str | None) -> str:
+def train_config(
+    e: Estimate, shape: ModelShape, seq: int, global_batch: int, precision: str, preset: str | None
+) -> str:
     """A `meshforge train` TOML for this layout (dp ranks shard under ZeRO-2/3, else replicate)."""
     L = e.layout
     model = (
@@ -151,14 +157,14 @@ def train_config(e: Estimate, shape: Shape, seq: int, global_batch: int, precisi
         if preset
         else (
             f"hidden = {shape.hidden}\nlayers = {shape.layers}\nheads = {shape.heads}\nkv_heads = {shape.kv_heads}\n"
-            f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab}\n"
+            f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab_size}\n"
             f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n" + moe_keys(shape)
         )
     )
-    ac = L.recompute
+    ac = L.activation_checkpoint
     if L.pp > 1:  # the schedule runs the micro-batches
         pipe = (
-            f'pp = {L.pp}\npp_schedule = "{L.schedule}"\npp_virtual_stages = {L.virtual_stages}\n'
+            f'pp = {L.pp}\npp_schedule = "{L.pp_schedule}"\npp_virtual_stages = {L.pp_virtual_stages}\n'
             f"num_microbatches = {L.num_microbatches}\n"
         )
         micro = 0

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from meshforge.config import load_config, tomllib
 from meshforge.errors import ConfigError
-from meshforge.models.presets import model_args_from_config
+from meshforge.layout import open_layout
+from meshforge.models.presets import model_shape
+from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs
 from meshforge.planner import output as report
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
-from meshforge.planner.search import OFFLOAD, Fixed, Ranked, search
-from meshforge.planner.shape import Shape, from_args, from_preset
+from meshforge.planner.search import OFFLOAD, Ranked, search
+from meshforge.planner.shape import check_flags, from_preset, named
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of data-parallel traffic that hides under compute (default: the hardware's; 0 for a framework "
         "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
+    _add_fixed_arguments(p)
+    diloco_costs.add_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10)
+    o.add_argument("--json", action="store_true")
+    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
+
+
+def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fixed choices (the rest is searched)")
     for k in ("tp", "pp", "dp", "cp", "zero", "micro-batch", "virtual-stages"):
         f.add_argument(f"--{k}", type=int)
@@ -81,14 +92,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
     )
-    diloco_costs.add_arguments(p)
-    o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10)
-    o.add_argument("--json", action="store_true")
-    o.add_argument("--emit-config", metavar="FILE", help="write a meshforge train config for the best runnable layout")
 
 
-MOE_FLAGS = {  # flag -> Shape field
+# layout key -> the flag that fixes it (the rest of the layout is searched)
+FIXED_FLAGS = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp_shard": "dp",
+    "cp": "cp",
+    "ep": "ep",
+    "zero_stage": "zero",
+    "micro_batch_size": "micro_batch",
+    "activation_checkpoint": "recompute",
+    "pp_virtual_stages": "virtual_stages",
+    "pp_schedule": "schedule",
+    "offload": "offload",
+}
+
+MOE_FLAGS = {  # flag -> ModelShape field
     "experts": "num_experts",
     "top_k": "experts_per_token",
     "moe_ffn_hidden": "moe_ffn_hidden",
@@ -111,55 +132,59 @@ def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
     )
 
 
-def _with_moe_flags(shape: Shape, args: argparse.Namespace) -> tuple[Shape, bool]:
+def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelShape, bool]:
     """The shape with the MoE flags given laid over it (re-checked), and whether any was given."""
     given = {field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if getattr(args, flag, None) is not None}
     if not given:
         return shape, False
-    return Shape(**{**shape.__dict__, **given}), True
+    return check_flags(ModelShape(**{**shape.__dict__, **given})), True
 
 
-def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | None]:
+def _model_of(args: argparse.Namespace) -> tuple[ModelShape, dict, str | None]:
     """The model, training defaults taken from --config, and the preset name (if any)."""
-    from_cfg: dict = {}
-    preset = None
     if args.config:
-        cfg = load_config(args.config, {})
-        shape = from_args(model_args_from_config(cfg.model), Path(args.config).stem)
-        preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
-        # fix only what the file itself sets (a run's resolved config.toml sets everything)
-        raw = _raw_toml(args.config)
-        par, tr = raw.get("parallel", {}), raw.get("train", {})
-        p, t = cfg.parallel, cfg.train
-        from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
-        if "precision" in tr and t.precision != "auto":
-            from_cfg["precision"] = t.precision
-        for key, name in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
-            if key in par and getattr(p, key) > 0:
-                from_cfg[name] = getattr(p, key)
-        if "zero_stage" in par:
-            from_cfg["zero"] = p.zero_stage
-        if "offload" in par:
-            from_cfg["offload"] = p.offload
-        if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
-            from_cfg["dp"] = p.dp_shard * p.dp_replicate
-        if "pp_schedule" in par and p.pp > 1:
-            from_cfg["schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
-        if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
-            from_cfg["virtual_stages"] = p.pp_virtual_stages
-        if p.pp > 1 and "dp" in from_cfg and p.num_microbatches:  # the schedule's micro-batches
-            from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"] // p.num_microbatches)
-        elif tr.get("micro_batch_size"):
-            from_cfg["micro_batch"] = t.micro_batch_size
-        elif "micro_batch_size" in tr and "dp" in from_cfg:  # 0: the whole local batch in one pass
-            from_cfg["micro_batch"] = max(1, t.global_batch_size // from_cfg["dp"])
-        if "activation_checkpoint" in tr:
-            from_cfg["recompute"] = t.activation_checkpoint
-        return shape, from_cfg, preset
+        return _from_config(args.config)
     if args.model:
-        return from_preset(args.model), from_cfg, args.model
+        return from_preset(args.model), {}, args.model
+    return _from_flags(args), {}, None
+
+
+def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
+    """A run config's model, and as fixed choices what the file itself sets (a run's resolved
+    config.toml sets everything)."""
+    cfg = load_config(path, {})
+    shape = named(model_shape(cfg.model), Path(path).stem)
+    preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
+    raw = _raw_toml(path)
+    par, tr = raw.get("parallel", {}), raw.get("train", {})
+    p, t = cfg.parallel, cfg.train
+    from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
+    if "precision" in tr and t.precision != "auto":
+        from_cfg["precision"] = t.precision
+    from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
+    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload") if k in par}
+    if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
+        from_cfg["dp_shard"] = p.dp_shard * p.dp_replicate
+    if "pp_schedule" in par and p.pp > 1:
+        from_cfg["pp_schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
+    if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
+        from_cfg["pp_virtual_stages"] = p.pp_virtual_stages
+    dp = from_cfg.get("dp_shard")
+    if p.pp > 1 and dp and p.num_microbatches:  # the schedule's micro-batches
+        from_cfg["micro_batch_size"] = max(1, t.global_batch_size // dp // p.num_microbatches)
+    elif tr.get("micro_batch_size"):
+        from_cfg["micro_batch_size"] = t.micro_batch_size
+    elif "micro_batch_size" in tr and dp:  # 0: the whole local batch in one pass
+        from_cfg["micro_batch_size"] = max(1, t.global_batch_size // dp)
+    if "activation_checkpoint" in tr:
+        from_cfg["activation_checkpoint"] = t.activation_checkpoint
+    return shape, from_cfg, preset
+
+
+def _from_flags(args: argparse.Namespace) -> ModelShape:
+    """The model given as --layers, --hidden, ... (a GPT MLP is 4 x hidden unless given)."""
     if args.ffn_hidden is None and args.mlp == "gelu" and args.hidden:
-        args.ffn_hidden = 4 * args.hidden  # the GPT MLP
+        args.ffn_hidden = 4 * args.hidden
     need = ("layers", "hidden", "heads", "ffn_hidden", "vocab")
     missing = [k for k in need if getattr(args, k) is None]
     if missing:
@@ -168,19 +193,20 @@ def _shape_and_defaults(args: argparse.Namespace) -> tuple[Shape, dict, str | No
             + ", ".join("--" + k.replace("_", "-") for k in missing)
             + ")"
         )
-    shape = Shape(
-        args.layers,
-        args.hidden,
-        args.heads,
-        args.kv_heads or args.heads,
-        args.ffn_hidden,
-        args.vocab,
-        args.mlp,
-        args.tie_embeddings,
-        args.max_positions or 0,
+    shape = ModelShape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads or args.heads,
+        ffn_hidden=args.ffn_hidden,
+        vocab_size=args.vocab,
+        mlp=args.mlp,
+        tie_embeddings=args.tie_embeddings,
+        max_positions=args.max_positions or 0,
         attention=args.attention,
+        name="custom",
     )
-    return shape, from_cfg, None
+    return check_flags(shape)
 
 
 def _raw_toml(path: str) -> dict:
@@ -194,7 +220,7 @@ class Planned:
 
     results: Ranked
     considered: int
-    shape: Shape
+    shape: ModelShape
     hw: Hardware
     global_batch: int
     seq: int
@@ -204,7 +230,7 @@ class Planned:
 
 def plan_from_args(args: argparse.Namespace) -> Planned:
     """Search the layouts the parsed ``meshforge plan`` arguments allow (no printing)."""
-    shape, dflt, preset = _shape_and_defaults(args)
+    shape, dflt, preset = _model_of(args)
     shape, overridden = _with_moe_flags(shape, args)
     preset = None if overridden else preset  # --emit-config then writes the shape itself
     hw = get_hardware(args.gpu, args.hardware)
@@ -222,19 +248,9 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         v = getattr(args, cli_name or name)
         return v if v is not None else dflt.get(name)
 
-    fixed = Fixed(
-        tp=pick("tp"),
-        pp=pick("pp"),
-        dp=pick("dp"),
-        cp=pick("cp"),
-        ep=pick("ep"),
-        zero=pick("zero"),
-        micro_batch=pick("micro_batch"),
-        recompute=pick("recompute"),
-        virtual_stages=pick("virtual_stages"),
-        schedule=pick("schedule"),
+    fixed = open_layout(
+        **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
         sequence_parallel=not args.no_sequence_parallel,
-        offload=pick("offload"),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)

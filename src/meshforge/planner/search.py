@@ -11,33 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 
 from meshforge.errors import ConfigError
-from meshforge.parallel.dims import ParallelDims, Training, offload_problem, tp_divides_heads
-from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, Layout, estimate
+from meshforge.layout import Layout
+from meshforge.models.shape import ModelShape
+from meshforge.parallel import dims
+from meshforge.parallel.dims import Batch, offload_problem, tp_divides_heads
+from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.shape import Shape
-
-
-@dataclass
-class Fixed:
-    """Choices the user fixed (None: search them)."""
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    cp: int | None = None
-    ep: int | None = None
-    zero: int | None = None
-    micro_batch: int | None = None
-    recompute: str | None = None
-    virtual_stages: int | None = None
-    schedule: str | None = None
-    sequence_parallel: bool = True
-    offload: str | None = None  # "none" | "cpu"; None or "auto": CPU offload only when nothing fits without it
-
 
 OFFLOAD = ("auto", "none", "cpu")
 
@@ -46,7 +28,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
+def check_fixed(shape: ModelShape, gpus: int, f: Layout, gpus_per_node: int) -> None:
     """Refuse impossible fixed choices with the reason and a fix."""
     if f.ep not in (None, 1) and shape.num_experts <= 0:
         raise ConfigError(f"--ep {f.ep}: this model has no experts (MoE); expert parallelism needs --experts")
@@ -68,35 +50,35 @@ def check_fixed(shape: Shape, gpus: int, f: Fixed, gpus_per_node: int) -> None:
             )
     if f.pp is not None and f.pp > shape.layers:
         raise ConfigError(f"--pp {f.pp} is more than the {shape.layers} layers; every stage needs at least one")
-    fixed = [x for x in (f.tp, f.pp, f.dp, f.cp) if x is not None]
+    fixed = [x for x in (f.tp, f.pp, f.dp_shard, f.cp) if x is not None]
     prod = 1
     for x in fixed:
         prod *= x
     if gpus % prod:
         raise ConfigError(f"fixed degrees multiply to {prod}, which does not divide --gpus {gpus}")
-    if all(x is not None for x in (f.tp, f.pp, f.dp, f.cp)) and prod != gpus:
+    if all(x is not None for x in (f.tp, f.pp, f.dp_shard, f.cp)) and prod != gpus:
         raise ConfigError(f"--tp x --pp x --dp x --cp multiply to {prod}, not --gpus {gpus}; leave one out to infer it")
-    if f.schedule is not None and f.schedule not in SCHEDULES + V_SCHEDULES:
-        raise ConfigError(f"--schedule {f.schedule!r}: one of {', '.join(SCHEDULES + V_SCHEDULES)}")
-    if f.recompute is not None and f.recompute not in RECOMPUTE:
-        raise ConfigError(f"--recompute {f.recompute!r}: one of {', '.join(RECOMPUTE)}")
-    if f.zero is not None and f.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero {f.zero}: one of 0, 1, 2, 3")
+    if f.pp_schedule is not None and f.pp_schedule not in SCHEDULES + V_SCHEDULES:
+        raise ConfigError(f"--schedule {f.pp_schedule!r}: one of {', '.join(SCHEDULES + V_SCHEDULES)}")
+    if f.activation_checkpoint is not None and f.activation_checkpoint not in RECOMPUTE:
+        raise ConfigError(f"--recompute {f.activation_checkpoint!r}: one of {', '.join(RECOMPUTE)}")
+    if f.zero_stage is not None and f.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {f.zero_stage}: one of 0, 1, 2, 3")
     _check_fixed_offload(f)
 
 
-def _check_fixed_offload(f: Fixed) -> None:
+def _check_fixed_offload(f: Layout) -> None:
     """An unknown --offload, or --offload cpu with a fixed ZeRO stage the layout rule refuses."""
     if f.offload is not None and f.offload not in OFFLOAD:
         raise ConfigError(f"--offload {f.offload!r}: one of {', '.join(OFFLOAD)}")
-    if f.offload == "cpu" and f.zero is not None:
-        dims = ParallelDims(pp=f.pp or 1, dp_shard=f.dp or 2, cp=f.cp or 1, tp=f.tp or 1, ep=f.ep or 1)
-        problem = offload_problem(dims, f.zero, "cpu")
+    if f.offload == "cpu" and f.zero_stage is not None:
+        lay = Layout(pp=f.pp or 1, dp_shard=f.dp_shard or 2, cp=f.cp or 1, tp=f.tp or 1, ep=f.ep or 1)
+        problem = offload_problem(lay.replace(zero_stage=f.zero_stage, offload="cpu"))
         if problem is not None and problem.kind == "invalid":
-            raise ConfigError(f"--offload cpu --zero {f.zero}: {problem.message}")
+            raise ConfigError(f"--offload cpu --zero {f.zero_stage}: {problem.message}")
 
 
-def offload_modes(f: Fixed, hw: Hardware) -> list[str]:
+def offload_modes(f: Layout, hw: Hardware) -> list[str]:
     """The offload settings to search, in order: a fixed one, or (auto) none first and CPU
     offload only if nothing runnable fits without it, where the hardware has a host to offload to."""
     mode = f.offload or "auto"
@@ -110,48 +92,18 @@ def offload_modes(f: Fixed, hw: Hardware) -> list[str]:
     return [mode]
 
 
-def rules_view(shape: Shape) -> SimpleNamespace:
-    """The planner's Shape as the layout rules read a model."""
-    return SimpleNamespace(
-        layers=shape.layers,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        ffn_hidden=shape.ffn_hidden,
-        vocab_size=shape.vocab,
-        tie_embeddings=shape.tie_embeddings,
-        num_experts=shape.num_experts,
-        capacity_factor=shape.capacity_factor,
-    )
-
-
-def training_of(lay: Layout, seq: int, global_batch: int, gpus_per_node: int) -> Training:
-    """The settings a layout's emitted config gives ``meshforge train`` (report.train_config):
-    the pipeline's micro-batches as a count, otherwise as a size."""
-    pipelined = lay.pp > 1
-    return Training(
-        seq_len=seq,
-        global_batch=global_batch,
-        micro_batch=0 if pipelined else lay.micro_batch_size,
-        zero_stage=lay.zero_stage,
-        sequence_parallel=lay.sequence_parallel,
-        pp_schedule=lay.schedule,
-        pp_virtual_stages=lay.virtual_stages,
-        num_microbatches=lay.num_microbatches if pipelined else 0,
-        ranks_per_node=gpus_per_node,
-        offload=lay.offload,
-    )
-
-
-def judge(lay: Layout, shape: Shape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
-    """(exists, why train refuses it or ""): the layout rules' verdict on one layout."""
-    dims = ParallelDims(pp=lay.pp, dp_shard=lay.dp, cp=lay.cp, tp=lay.tp, ep=lay.ep)
-    found = dims.problems(rules_view(shape), training_of(lay, seq, global_batch, gpus_per_node))
+def judge(lay: Layout, shape: ModelShape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
+    """(exists, why train refuses it or ""): the layout rules' verdict on the layout as its
+    emitted config states it (``run_layout``)."""
+    found = dims.problems(run_layout(lay), shape, Batch(seq, global_batch, gpus_per_node))
     if any(p.kind == "invalid" for p in found):
         return False, found[0].message
     return True, found[0].message if found else ""
 
 
-def candidates(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, gpus_per_node: int) -> Iterator[Layout]:
+def candidates(
+    shape: ModelShape, gpus: int, global_batch: int, seq: int, f: Layout, gpus_per_node: int
+) -> Iterator[Layout]:
     """Every combination of the searched choices (valid or not: the rules judge them)."""
     tps = [f.tp] if f.tp else [t for t in _divisors(gpus_per_node) if tp_divides_heads(shape, t)]
     pps = [f.pp] if f.pp else [p for p in _divisors(gpus) if p <= min(64, shape.layers)]
@@ -161,13 +113,13 @@ def candidates(shape: Shape, gpus: int, global_batch: int, seq: int, f: Fixed, g
                 if gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)
-                if (f.dp and dp != f.dp) or global_batch % dp:
+                if (f.dp_shard and dp != f.dp_shard) or global_batch % dp:
                     continue
                 for ep in _ep_choices(shape, dp * cp, f):
                     yield from _per_rank_choices(tp, pp, dp, cp, ep, global_batch // dp, f, shape)
 
 
-def _ep_choices(shape: Shape, dp_cp: int, f: Fixed) -> list[int]:
+def _ep_choices(shape: ModelShape, dp_cp: int, f: Layout) -> list[int]:
     """Expert-parallel degrees to try: the fixed one, else (MoE) every divisor of the experts
     that divides the data-parallel ranks it borrows (the rules judge the rest)."""
     if f.ep:
@@ -175,36 +127,50 @@ def _ep_choices(shape: Shape, dp_cp: int, f: Fixed) -> list[int]:
     return [e for e in _divisors(max(1, shape.num_experts)) if dp_cp % e == 0]
 
 
-def _zero_choices(dp_cp: int, ep: int, f: Fixed) -> list[int]:
+def _zero_choices(dp_cp: int, ep: int, f: Layout) -> list[int]:
     """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3,
     as is CPU offload on one data-parallel rank (the layout rule refuses it except on a world of one)."""
-    if f.zero is not None:
-        return [f.zero]
+    if f.zero_stage is not None:
+        return [f.zero_stage]
     if dp_cp == 1:  # a world of one offloads on a one-rank FSDP2 mesh (ZeRO-2/3; dims.offload_problem)
         return [2, 3] if f.offload == "cpu" else [0]
     return [2, 3] if ep > 1 else [0, 1, 2, 3]
 
 
 def _per_rank_choices(
-    tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Fixed, shape: Shape
+    tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Layout, shape: ModelShape
 ) -> Iterator[Layout]:
-    micros = [f.micro_batch] if f.micro_batch else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
+    micros = [f.micro_batch_size] if f.micro_batch_size else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
     offload = "cpu" if f.offload == "cpu" else "none"  # one setting per pass (offload_modes)
     for mb in micros:
         if local % mb:
             continue
         for zero in _zero_choices(dp * cp, ep, f):
-            for rc in [f.recompute] if f.recompute else RECOMPUTE:
+            for rc in [f.activation_checkpoint] if f.activation_checkpoint else RECOMPUTE:
                 for sched, v in _schedules(pp, f):
-                    yield Layout(tp, pp, dp, cp, ep, zero, mb, local // mb, rc, v, sched, f.sequence_parallel, offload)
+                    yield plan_layout(
+                        tp,
+                        pp,
+                        dp,
+                        cp=cp,
+                        ep=ep,
+                        zero_stage=zero,
+                        micro_batch_size=mb,
+                        num_microbatches=local // mb,
+                        activation_checkpoint=rc,
+                        pp_virtual_stages=v,
+                        pp_schedule=sched,
+                        sequence_parallel=f.sequence_parallel,
+                        offload=offload,
+                    )
 
 
 def layouts(
-    shape: Shape,
+    shape: ModelShape,
     gpus: int,
     global_batch: int,
     seq: int,
-    f: Fixed,
+    f: Layout,
     gpus_per_node: int,
     stop: Callable[[], bool] | None = None,
 ):
@@ -217,19 +183,19 @@ def layouts(
             yield lay, reason
 
 
-def _schedules(pp: int, f: Fixed) -> Iterator[tuple[str, int]]:
+def _schedules(pp: int, f: Layout) -> Iterator[tuple[str, int]]:
     """(schedule, chunks per rank) to try; the V schedules only when asked for."""
     if pp == 1:
         yield "none", 1
         return
-    for s in [f.schedule] if f.schedule else SCHEDULES:
+    for s in [f.pp_schedule] if f.pp_schedule else SCHEDULES:
         if s == "interleaved_1f1b":
-            for v in [f.virtual_stages] if f.virtual_stages else (2, 4):
+            for v in [f.pp_virtual_stages] if f.pp_virtual_stages else (2, 4):
                 yield s, v
         elif s in V_SCHEDULES:
             yield s, 2
         else:
-            yield s, f.virtual_stages if s == "zero_bubble" and f.virtual_stages else 1
+            yield s, f.pp_virtual_stages if s == "zero_bubble" and f.pp_virtual_stages else 1
 
 
 class Ranked(list):
@@ -242,10 +208,10 @@ class Ranked(list):
     partial: bool = False  # the search stopped at its deadline: the best of the layouts it got to
 
 
-def fully_fixed(f: Fixed) -> bool:
+def fully_fixed(f: Layout) -> bool:
     """Every degree fixed (tp, pp, dp, ZeRO stage, micro-batch): the question is then "what would
     this layout need?", answered even when it overflows (the ZeRO paper's Table 1 question)."""
-    return all(x is not None for x in (f.tp, f.pp, f.dp, f.zero, f.micro_batch))
+    return all(x is not None for x in (f.tp, f.pp, f.dp_shard, f.zero_stage, f.micro_batch_size))
 
 
 def _overflowing(found: list[Estimate]) -> Ranked:
@@ -268,14 +234,14 @@ class _Scan:
 
 
 def _scan(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     gpus_per_node: int,
     global_batch: int,
     seq: int,
     precision: str,
-    f: Fixed,
+    f: Layout,
     stop: Callable[[], bool] | None = None,
 ) -> _Scan:
     out, keep_all = _Scan(), fully_fixed(f)
@@ -295,14 +261,14 @@ def _scan(
 
 
 def search(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     gpus_per_node: int,
     global_batch: int,
     seq: int,
     precision: str,
-    fixed: Fixed,
+    fixed: Layout,
     max_gpus: int = 2**20,
     deadline: float | None = None,
     cancelled: Callable[[], bool] | None = None,
@@ -341,14 +307,14 @@ def _stopper(deadline: float | None, cancelled: Callable[[], bool] | None) -> Ca
 
 def _rank(
     scans: list[_Scan],
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     gpus_per_node: int,
     global_batch: int,
     seq: int,
     precision: str,
-    fixed: Fixed,
+    fixed: Layout,
     max_gpus: int,
     stop: Callable[[], bool] | None = None,
 ) -> tuple[Ranked, int]:
@@ -391,14 +357,14 @@ class _Stopped(Exception):
 
 
 def smallest_cluster(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     gpus_per_node: int,
     global_batch: int,
     seq: int,
     precision: str,
-    f: Fixed,
+    f: Layout,
     max_gpus: int = 2**20,
     stop: Callable[[], bool] | None = None,
 ) -> tuple[int, Estimate] | None:
@@ -408,7 +374,7 @@ def smallest_cluster(
     while n <= max_gpus:
         for mode in offload_modes(f, hw):  # at each size without offload first, as search does
             best = None
-            free = Fixed(**{**f.__dict__, "dp": None, "offload": mode})
+            free = f.replace(dp_shard=None, offload=mode)
             for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node, stop):
                 e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
                 if e.fits and not reason and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
@@ -422,7 +388,7 @@ def smallest_cluster(
 
 
 def no_fit_message(
-    shape: Shape,
+    shape: ModelShape,
     hw: Hardware,
     gpus: int,
     considered: int,
@@ -460,6 +426,7 @@ def no_fit_message(
     offload = " with CPU offload" if L.offload == "cpu" else ""
     return msg + (
         f"The smallest cluster of this kind that fits it (doubling --gpus) is {n} GPUs, e.g. tp {L.tp} pp {L.pp} "
-        f"dp {L.dp} zero {L.zero_stage} recompute {L.recompute}{offload} at {e.memory['total']:.1f} GiB per GPU; "
+        f"dp {L.dp} zero {L.zero_stage} recompute {L.activation_checkpoint}{offload} at {e.memory['total']:.1f} "
+        "GiB per GPU; "
         "or use GPUs with more memory"
     )

@@ -10,10 +10,10 @@ import heapq
 from functools import lru_cache
 
 from meshforge.models.moe import expert_ffn, is_moe_layer
-from meshforge.planner.shape import Shape
+from meshforge.models.shape import ModelShape
 
 
-def param_groups(shape: Shape, tp: int, pp: int) -> tuple[list[int], list[int]]:
+def param_groups(shape: ModelShape, tp: int, pp: int) -> tuple[list[int], list[int]]:
     """Element counts of the parameter tensors on the first pipeline stage's GPU, in the
     optimizer's two groups (train/optimizer.py): matrices with weight decay, then the
     embedding and norms (QK-norm's too) without. Matrices are split over tp; norms are replicated. An MoE
@@ -30,11 +30,11 @@ def param_groups(shape: Shape, tp: int, pp: int) -> tuple[list[int], list[int]]:
     decay: list[int] = []
     for i in range(layers):
         decay += [x // tp for x in attention] + (moe if is_moe_layer(shape, i) else [x // tp for x in mlp])
-    no_decay = [shape.vocab * h // tp] + [h] * (2 * layers) + [hd] * (2 * layers if shape.qk_norm else 0)
+    no_decay = [shape.vocab_size * h // tp] + [h] * (2 * layers) + [hd] * (2 * layers if shape.qk_norm else 0)
     if pp == 1:
         no_decay.append(h)  # the final norm
         if not shape.tie_embeddings:
-            decay.append(shape.vocab * h // tp)
+            decay.append(shape.vocab_size * h // tp)
     return decay, no_decay
 
 
@@ -51,12 +51,12 @@ def greedy_largest(groups: tuple[list[int], ...], n: int) -> int:
 
 @lru_cache(maxsize=4096)
 def _share(key: tuple, tp: int, pp: int, n: int) -> float:
-    groups = param_groups(Shape(**dict(key)), tp, pp)
+    groups = param_groups(ModelShape(**dict(key)), tp, pp)
     total = sum(map(sum, groups))
     return greedy_largest(groups, n) / total if total else 1.0 / n
 
 
-def largest_share(shape: Shape, tp: int, pp: int, n: int) -> float:
+def largest_share(shape: ModelShape, tp: int, pp: int, n: int) -> float:
     """The fraction of this GPU's optimizer state the most loaded of ``n`` ZeRO-1 ranks holds
     (1/n for an even split)."""
     if n <= 1:
