@@ -62,7 +62,33 @@ def test_activation_checkpointing_matches(mode, tmp_path, corpus):
     train(tiny_config(tmp_path / "ac", corpus, **over, **{"train.activation_checkpoint": mode}))
     a, b = records(tmp_path / "plain"), records(tmp_path / "ac")
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
-    assert b[-1]["peak_mem_gib"] <= a[-1]["peak_mem_gib"]
+    # Peak memory on this tiny model is dominated by parameters and allocator noise (it failed
+    # once of two runs on an H100); what AC changes is what autograd saves, measured below.
+    assert saved_activation_bytes(mode) < saved_activation_bytes("none")
+
+
+def saved_activation_bytes(mode: str, device: str = "cuda") -> int:
+    """Bytes autograd saves for backward in one forward of a model whose activations dominate
+    (seq 512, hidden 64), with activation checkpointing ``mode`` ("none", "full", "selective")."""
+    from meshforge.models.llama import ModelArgs, Transformer
+    from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
+
+    args = ModelArgs(hidden=64, layers=4, heads=4, kv_heads=2, ffn_hidden=256, vocab_size=256, max_seq_len=512)
+    torch.manual_seed(0)
+    model = Transformer(args).to(device)
+    if mode != "none":
+        apply_activation_checkpoint(list(model.layers.values()), mode)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == torch.device(device).type:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, 256, (4, 512), device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens).float().sum().backward()
+    return sum(seen.values())
 
 
 def test_fsdp2_world_of_one(tmp_path):
@@ -84,7 +110,7 @@ def test_fsdp2_world_of_one(tmp_path):
         sharded = build_model(args, device="cuda", seed=1)
         sharded.load_state_dict(ref.state_dict())
         mesh = init_device_mesh("cuda", (1,))
-        for block in sharded.layers:
+        for block in sharded.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
         x = torch.randint(0, 256, (2, 32), device="cuda")

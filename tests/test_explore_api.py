@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import urllib.parse
 
@@ -13,6 +14,7 @@ import pytest
 from meshforge.cli import build_parser
 from meshforge.config import load_config
 from meshforge.explore import make_server, server
+from meshforge.explore.params import SPECS
 from meshforge.resolve import resolve
 
 SEVEN_B = {  # the textbook's 7B: the Llama-2-7B shape (6.7B parameters)
@@ -32,7 +34,7 @@ HBM = 80  # GiB, the h100-sxm preset
 
 @pytest.fixture(scope="module")
 def port():
-    srv = make_server("127.0.0.1", 0, quiet=True)
+    srv = make_server("127.0.0.1", 0, quiet=True, search_budget_s=600)  # full rankings even on a loaded machine
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv.server_address[1]
@@ -257,10 +259,69 @@ def test_one_verdict_fit_and_rules_together(port):
     default = estimate(port)["verdict"]
     assert not default["ok"] and default["kind"] == "does_not_fit"
     assert default["text"].startswith("runs under meshforge train's rules but does not fit: needs ")
-    assert estimate(port, zero=3)["verdict"] == {
+    fits = estimate(port, zero=3)
+    assert fits["verdict"] == {
         "ok": True,
         "kind": "ok",
-        "text": "fits (42.2 of 80 GiB) and meshforge train runs it",
+        "text": f"fits ({fits['estimate']['memory_gib']['total']:.1f} of 80 GiB) and meshforge train runs it",
     }
     rule = estimate(port, tp=2, zero=1)["verdict"]  # a rule wins over a fit
     assert not rule["ok"] and rule["kind"] == "rules" and "ZeRO-1" in rule["text"] and "it would fit" in rule["text"]
+
+
+# -- limits: no input gives a 500, no client holds a thread, a search stops at its budget ---------------------------
+
+HOSTILE = ["9" * 400, "-" + "9" * 400, "-1", "0", "nan", "NaN", "inf", "-inf", "1e400", "1e-400", "", "abc", "0x10"]
+HOSTILE += ["1_000", "\u0663", "1.5", " 7", "+-3", "1e", ".", "1" * 5000]
+
+
+@pytest.mark.parametrize("name", [k for k, s in SPECS.items() if s.kind in ("int", "float")])
+def test_numeric_parameters_fuzzed_give_400_naming_the_parameter(port, name):
+    for raw in HOSTILE:
+        status, _, body = request(port, "/api/estimate?" + urllib.parse.urlencode({name: raw}))
+        if status == 200:  # an in-range value written oddly but validly (" 7", "1.5" for a float)
+            continue
+        a = json.loads(body)
+        assert status == 400, (name, raw[:30], status, a)
+        assert name in a["error"] or "query string" in a["error"], (name, raw[:30], a)
+    status, _, body = request(port, "/api/estimate?" + urllib.parse.urlencode({name: "9" * 400}))
+    assert status == 400 and "out of range" in json.loads(body)["error"]
+
+
+def test_a_search_stops_at_its_budget_and_says_partial():
+    largest = {"model": "custom", "layers": 1024, "hidden": 131072, "heads": 1024, "ffn_hidden": 1048576}
+    largest.update(vocab=1048576, gpus=16384, gpus_per_node=64, seq_len=1048576, global_batch=16384)
+    r = server.route("/api/best?" + urllib.parse.urlencode(largest), budget_s=0.05)
+    assert r.status == 200 and json.loads(r.body)["partial"] is True
+    gone = server.route("/api/best?model=llama3.1-8b&gpus=64", gone=lambda: True)  # the client hung up
+    b = json.loads(gone.body)
+    assert b["partial"] is True and b["considered"] == 0 and b["layouts"] == []
+    whole = json.loads(server.route("/api/best?model=llama3.1-8b&gpus=8", budget_s=600).body)
+    assert whole["partial"] is False and whole["layouts"]
+
+
+def test_idle_and_half_sent_connections_hold_no_worker(port, monkeypatch):
+    from meshforge.explore import pool
+
+    monkeypatch.setattr(pool, "READ_S", 0.5)  # connections accepted from now on
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * pool.WORKERS + 4)]
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /api/estimate?gpus=8 HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+    try:
+        assert api(port, "estimate", gpus=8)[0] == 200  # answered while all of those are open
+        half.settimeout(30)
+        assert half.recv(100).startswith(b"HTTP/1.0 408")
+    finally:
+        for s in [*idle, half]:
+            s.close()
+
+
+def test_client_gone_is_seen_on_a_closed_socket():
+    a, b = socket.socketpair()
+    h = server.Handler.__new__(server.Handler)
+    h.connection = a
+    assert not h._client_gone()
+    b.close()
+    h._checked = 0.0
+    assert h._client_gone()
+    a.close()

@@ -220,8 +220,8 @@ def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys)
 @pytest.mark.parametrize("over", [{"health.on_nonfinite": "stop"}, {"health.max_skipped": 0}], ids=["stop", "max"])
 def test_stop_and_max_skipped_end_the_run_naming_the_step(over, tmp_path, corpus, monkeypatch):
     from meshforge import faults
+    from meshforge.health.keeper import HealthStop
     from meshforge.train import train
-    from meshforge.train.health import HealthStop
 
     monkeypatch.setenv("MESHFORGE_FAULT", "nan:rank=0:step=2")
     monkeypatch.setattr(faults, "_fired", set())

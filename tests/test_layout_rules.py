@@ -14,7 +14,7 @@ from meshforge.errors import ConfigError
 from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
-from meshforge.planner import report
+from meshforge.planner import output as report
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.search import candidates, judge

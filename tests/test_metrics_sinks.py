@@ -9,8 +9,8 @@ import pytest
 from meshforge.errors import ConfigError
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.tb_tags import grouped, health_scalar
-from meshforge.metrics.tensorboard import read_scalars
 from meshforge.metrics.wandb_sink import WandbSink
+from tb_read import read_scalars
 
 REC = {
     "step": 4,

@@ -30,7 +30,7 @@ def test_moe_run_logs_aux_losses_and_expert_load(tmp_path, corpus):
     over = {"train.steps": 4, "metrics.log_interval": 2, "model.z_loss_coeff": 1e-3, "model.capacity_factor": 1.0}
     train(tiny_config(d, corpus, **MOE, **over))
     recs = records(d)
-    assert [r["step"] for r in recs] == [2, 4]  # logged steps only
+    assert [r["step"] for r in recs] == [1, 2, 4]  # logged steps only: the first, every 2nd, the last
     for r in recs:
         assert r["aux_loss"] > 0 and r["z_loss"] > 0
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"] + r["z_loss"], rel=1e-5)

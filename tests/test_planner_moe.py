@@ -13,7 +13,8 @@ from meshforge.models import flops
 from meshforge.models.presets import PRESETS
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
-from meshforge.planner import kernel_costs, moe_costs, report
+from meshforge.planner import kernel_costs, moe_costs
+from meshforge.planner import output as report
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run

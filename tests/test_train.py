@@ -12,8 +12,8 @@ import torch
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
-from meshforge.metrics.tensorboard import read_scalars
 from meshforge.train import train
+from tb_read import read_scalars
 
 KEYS = {
     "step",

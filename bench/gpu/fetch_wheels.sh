@@ -43,7 +43,7 @@ NO_DEPS=(
 )
 # pip evaluates markers against the Python running it, not --python-version: choose per version here.
 only_310=("tomli>=2.0" "exceptiongroup")  # tomllib and ExceptionGroup are built in from 3.11 on
-from_311=("torchtitan==0.3.0")        # torchtitan 0.3.0 requires Python >= 3.11
+from_311=("torchtitan==0.3.0" "torchtitan==0.2.2")  # 0.3.0 for torch >= 2.13, 0.2.2 for 2.11 (run.sh picks); 0.3.0 needs Python >= 3.11
 # Left out after resolution (not imported by anything the suite runs; checked by importing
 # meshforge, transformers, pytest and torchtitan without them): hub download acceleration and
 # the typer-based command-line interfaces of transformers / huggingface_hub.
@@ -58,9 +58,9 @@ for py in $PYTHONS; do
     list=$(mktemp -d)
     echo "== CPython $py" >&2
     if [ "$py" = 3.10 ]; then extra=("${only_310[@]}") alone=(); else extra=() alone=("${from_311[@]}"); fi
-    pip download --quiet --only-binary=:all: "${target[@]}" -d "$list" "${RESOLVED[@]}" "${extra[@]}"
+    python3 -m pip download --quiet --only-binary=:all: "${target[@]}" -d "$list" "${RESOLVED[@]}" "${extra[@]}"
     for spec in "${NO_DEPS[@]}" "${alone[@]}"; do
-        pip download --quiet --only-binary=:all: --no-deps "${target[@]}" -d "$list" "$spec"
+        python3 -m pip download --quiet --only-binary=:all: --no-deps "${target[@]}" -d "$list" "$spec"
     done
     req="$DEST/requirements-$tag.txt"
     : > "$req"

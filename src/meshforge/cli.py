@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from meshforge import __version__, launch_env
 from meshforge.errors import ConfigError, MeshforgeError, suggest
+from meshforge.lifeline import tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
                        [--section.key=value ...]
@@ -80,15 +82,29 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 
 
 def cmd_train(argv: list[str]) -> int:
+    tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
         from meshforge.config import describe_keys
 
         print(TRAIN_USAGE)
         print(describe_keys())
         return 0
+    from meshforge import run_lock
+
+    early = run_lock.run_dir_in_argv(argv)
+    if early and "--dry-run" not in argv and not launch_env.under_launcher() and Path(early).is_dir():
+        run_lock.hold(Path(early))  # a second run into a busy run.dir is refused here, before torch loads
+    try:
+        return _train(argv)
+    finally:
+        if early:
+            run_lock.release(Path(early))  # (a no-op when the run released it itself)
+
+
+def _train(argv: list[str]) -> int:
+    """``meshforge train`` once run.dir is locked: in this process, or launching the ranks."""
+    from meshforge import run_lock
     from meshforge.config import load_config
-    from meshforge.launch import check_nproc, launch_local
-    from meshforge.train import preflight, train
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
@@ -99,17 +115,23 @@ def cmd_train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
+    from meshforge.launch import check_nproc, launch_local
+    from meshforge.train import preflight
+
     if launch_env.under_launcher():
         if nproc > 1:
             raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
-        summary = train(cfg)
+        summary = train_and_report(cfg)
         return 0 if summary else 1
     check_nproc(nproc, cfg.train.device)
     if nproc == 1 and not restarts:
-        train(cfg)
+        train_and_report(cfg)
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
     cfg = preflight(cfg, nproc)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
+    os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())
     child = ["train"]
     if config_file:
         child += ["--config", config_file]
@@ -119,12 +141,55 @@ def cmd_train(argv: list[str]) -> int:
         if k != "run.dir"
     ]
     child.append(f"--run.dir={cfg.run.dir}")
-    return launch_local(nproc, child, restarts)
+    try:
+        return launch_local(nproc, child, restarts)
+    finally:
+        os.environ.pop(run_lock.HELD_ENV, None)
+        run_lock.release(Path(cfg.run.dir))
+
+
+def train_and_report(cfg: Any) -> dict[str, Any]:
+    """Train on this rank, then (rank 0) write run.dir/report.html from whatever the run
+    wrote, also after a failed or stopped run. Written here, above train/, so that training
+    never imports the analysis side (report/ reads the planner). Rank 0 checks the run first
+    (as the multi-rank launch does): a refused run writes nothing, not even into an old run."""
+    from meshforge.train import preflight, train
+
+    main = launch_env.rank() == 0
+    if main:
+        cfg.run.dir = preflight(cfg, launch_env.world_size()).run.dir  # under torchrun, rank 0's dir is the run's
+    try:
+        return train(cfg)
+    finally:
+        if main:
+            write_run_report(cfg)
+
+
+def write_run_report(cfg: Any) -> None:
+    """run.dir/report.html (unless metrics.report = false); a report error is logged as an
+    event (``report_failed``), never raised over the run's own outcome."""
+    from meshforge.disk import describe
+    from meshforge.report import write_report
+    from meshforge.train.run_dir import event_writer
+
+    run_dir = Path(cfg.run.dir)
+    if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
+        return
+    try:
+        write_report([run_dir], run_dir / "report.html")
+    except Exception as e:  # noqa: BLE001 - the report must never hide the training outcome
+        why = describe(run_dir / "report.html", e, "write") if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        print(f"meshforge: note: report.html skipped ({why})", file=sys.stderr)
+        try:
+            event_writer(cfg)("report_failed", error=why[:2000])
+        except OSError:
+            pass
 
 
 def dry_run(cfg: Any, world: int) -> int:
     """Print the config resolved for ``world`` ranks and the planner's estimate of exactly that
     layout; start nothing and write nothing (run.dir is not touched)."""
+    import dataclasses
     import tempfile
 
     import torch
@@ -136,6 +201,8 @@ def dry_run(cfg: Any, world: int) -> int:
     from meshforge.train.run_dir import check_precision_and_offload
 
     cfg = resolve(cfg, world)
+    m = cfg.diloco.islands
+    inner = world // m
     text = to_toml(cfg)
     print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{text}")
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
@@ -146,9 +213,11 @@ def dry_run(cfg: Any, world: int) -> int:
     gpu = preset_for_device(torch.cuda.get_device_name(0) if use_cuda and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "config.toml"
-        path.write_text(text)
+        # DiLoCo: the planner estimates one island's layout, on its share of the global batch
+        island = dataclasses.replace(cfg.train, global_batch_size=cfg.train.global_batch_size // m)
+        path.write_text(text if m == 1 else to_toml(dataclasses.replace(cfg, train=island)))
         try:
-            pl = plan_from_args(parse_plan_args(["--config", str(path), "--gpus", str(world), "--gpu", gpu]))
+            pl = plan_from_args(parse_plan_args(["--config", str(path), "--gpus", str(inner), "--gpu", gpu]))
         except MeshforgeError as e:
             print(f"planner: no estimate for this layout ({e})")
             return 0
@@ -157,8 +226,10 @@ def dry_run(cfg: Any, world: int) -> int:
         print("planner: no estimate for this layout")
         return 0
     fits = "fits" if e.fits else f"does NOT fit: {e.overflow}"
+    if m > 1:
+        print(f"diloco: {m} islands of {inner} rank(s); the estimate is one island's")
     print(
-        f"planner estimate on {world} x {pl.hw.name}: memory {e.memory['total']:.2f} GiB per device ({fits}) | "
+        f"planner estimate on {inner} x {pl.hw.name}: memory {e.memory['total']:.2f} GiB per device ({fits}) | "
         f"step time {e.step_time_s:.4f} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
     )
     print("dry run: no ranks started, nothing written")
@@ -297,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "explore":
             return cmd_explore(args)
         if args.command == "calibrate":
-            from meshforge.planner.calibrate import run as run_calibrate
+            from meshforge.calibration.measure import run as run_calibrate
 
             return run_calibrate(args)
         parser.print_help()
@@ -308,3 +379,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshforge: aborted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _pipe_closed()
+    except Exception as e:
+        from meshforge.peer_lost import is_peer_lost, say_peer_lost
+
+        if launch_env.under_launcher() and is_peer_lost(e):
+            return say_peer_lost(e)
+        raise
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout went away (``meshforge ... | head``): stop quietly, as ``cat`` does.
+    Stdout goes to /dev/null so the interpreter's last flush does not raise again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0

@@ -11,6 +11,7 @@ written to the run directory, so a run can be reproduced from it alone.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import sys
 import types
@@ -26,7 +27,8 @@ else:  # pragma: no cover
 
 from meshforge.config_help import HELP
 from meshforge.errors import ConfigError, suggest
-from meshforge.layout import TRAIN_KEYS, Layout
+from meshforge.layout import DILOCO_KEYS, TRAIN_KEYS, Layout
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
@@ -51,13 +53,13 @@ ModelConfig = _model_config()
 
 
 def _parallel_config() -> type:
-    """[parallel]: every field of ``Layout`` (meshforge/layout.py) but the [train] ones, so a new
+    """[parallel]: every field of ``Layout`` (meshforge/layout.py) but the [train] and [diloco] ones, so a new
     layout setting is a config key without being written twice. dp_shard defaults to -1
     (inferred); pp_layers is a list."""
     hints = typing.get_type_hints(Layout)
     out = []
     for f in dataclasses.fields(Layout):
-        if f.name in TRAIN_KEYS:
+        if f.name in TRAIN_KEYS or f.name in DILOCO_KEYS:
             continue
         if f.name == "pp_layers":
             out.append((f.name, list[int], field(default_factory=list)))
@@ -83,7 +85,12 @@ class TrainConfig:
     # (linears whose dimensions are not multiples of 16 are always kept out)
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     fp8_exclude: list[str] = field(default_factory=lambda: ["output", "*router*"])
+    # bf16/fp8 weights: cast_once (FSDP2's mixed-precision policy casts each weight once per micro-batch,
+    # also on a world of one and DDP's layouts) or autocast (torch.autocast casts at every use);
+    # auto: cast_once on CUDA, autocast on CPU (where FSDP2's per-unit host work costs more than the casts)
+    mixed_precision: Literal["auto", "cast_once", "autocast"] = "auto"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    loss_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the head + cross-entropy; 0: full logits
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
     compile: bool = False
     deterministic: bool = False
@@ -116,6 +123,7 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.01
     cache_dir: str = ""  # empty: $MESHFORGE_CACHE or ~/.cache/meshforge
+    allow_binary: bool = False  # train on files that are mostly not text (refused otherwise)
 
 
 @dataclass
@@ -170,6 +178,20 @@ class RunConfig:
 
 
 @dataclass
+class DiLoCoConfig:
+    """DiLoCo across islands of ranks (its layout rules live in parallel/dims.py)."""
+
+    islands: int = 1  # islands (outermost mesh dimension); 1 = off
+    inner_steps: int = 50  # H: inner (AdamW) steps per round
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1  # Streaming DiLoCo: contiguous block groups synced at staggered steps
+    delay: int = 0  # tau: inner steps a fragment's sync overlaps with compute before it is applied
+    sync_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"  # pseudo-gradients on the wire (fp8: error feedback)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -181,6 +203,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -194,6 +217,7 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "health": HealthConfig,
     "profile": ProfileConfig,
+    "diloco": DiLoCoConfig,
 }
 
 
@@ -326,8 +350,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing TOML file to --config")
         try:
-            data = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {p} is not a UTF-8 TOML file (byte {e.start} is not UTF-8: is it a binary file?); "
+                "pass a text TOML config such as configs/debug.toml"
+            ) from None
+        except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}. Fix the syntax at that line.") from None
         for section, body in data.items():
             if not isinstance(body, dict):
@@ -456,6 +485,15 @@ def _check_train(cfg: Config) -> None:
     _need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
     _need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
     _need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
+    _need(
+        t.loss_chunk_size >= 0,
+        f"train.loss_chunk_size = {t.loss_chunk_size} must be >= 0 (tokens per loss chunk; 0: full logits)",
+    )
+    _need(
+        not t.loss_chunk_size or t.precision != "fp8" or any(fnmatch.fnmatch("output", p) for p in t.fp8_exclude),
+        f'train.loss_chunk_size = {t.loss_chunk_size} needs the head out of fp8: add "output" to '
+        "train.fp8_exclude or set train.loss_chunk_size = 0",
+    )
 
 
 def _check_optim(cfg: Config) -> None:

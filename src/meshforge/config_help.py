@@ -147,7 +147,20 @@ HELP: dict[str, str] = {
         "to keep the head in bf16). A pattern that matches nothing is a warning event; one that "
         "leaves no linear in fp8 is refused"
     ),
+    "train.mixed_precision": (
+        "how bf16/fp8 weights reach the matmuls: auto (cast_once on CUDA, autocast on CPU, where "
+        "FSDP2's per-unit host work costs more than the casts), cast_once (FSDP2's mixed-precision "
+        "policy casts each fp32 weight to bf16 once per micro-batch and reduces gradients in fp32; "
+        "a world of one and DDP's layouts run on FSDP2 for it) or autocast (torch.autocast casts "
+        "every weight at every use: the old path). See "
+        "[precision.md](precision.md#one-cast-per-step)"
+    ),
     "train.activation_checkpoint": "none, full (recompute each block) or selective (keep matmul outputs)",
+    "train.loss_chunk_size": (
+        "tokens per chunk of the fused head + cross-entropy (only one chunk's logits exist, in fp32"
+        " for the softmax); 0 = the plain loss over the full logits. See "
+        "[model.md](model.md#chunked-loss)"
+    ),
     "train.grad_clip": "global gradient-norm clip; 0 turns it off",
     "train.compile": "torch.compile each block",
     "train.deterministic": "deterministic algorithms; on CPU two runs give bit-identical losses",
@@ -166,11 +179,18 @@ HELP: dict[str, str] = {
     "optim.beta1": "Adam β1",
     "optim.beta2": "Adam β2",
     "optim.eps": "Adam ε",
-    "optim.implementation": "auto (fused on CUDA, foreach on CPU), fused, foreach, for-loop",
+    "optim.implementation": (
+        "auto (fused on CUDA and CPU: one kernel per step, no host reads of the step counters; "
+        "foreach elsewhere), fused, foreach, for-loop"
+    ),
     "data.path": ("empty = the default corpus (Python stdlib sources); else text/dir/JSONL, or a prepared shard dir"),
     "data.tokenizer": "byte or a path to a Hugging Face tokenizer.json",
     "data.val_fraction": "share of the corpus held out for validation",
     "data.cache_dir": "where prepared corpora are cached; empty = $MESHFORGE_CACHE or ~/.cache/meshforge",
+    "data.allow_binary": (
+        "train on files that are mostly not text (more than 30% of their bytes invalid UTF-8 or "
+        "control characters); by default such data is refused with exit 2"
+    ),
     "checkpoint.interval": (
         "steps between sharded training checkpoints in run.dir/checkpoints (also one at the end); "
         '0: none; "auto": the Young/Daly optimum √(2 × blocking cost × MTBF). See '
@@ -186,10 +206,13 @@ HELP: dict[str, str] = {
     "checkpoint.mtbf_hours": 'the job\'s mean time between failures, for interval = "auto"',
     "checkpoint.save_final": "write the final weights to run.dir/final (also after Ctrl-C)",
     "checkpoint.export_hf": "also write run.dir/final-hf, a Hugging Face directory",
-    "metrics.log_interval": "log every N steps (metrics.jsonl, console, TensorBoard)",
+    "metrics.log_interval": "log step 1, then every N steps and the last (metrics.jsonl, console, TensorBoard)",
     "metrics.console": "progress lines and the summary on stdout",
     "metrics.jsonl": "write metrics.jsonl",
-    "metrics.tensorboard": "write TensorBoard event files under run.dir/tensorboard",
+    "metrics.tensorboard": (
+        "write TensorBoard event files under run.dir/tensorboard (through torch.utils.tensorboard; "
+        "needs pip install 'meshforge[tensorboard]', else a one-line note)"
+    ),
     "metrics.report": (
         "write the HTML run report run.dir/report.html when the run stops (finished, interrupted or"
         " failed); see [report.md](report.md)"
@@ -224,5 +247,22 @@ HELP: dict[str, str] = {
     "profile.steps": (
         "steps traced with torch.profiler into run.dir/profile/ (Chrome traces, one per rank; open "
         "in Perfetto); 0 = no tracing"
+    ),
+    "diloco.islands": (
+        "DiLoCo islands (outermost mesh dimension; each runs the [parallel] layout on world / islands ranks); 1 = off"
+    ),
+    "diloco.inner_steps": "H: inner optimizer steps per round before the islands average pseudo-gradients",
+    "diloco.outer_lr": "outer SGD learning rate (the DiLoCo paper: 0.7)",
+    "diloco.outer_momentum": "outer SGD momentum (the paper: 0.9)",
+    "diloco.nesterov": "Nesterov momentum for the outer SGD",
+    "diloco.fragments": (
+        "Streaming DiLoCo: contiguous block groups synced inner_steps / fragments steps apart (1 = plain DiLoCo)"
+    ),
+    "diloco.delay": (
+        "tau: inner steps a fragment's all-reduce overlaps with compute before it is applied (< "
+        "inner_steps / fragments)"
+    ),
+    "diloco.sync_dtype": (
+        "pseudo-gradients on the wire: fp32, bf16, or fp8 (e4m3, a scale per 256 values, error feedback)"
     ),
 }

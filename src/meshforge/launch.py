@@ -11,6 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from meshforge.errors import ConfigError
+from meshforge.lifeline import LAUNCHER_ENV
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -50,13 +51,29 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
             *child_argv,
         ]
     )
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (lifeline.py)
     try:
         run(args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
+        code = exit_code_of(e)
         print(
             f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above",
             file=sys.stderr,
         )
-        return 2 if codes == [2] else 1
+        return code
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
     return 0
+
+
+def exit_code_of(e: ChildFailedError) -> int:
+    """The run's exit code, as docs/health.md documents it: 2 when a rank refused with a
+    user-fixable error (a config, data or disk problem, a health stop), else 3 when a rank
+    ended a hang, else 1. The other ranks' codes (killed by the agent, or exiting because
+    they lost that peer) say nothing of the cause."""
+    codes = {f.exitcode for f in e.failures.values()}
+    for code in (2, 3):
+        if code in codes:
+            return code
+    return 1

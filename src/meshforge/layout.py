@@ -1,5 +1,6 @@
 """The one layout type: ``Layout``, the degrees and every layout setting, spelled as the
-config keys ([parallel], plus ``micro_batch_size`` and ``activation_checkpoint`` of [train]).
+config keys ([parallel], plus ``micro_batch_size`` and ``activation_checkpoint`` of [train]
+and ``islands`` of [diloco]).
 
 A config resolves once into a ``Layout`` (``meshforge/resolve.py``); the mesh, ``parallelize``,
 the planner, the explorer and ``--emit-config`` read it. The [parallel] config section is
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when islands > 1
 DEGREES = (*DIMS, "ep")
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/dims.py)
 FLATTENED = {
@@ -26,6 +28,7 @@ FLATTENED = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 TRAIN_KEYS = ("micro_batch_size", "activation_checkpoint")  # layout settings that live in [train]
+DILOCO_KEYS = ("islands",)  # layout settings that live in [diloco]
 # what the planner searches: open (None) in a partial layout unless fixed
 SEARCHED = ("pp", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch_size", "activation_checkpoint")
 SEARCHED += ("pp_schedule", "pp_virtual_stages", "offload")
@@ -69,22 +72,33 @@ class Layout:
     # [train] keys
     micro_batch_size: int = 0
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    # [diloco] key: DiLoCo islands, the outermost mesh dimension; the degrees above are one island's
+    islands: int = 1
 
     def degrees(self) -> dict[str, int]:
-        """The mesh degrees by dimension, outermost first."""
+        """The mesh degrees by dimension, outermost first (one island's: the [parallel] keys)."""
         return {k: getattr(self, k) for k in DIMS}
+
+    def mesh_degrees(self) -> dict[str, int]:
+        """The whole mesh: the island dimension in front of ``degrees()`` when there are islands."""
+        return {ISLAND: self.islands, **self.degrees()} if self.islands > 1 else self.degrees()
 
     @property
     def world_size(self) -> int:
         out = 1
-        for v in self.degrees().values():
+        for v in self.mesh_degrees().values():
             out *= v
         return out
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: dp_replicate x dp_shard (the sampler's slices)."""
+        """Data-parallel ranks of one island: dp_replicate x dp_shard."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that take distinct slices of a global batch (the sampler's): every island's dp ranks."""
+        return self.islands * self.dp
 
     @property
     def dp_cp(self) -> int:
@@ -94,7 +108,8 @@ class Layout:
     def expert_degrees(self) -> dict[str, int]:
         """The expert mesh's degrees (ep > 1): dp_shard x cp split into edp x ep."""
         edp = self.dp_shard * self.cp // self.ep
-        return dict(zip(EXPERT_DIMS, (self.pp, self.dp_replicate, edp, self.ep, self.tp), strict=True))
+        inner = dict(zip(EXPERT_DIMS, (self.pp, self.dp_replicate, edp, self.ep, self.tp), strict=True))
+        return {ISLAND: self.islands, **inner} if self.islands > 1 else inner
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The flattened sub-meshes this layout builds (see parallel/dims.py)."""
@@ -105,7 +120,7 @@ class Layout:
         return self.dp_cp > 1 and (self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1)
 
     def local_batch(self, global_batch: int) -> int:
-        return global_batch // self.dp
+        return global_batch // self.data_ranks
 
     def microbatches(self, global_batch: int) -> int:
         """Pipeline micro-batches per step and dp rank: given, else from the micro-batch size,
@@ -138,7 +153,7 @@ def open_layout(**given: Any) -> Layout:
 
 def from_sections(*sections: Any) -> Layout:
     """The layout a config states: each field read from the first section that has the key
-    (``from_sections(cfg.parallel, cfg.train)``), lists as tuples."""
+    (``from_sections(cfg.parallel, cfg.train, cfg.diloco)``), lists as tuples."""
     values = {}
     for k in KEYS:
         for s in sections:
@@ -151,8 +166,9 @@ def from_sections(*sections: Any) -> Layout:
 
 def section_values(layout: Layout) -> dict[str, dict[str, Any]]:
     """The layout as config values by section ({"parallel": ..., "train": ...}), lists as lists."""
-    out: dict[str, dict[str, Any]] = {"parallel": {}, "train": {}}
+    out: dict[str, dict[str, Any]] = {"parallel": {}, "train": {}, "diloco": {}}
     for k in KEYS:
         v = getattr(layout, k)
-        out["train" if k in TRAIN_KEYS else "parallel"][k] = list(v) if isinstance(v, tuple) else v
+        section = "train" if k in TRAIN_KEYS else "diloco" if k in DILOCO_KEYS else "parallel"
+        out[section][k] = list(v) if isinstance(v, tuple) else v
     return out

@@ -18,12 +18,20 @@ from meshforge.config import Config, fill
 from meshforge.layout import Layout, from_sections
 from meshforge.models.presets import model_shape
 from meshforge.parallel import dims
-from meshforge.parallel.dims import Batch
+from meshforge.parallel.dims import Batch, DiLoCoRules
 
 
 def layout(cfg: Config, world_size: int) -> Layout:
-    """The config's layout for this world size (one -1 degree inferred)."""
-    return dims.resolve_degrees(from_sections(cfg.parallel, cfg.train), world_size)
+    """The config's layout for this world size (one -1 degree inferred; the degrees are one
+    DiLoCo island's when diloco.islands > 1)."""
+    return dims.resolve_degrees(from_sections(cfg.parallel, cfg.train, cfg.diloco), world_size)
+
+
+def batch(cfg: Config, ranks_per_node: int | None = None) -> Batch:
+    """What the layout rules read of a config besides the layout and the model."""
+    d = cfg.diloco
+    rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
+    return Batch(cfg.train.seq_len, cfg.train.global_batch_size, ranks_per_node, rules)
 
 
 def resolve(cfg: Config, world_size: int = 1) -> Config:
@@ -31,10 +39,10 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     Config with the inferred degrees and pipeline micro-batches written in."""
     cfg = fill(cfg)
     lay = layout(cfg, world_size)
-    batch = Batch(cfg.train.seq_len, cfg.train.global_batch_size, launch_env.local_world_size())
-    dims.check(lay, model_shape(cfg.model), batch)
+    settings = batch(cfg, launch_env.local_world_size())
+    dims.check(lay, model_shape(cfg.model), settings)
     for k, v in lay.degrees().items():
         setattr(cfg.parallel, k, v)
     if lay.pp > 1 and not cfg.parallel.num_microbatches:
-        cfg.parallel = dataclasses.replace(cfg.parallel, num_microbatches=lay.microbatches(batch.global_batch))
+        cfg.parallel = dataclasses.replace(cfg.parallel, num_microbatches=lay.microbatches(settings.global_batch))
     return cfg

@@ -16,6 +16,7 @@ them in the loading layout.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshforge.compat import dcp_stager_reusable
 
 # A world of one saves and loads without a process group, which DCP announces every time --
 # for a background save from its own writer thread, where a catch_warnings() block around
@@ -62,14 +65,23 @@ def _zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, init: bool) ->
     return out
 
 
+def plain(state: Any) -> Any:
+    """``state`` as plain dicts of tensors and numbers: a module's state dict is an
+    ``OrderedDict`` carrying ``_metadata`` (module versions) that DCP does not save, and the
+    background stager would deep-copy it with every save."""
+    if isinstance(state, dict):
+        return {k: plain(v) for k, v in state.items()}
+    return state
+
+
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model and optimizer tensors to save, by parameter name."""
+    """The model and optimizer tensors to save, by parameter name (plain data: see ``plain``)."""
     if hasattr(optimizer, "full_training_state"):  # bf16 ZeRO-1 (parallel/zero1.py): full fp32 tensors
-        return optimizer.full_training_state(model)
+        return plain(optimizer.full_training_state(model))
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return {"model": msd, "optim": _zero1_state(model, optimizer, init=False)}
-    return {"model": msd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+        return plain({"model": msd, "optim": _zero1_state(model, optimizer, init=False)})
+    return plain({"model": msd, "optim": get_optimizer_state_dict(model, optimizer)["state"]})
 
 
 def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
@@ -99,7 +111,10 @@ def _stager() -> Any:
     """One DCP stager per process, so its host copies are allocated once and reused by every
     save: pinned (page-locked) on CUDA, where a pinned device-to-host copy runs at full PCIe
     speed and the training step waits only for that copy; plain memory on a CPU-only torch.
-    None where the installed torch has no ``DefaultStager`` (DCP then copies per save)."""
+    None where the installed torch has no ``DefaultStager`` (DCP then copies per save). On a
+    torch whose stager cannot be reused (2.11: see compat.py) a new one per save."""
+    if _STAGER and not dcp_stager_reusable():
+        _STAGER.clear()
     if not _STAGER:
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -121,24 +136,31 @@ def staging_is_pinned() -> bool:
 
 
 def load(
-    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+    wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
-    """Load a checkpoint's model and optimizer state into this layout's shards (collective)."""
+    """Load a checkpoint's model and optimizer state into this layout's shards (collective).
+    ``wrap``: the tree the state was saved in (DiLoCo nests it per island, beside its own state)."""
     reader = dcp.FileSystemReader(str(path))
     no_dist = not dist.is_initialized()
+    wrap = wrap or (lambda sd: sd)
     if hasattr(optimizer, "full_training_state"):
         full = optimizer.full_training_state(model, init=True)
-        dcp.load(full, storage_reader=reader, process_group=group, no_dist=no_dist)
+        dcp.load(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
         optimizer.load_full_training_state(model, full)
         return
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
-        dcp.load({"model": msd, "optim": osd_state}, storage_reader=reader, process_group=group, no_dist=no_dist)
+        sd = wrap({"model": msd, "optim": osd_state})
+        dcp.load(sd, storage_reader=reader, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, msd)
         return  # the state tensors were loaded in place into the local optimizer
     osd = get_optimizer_state_dict(model, optimizer)  # initialises empty Adam state to load into
-    dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader, process_group=group, no_dist=no_dist)
+    dcp.load(wrap({"model": msd, "optim": osd["state"]}), storage_reader=reader, process_group=group, no_dist=no_dist)
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
 

@@ -21,6 +21,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,5 +231,14 @@ def prepared_dir_for(path: str, tokenizer: Tokenizer, val_fraction: float, cache
         source = None
     out = cache / "corpora" / f"{name}-{_fingerprint(files, tokenizer, val_fraction)}"
     if not (out / "index.json").is_file():
+        size = sum(f.stat().st_size for f in files)
+        what = path or "the default corpus (Python standard library sources)"
+        print(
+            f"meshforge: preparing {what} ({len(files)} file(s), {size / 1e6:.1f} MB) with the {tokenizer.name} "
+            f"tokenizer into {out} (first use only; later runs reuse it) ...",
+            flush=True,
+        )
+        t0 = time.perf_counter()
         prepare(files, out, tokenizer, val_fraction, source=source or [path])
+        print(f"meshforge: prepared the corpus in {time.perf_counter() - t0:.1f}s", flush=True)
     return out

@@ -6,6 +6,7 @@ Nothing here models memory or time itself."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -15,7 +16,7 @@ from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.models.shape import ModelShape
 from meshforge.parallel import dims
 from meshforge.parallel.dims import Batch, Problem, resolve_degrees
-from meshforge.planner import report
+from meshforge.planner import output as report
 from meshforge.planner.estimate import Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
@@ -167,9 +168,11 @@ def verdict(a: dict[str, Any]) -> dict[str, Any]:
     return {"ok": False, "kind": "rules", "text": f"{what}: {rule}; {fit}"}
 
 
-def best(v: dict[str, Any]) -> dict[str, Any]:
+def best(
+    v: dict[str, Any], deadline: float | None = None, cancelled: Callable[[], bool] | None = None
+) -> dict[str, Any]:
     """The planner's fastest fitting layouts for this model, cluster and batch (degrees free;
-    ep too unless given)."""
+    ep too unless given). ``deadline``/``cancelled`` end the search early (``partial``)."""
     shape, hw = shape_of(v), hardware_of(v)
     if v["ep"] is not None:
         _check_best_ep(shape, v)
@@ -185,15 +188,19 @@ def best(v: dict[str, Any]) -> dict[str, Any]:
             v["precision"],
             open_layout(ep=v["ep"]),
             max_gpus=max(v["gpus"], MAX_SEARCH_GPUS),
+            deadline=deadline,
+            cancelled=cancelled,
         )
     except ConfigError as e:
-        return out | {"layouts": [], "considered": 0, "message": str(e)}
+        return out | {"layouts": [], "considered": 0, "message": str(e), "partial": "deadline" in str(e)}
     rows = []
     for e in ranked[: v["top"]]:
         row = e.as_json()
         row["memory_total_gib"] = e.memory["total"]
         rows.append(row)
-    return out | {"layouts": rows, "considered": considered, "message": ""}
+    partial = ranked.partial
+    note = f"the search stopped at its time budget: the fastest of the first {considered} layouts" if partial else ""
+    return out | {"layouts": rows, "considered": considered, "message": note, "partial": partial}
 
 
 def train_config(v: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ second, and they keep nonsense (a negative GPU count, a 10^12-layer model) out o
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,16 +78,24 @@ SPECS: dict[str, Spec] = {
 }
 
 
+INT_TEXT = re.compile(r"[+-]?[0-9]{1,4000}")  # ASCII digits only: no 1_000, no other scripts' digits
+FLOAT_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,6})?")
+
+
+def _shown(raw: str) -> str:
+    return raw if len(raw) <= 40 else f"{raw[:20]}...({len(raw)} characters)"
+
+
 def _number(name: str, raw: str, spec: Spec) -> float:
-    try:
-        value = int(raw) if spec.kind == "int" else float(raw)
-    except ValueError:
-        raise BadRequest(
-            f"{name} must be {'a whole number' if spec.kind == 'int' else 'a number'}, got {raw!r}"
-        ) from None
-    if not math.isfinite(value) or not spec.lo <= value <= spec.hi:
-        lo, hi = (int(spec.lo), int(spec.hi)) if spec.kind == "int" else (spec.lo, spec.hi)
-        raise BadRequest(f"{name} = {raw} is out of range: {lo} to {hi}")
+    """The value of a numeric parameter, refused (never an overflow) when malformed or out of range."""
+    lo, hi = (int(spec.lo), int(spec.hi)) if spec.kind == "int" else (spec.lo, spec.hi)
+    pattern = INT_TEXT if spec.kind == "int" else FLOAT_TEXT
+    if not pattern.fullmatch(raw):
+        what = "a whole number" if spec.kind == "int" else "a number"
+        raise BadRequest(f"{name} must be {what} from {lo} to {hi}, got {_shown(raw)!r}")
+    value = int(raw) if spec.kind == "int" else float(raw)  # ints compare exactly, at any size
+    if (spec.kind != "int" and not math.isfinite(value)) or not spec.lo <= value <= spec.hi:
+        raise BadRequest(f"{name} = {_shown(raw)} is out of range: {lo} to {hi}")
     return value
 
 

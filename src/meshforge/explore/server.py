@@ -6,16 +6,24 @@ API refuses is answered 400 with ``{"error": message}``; anything unexpected 500
 fixed message: no traceback ever reaches the client. Nothing is read from or written to
 disk on a request. Requests whose Host header names another host are refused (a page on
 another site cannot reach the server through a rebound DNS name).
+
+Nobody can hold it hostage: connections are read by one thread and answered by a fixed pool
+(pool.py: no thread per connection; idle and half-sent requests are timed out), and the layout
+search stops at ``SEARCH_BUDGET_S`` (its answer marked partial) or as soon as the client
+hangs up.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import select
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -24,8 +32,10 @@ from meshforge.errors import MeshforgeError
 from . import answers
 from .page import PAGE
 from .params import BadRequest, parse
+from .pool import WRITE_S, PoolServer
 
 MAX_QUERY = 4096
+SEARCH_BUDGET_S = 1.5  # /api/best stops searching here and answers with the best so far (partial)
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
     "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
@@ -47,14 +57,22 @@ def json_reply(status: int, data: Any) -> Reply:
     return Reply(status, "application/json; charset=utf-8", json.dumps(data).encode())
 
 
-API: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "/api/estimate": answers.evaluate,
-    "/api/best": answers.best,
+Gone = Callable[[], bool] | None
+
+
+def _best(v: dict[str, Any], gone: Gone, budget_s: float) -> Any:
+    return answers.best(v, deadline=time.monotonic() + budget_s, cancelled=gone)
+
+
+API: dict[str, Callable[[dict[str, Any], Gone, float], Any]] = {
+    "/api/estimate": lambda v, gone, budget_s: answers.evaluate(v),
+    "/api/best": _best,
 }
 
 
-def route(target: str) -> Reply:
-    """The reply to ``GET target`` (raises BadRequest / MeshforgeError for refused parameters)."""
+def route(target: str, gone: Gone = None, budget_s: float = SEARCH_BUDGET_S) -> Reply:
+    """The reply to ``GET target`` (raises BadRequest / MeshforgeError for refused parameters);
+    ``gone`` says whether the client has hung up, ``budget_s`` bounds a search (long work stops then)."""
     url = urlsplit(target)
     if len(url.query) > MAX_QUERY:
         raise BadRequest(f"the query string is longer than {MAX_QUERY} characters")
@@ -64,7 +82,7 @@ def route(target: str) -> Reply:
         return json_reply(200, answers.presets())
     query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
     if url.path in API:
-        return json_reply(200, API[url.path](parse(query)))
+        return json_reply(200, API[url.path](parse(query), gone, budget_s))
     if url.path == "/api/config":
         text = answers.train_config(parse(query))
         disposition = 'attachment; filename="meshforge-train.toml"'
@@ -76,6 +94,13 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "meshforge-explore"
     sys_version = ""
     quiet = False
+    timeout = WRITE_S
+
+    def setup(self) -> None:
+        super().setup()
+        head = self.server.take_head(self.connection) if isinstance(self.server, PoolServer) else None
+        if head is not None:  # the reader thread has the request line and headers already
+            self.rfile = io.BytesIO(head)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._send(self._reply())
@@ -94,13 +119,26 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if not self._host_ok():
                 return json_reply(403, {"error": "this server answers requests to the local host only"})
-            return route(self.path)
+            return route(self.path, self._client_gone, getattr(self.server, "search_budget_s", SEARCH_BUDGET_S))
         except (BadRequest, MeshforgeError, ValueError) as e:
             return json_reply(400, {"error": str(e)})
         except Exception:  # never a traceback to the client; the server's console keeps it
             if not self.quiet:
                 traceback.print_exc(file=sys.stderr)
             return json_reply(500, {"error": "internal error while answering this request; see the server's console"})
+
+    def _client_gone(self) -> bool:
+        """Whether the client hung up (its end readable with nothing to read), checked at most
+        every 50 ms: a search asks for every layout it considers."""
+        now = time.monotonic()
+        if now - getattr(self, "_checked", 0.0) < 0.05:
+            return False
+        self._checked = now
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _host_ok(self) -> bool:
         host = (self.headers.get("Host") or "").strip().lower()
@@ -120,17 +158,28 @@ class Handler(BaseHTTPRequestHandler):
         if r.body and self.command != "HEAD":
             self.wfile.write(r.body)
 
+    def handle(self) -> None:
+        """A client that goes away mid-answer (closed tab, curl | head) is not an error."""
+        try:
+            super().handle()
+        except ConnectionError:
+            pass
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         if not self.quiet:
             super().log_message(format, *args)
 
 
-def make_server(host: str = "127.0.0.1", port: int = 8800, quiet: bool = False) -> ThreadingHTTPServer:
-    """A bound, not yet serving, server (port 0: any free port; read ``server.server_address``)."""
+def make_server(
+    host: str = "127.0.0.1", port: int = 8800, quiet: bool = False, search_budget_s: float = SEARCH_BUDGET_S
+) -> PoolServer:
+    """A bound, not yet serving, server (port 0: any free port; read ``server.server_address``);
+    ``search_budget_s``: how long /api/best may search (tests that need the full ranking raise it)."""
     handler = type("ExploreHandler", (Handler,), {"quiet": quiet})
-    cls = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}) if ":" in host else None
-    server = (cls or ThreadingHTTPServer)((host, port), handler)
-    server.daemon_threads = True
+    cls = type("Server6", (PoolServer,), {"address_family": socket.AF_INET6}) if ":" in host else PoolServer
+    server = cls((host, port), handler)
+    server.search_budget_s = search_budget_s
+    route("/api/best?gpus=8&pp=2&top=1")  # warm: the first pipeline rule imports torch's pipelining (seconds)
     return server
 
 

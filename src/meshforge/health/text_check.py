@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshforge.errors import DataError
+
 SAMPLE_BYTES = 1 << 20  # per file
 MAX_FILES = 200
+REFUSE_FRACTION = 0.3  # a file with more non-text bytes than this is not text (random bytes: ~55%)
+_CONTROL = frozenset(range(32)) - {9, 10, 11, 12, 13} | {127}
 
 
 def invalid_utf8_share(data: bytes) -> float:
@@ -36,3 +40,34 @@ def not_text_files(path: str, threshold: float) -> list[tuple[Path, float]]:
         if share > threshold:
             bad.append((f, share))
     return sorted(bad, key=lambda x: -x[1])
+
+
+def non_text_share(data: bytes) -> float:
+    """The share of ``data``'s bytes that text does not hold: invalid UTF-8, and control
+    characters other than whitespace (random bytes: about 55%; source code and prose: 0)."""
+    if not data:
+        return 0.0
+    valid = data.decode("utf-8", errors="ignore")
+    controls = sum(1 for ch in valid if ord(ch) in _CONTROL)
+    return (len(data) - len(valid.encode("utf-8")) + controls) / len(data)
+
+
+def refuse_binary(path: str, allow_binary: bool) -> None:
+    """Refuse ``data.path`` when a file of it is mostly not text, unless ``data.allow_binary``."""
+    from meshforge.data.prepare import TEXT_SUFFIXES
+
+    p = Path(path)
+    if allow_binary or not path or not p.exists() or (p / "index.json").is_file():
+        return
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    for f in files[:MAX_FILES]:
+        if f.suffix.lower() == ".jsonl":
+            continue
+        with f.open("rb") as fh:
+            share = non_text_share(fh.read(SAMPLE_BYTES))
+        if share > REFUSE_FRACTION:
+            raise DataError(
+                f"data.path: {f} is not text: {share:.0%} of its bytes are invalid UTF-8 or control characters "
+                f"(more than {REFUSE_FRACTION:.0%}); point data.path at text, or set data.allow_binary = true "
+                "to train on it anyway"
+            )

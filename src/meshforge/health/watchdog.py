@@ -27,6 +27,7 @@ from meshforge.health.hang_report import build_report, describe
 
 HANG_EXIT = 3
 KEY = "meshforge/health/hang"
+FIRED = threading.Event()  # set when this process's watchdog has fired: it will exit with HANG_EXIT
 
 
 def rendezvous_store() -> Any:
@@ -66,6 +67,7 @@ class HangWatchdog:
 
     def fire(self) -> None:
         """Post, gather, report, exit. Store errors (its host may be gone) do not stop the exit."""
+        FIRED.set()
         stalled = time.monotonic() - self.last
         mine = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step}
         mine.update(stalled_s=round(stalled, 1), collectives=last_collectives(self.axis_of_group))

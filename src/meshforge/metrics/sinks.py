@@ -1,4 +1,6 @@
-"""Where metrics go: the console, ``metrics.jsonl``, ``events.jsonl`` and TensorBoard."""
+"""Where metrics go: the console, ``metrics.jsonl``, ``events.jsonl`` and TensorBoard
+(``torch.utils.tensorboard``, with the optional ``tensorboard`` package: without it, a
+one-line note and no event files)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from meshforge.metrics.tb_tags import grouped, health_scalar
-from meshforge.metrics.tensorboard import TensorBoardWriter
 
 
 def _fmt_duration(s: float) -> str:
@@ -29,6 +30,37 @@ def _fmt_rate(x: float) -> str:
         if x >= div:
             return f"{x / div:.1f}{unit}"
     return f"{x:.0f}"
+
+
+TB_MISSING = (
+    "note: metrics.tensorboard is on but the tensorboard package is not installed, so no TensorBoard "
+    "files are written (pip install 'meshforge[tensorboard]', or set metrics.tensorboard = false)"
+)
+
+
+class TensorBoardWriter:
+    """Scalars to ``log_dir`` through torch's ``SummaryWriter``, flushed on every logged step."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    @classmethod
+    def open(cls, log_dir: Path, stream: TextIO) -> TensorBoardWriter | None:
+        try:
+            return cls(log_dir)
+        except ImportError:
+            print(TB_MISSING, file=stream, flush=True)
+            return None
+
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class JsonlWriter:
@@ -60,7 +92,7 @@ class MetricsLogger:
         self.console = console
         self.metrics = JsonlWriter(run_dir / "metrics.jsonl") if jsonl else None
         self.events = JsonlWriter(run_dir / "events.jsonl")
-        self.tb = TensorBoardWriter(run_dir / "tensorboard") if tensorboard else None
+        self.tb = TensorBoardWriter.open(run_dir / "tensorboard", self.stream) if tensorboard else None
         self.t0 = time.perf_counter()
         self.sinks: list[Any] = []  # more scalar sinks (log(step, scalars), close()): W&B
 
@@ -117,3 +149,24 @@ class MetricsLogger:
         for s in (self.metrics, self.events, self.tb, *self.sinks):
             if s:
                 s.close()
+
+
+def trim_metrics(run_dir: Path, step: int) -> int:
+    """Drop metrics.jsonl records after ``step`` (they are recomputed after a resume), so the
+    file keeps one record per step. Returns how many were dropped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            dropped += 1
+            continue
+        if rec.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(x + "\n" for x in kept))
+    return dropped

@@ -7,11 +7,17 @@ the communication counter's blocked time (blocking collectives, plus the tail of
 asynchronous ones such as DDP's last gradient bucket). Compute is what is left of forward,
 backward and clipping after exposed communication and (pipelines) the measured bubble.
 On GPUs the hooks synchronise the device on measured steps only.
+
+The run's summary (``run_breakdown``) covers the whole wall time: every step's host time split
+in the logged steps' proportions, plus host-timed checkpoint, eval and logging phases, and the
+remainder as other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -79,3 +85,36 @@ class StepClock:
         out: dict[str, Any] = {k: sum(r[i] for r in table) / len(table) for i, k in enumerate(PARTS)}
         out["by_rank"] = table
         return out
+
+
+class PhaseTimer:
+    """Host-clock totals of the loop's phases outside the steps (checkpoint, eval, logging):
+    two ``perf_counter`` calls per phase, no device sync."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+
+def run_breakdown(wall_s: float, steps_s: float, step_parts: dict[str, float], phases: dict[str, float]) -> dict:
+    """Where the run's whole wall time went. The steps' host time (``steps_s``) is split in the
+    proportions measured on the logged steps (``step_parts``: their PARTS summed); checkpoint,
+    eval and logging are host-timed phases; ``other_s`` is the remainder (in-step checks and
+    measurement, the loop itself), so the parts add up to ``wall_s``."""
+    measured = sum(step_parts.get(k, 0.0) for k in PARTS)
+    out: dict[str, float] = {}
+    for k in PARTS[:-1]:  # the step's own "other" goes to the remainder
+        out[k] = steps_s * step_parts.get(k, 0.0) / measured if measured > 0 else 0.0
+    for k in ("checkpoint", "eval", "logging"):
+        out[f"{k}_s"] = phases.get(k, 0.0)
+    out["other_s"] = max(0.0, wall_s - sum(out.values()))
+    out = {k: round(v, 4) for k, v in out.items()}
+    out["wall_s"] = round(wall_s, 4)
+    return out

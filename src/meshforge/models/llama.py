@@ -157,6 +157,17 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class Head(nn.Linear):
+    """The output projection. Called with ``loss_fn`` it returns ``loss_fn(x, weight)``
+    instead of the logits: the chunked loss applies the head itself (models/chunked_loss.py)
+    through the module's call, so whatever hooks wrap the head (sharding, gathering) still run."""
+
+    takes_loss_fn = True  # what the loss checks (a head swapped for another class, e.g. fp8, is not)
+
+    def forward(self, x: torch.Tensor, loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        return super().forward(x) if loss_fn is None else loss_fn(x, self.weight)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -164,7 +175,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden)
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.layers)})
         self.norm = RMSNorm(args.hidden, args.norm_eps)
-        self.output = nn.Linear(args.hidden, args.vocab_size, bias=False)
+        self.output = Head(args.hidden, args.vocab_size, bias=False)
+        self.hidden_out = False  # True: forward stops at the final norm; the loss applies the head
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
         self.tie_weights()
 
@@ -179,7 +191,8 @@ class Transformer(nn.Module):
         own (e.g. p..p+s); None means ``arange(seq)``, for a model used whole. A slice of
         the model (a pipeline stage: some of the layers, ``tok_embeddings`` or
         ``norm``/``output`` set to None) maps hidden states to hidden states the same way;
-        such a slice must be given ``positions`` when its input may be a sequence shard."""
+        such a slice must be given ``positions`` when its input may be a sequence shard.
+        With ``hidden_out`` set the head is left to the loss (LanguageModelLoss with a chunk size)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions)
@@ -188,7 +201,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        return h if self.output is None else self.output(h)
+        return h if self.output is None or self.hidden_out else self.output(h)
 
 
 def _param_seed(seed: int, name: str) -> int:

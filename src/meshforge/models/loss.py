@@ -8,16 +8,23 @@ loss on that model drains the terms, adds them to the language-model loss and ke
 values for logging. The loss knows nothing of parallelism: whoever parallelizes the model
 passes a ``context`` (tensor parallelism's loss-parallel cross-entropy) that wraps the
 loss and its backward.
+
+With ``chunk_size > 0`` the model hands over its final hidden states instead of logits
+(``Transformer.hidden_out``) and the loss applies the head chunk by chunk through the head
+module's call (models/chunked_loss.py), so the full fp32 logits never exist.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshforge.models.chunked_loss import chunked_cross_entropy
 
 _AUX = "_meshforge_aux_losses"
 
@@ -42,10 +49,20 @@ def drain_aux(model: nn.Module | None) -> dict[str, torch.Tensor]:
 
 class LanguageModelLoss:
     """Mean (training) or summed (evaluation) next-token cross-entropy over logits
-    ``(batch, seq, vocab)`` and targets ``(batch, seq)``, computed in fp32."""
+    ``(batch, seq, vocab)`` and targets ``(batch, seq)``, computed in fp32.
 
-    def __init__(self, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+    ``chunk_size > 0``: the model's output is its final hidden states ``(batch, seq, hidden)``
+    (the model must have ``hidden_out`` set) and the head runs here, ``chunk_size`` tokens at a
+    time, its matmul in ``compute_dtype`` (None: the hidden states' dtype)."""
+
+    def __init__(
+        self,
+        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        chunk_size: int = 0,
+        compute_dtype: torch.dtype | None = None,
+    ):
         self.context = context
+        self.chunk_size, self.compute_dtype = chunk_size, compute_dtype
         self.terms: dict[str, torch.Tensor] = {}  # the last training call's parts, detached
         self.step_terms: dict[str, torch.Tensor] = {}  # the last step's parts, mean over its calls (end_step)
         self._sums: dict[str, torch.Tensor] = {}
@@ -54,7 +71,7 @@ class LanguageModelLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Training: the mean token loss plus the auxiliary terms ``model``'s layers reported."""
-        lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        lm = self._cross_entropy(logits, targets, model, "mean")
         # under tensor parallelism ``lm`` is a replicated DTensor (loss_parallel) and the terms are
         # plain: they are added to its local value, else their gradients would come back as DTensors
         lm_value = lm.to_local() if hasattr(lm, "to_local") else lm
@@ -89,4 +106,29 @@ class LanguageModelLoss:
         """Evaluation: the summed token loss of the language model alone (``model``'s
         reported auxiliary terms are drained and dropped)."""
         drain_aux(model)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        return self._cross_entropy(logits, targets, model, "sum")
+
+    def _cross_entropy(
+        self, out: torch.Tensor, targets: torch.Tensor, model: nn.Module | None, red: str
+    ) -> torch.Tensor:
+        """The plain fp32 cross-entropy over logits, or the chunked one over hidden states
+        (``model``'s head applied here). A model whose output does not match is refused."""
+        hidden_out = getattr(model, "hidden_out", False)
+        if not self.chunk_size:
+            if hidden_out:
+                raise ValueError("the model returns hidden states (hidden_out) but the loss has no chunk_size")
+            return F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), reduction=red)
+        head = getattr(model, "output", None)
+        if not hidden_out or not getattr(head, "takes_loss_fn", False):
+            raise ValueError(
+                "the chunked loss (train.loss_chunk_size > 0) needs the model passed to the loss, with hidden_out "
+                "set and its plain head (an fp8 head cannot be chunked: keep 'output' in train.fp8_exclude)"
+            )
+        fn = functools.partial(
+            chunked_cross_entropy,
+            targets=targets,
+            chunk=self.chunk_size,
+            reduction=red,
+            compute_dtype=self.compute_dtype,
+        )
+        return head(out, loss_fn=fn)

@@ -3,8 +3,8 @@ checked against theory.
 
 FSDP2, DDP's comm hook, ZeroRedundancyOptimizer and meshforge itself call collectives
 through ``torch.distributed``'s Python functions; DTensor (tensor parallelism, loss
-parallel) calls the functional collectives in ``torch.distributed._functional_collectives``
-by module attribute. Wrapping both sets of functions (here, and only here) sees all of
+parallel) calls the functional collectives (``compat.functional_collectives``) by module
+attribute. Wrapping both sets of functions (here, and only here) sees all of
 them without touching the libraries. Bytes are *wire bytes per
 rank* under ring algorithms, the unit the textbook formulas use: for a payload of S
 bytes on n ranks an all-reduce moves 2(n-1)/n·S, an all-gather or reduce-scatter
@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshforge.compat import functional_collectives
+
 _ISEND = dist.isend
 # function name -> (kind, argument holding the full-size payload, wire factor(n))
 _RING = {
@@ -47,13 +49,19 @@ _RING = {
     "batch_isend_irecv": ("p2p", "p2p_op_list", lambda n: 1.0),
 }
 
-# the functional collectives DTensor uses; all_gather_single's argument is the local shard
-_FUNCOL = {
+# the functional collectives DTensor uses, by kind (their names differ by torch version:
+# compat.functional_collectives); the all-gather's argument is the local shard
+_FUNCOL_KINDS = {
     "all_reduce": ("all_reduce", "self", lambda n: 2 * (n - 1) / n),
-    "all_gather_single": ("all_gather", "self", lambda n: n - 1.0),
-    "reduce_scatter_single": ("reduce_scatter", "self", lambda n: (n - 1) / n),
+    "all_gather": ("all_gather", "self", lambda n: n - 1.0),
+    "reduce_scatter": ("reduce_scatter", "self", lambda n: (n - 1) / n),
     "all_to_all_single": ("all_to_all", "self", lambda n: (n - 1) / n),
 }
+
+
+def _funcol_table() -> tuple[Any, dict[str, tuple]]:
+    funcol, names = functional_collectives()
+    return funcol, {names.get(kind, kind): entry for kind, entry in _FUNCOL_KINDS.items()}
 
 
 def _process_group(group: Any) -> Any:
@@ -170,9 +178,8 @@ class CommCounter:
         """Put the wrappers in (or the originals back) as module attributes, where FSDP2,
         DDP's hook, DTensor and pipelining look the functions up at call time."""
         if not cls._patches:
-            import torch.distributed._functional_collectives as funcol  # private module: wrapped here only
-
-            for module, table in ((dist, _RING), (funcol, _FUNCOL)):
+            funcol, funcol_table = _funcol_table()
+            for module, table in ((dist, _RING), (funcol, funcol_table)):
                 for name in table:
                     fn = getattr(module, name, None)
                     if fn is not None:

@@ -89,6 +89,10 @@ def apply_fsdp(
     FSDP2 on the 2-D mesh (dp, cp) with cp = 1: replicate over all of dp, "shard" over one
     rank, which is DDP's all-reduce of gradients.
 
+    A world of one runs on a one-rank mesh (Mesh.solo_mesh): FSDP2 then only casts (bf16
+    parameters once per micro-batch, fp32 gradients) and, with ``offload``, keeps the state on
+    the host. DDP's layouts in bf16 (stage 0) are the (dp, cp) replicate case above.
+
     ``offload``: FSDP2's CPUOffloadPolicy keeps the sharded parameters and gradients in
     (pinned) host memory and the optimizer steps there; each unit's parameters are copied to
     the device for its all-gather (ZeRO-Infinity's idea, host memory only).
@@ -99,15 +103,15 @@ def apply_fsdp(
         dims = ("dp_replicate", "dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard")
     else:
         dims = ("dp_shard_cp",) if mesh.dims.cp > 1 else ("dp_shard",)
-    fsdp_mesh = mesh.slice(dims)
+    fsdp_mesh = mesh.slice(dims) if mesh.device_mesh is not None else mesh.solo_mesh()  # (a world of one)
     # Under TP the embedding unit returns a view; the model never changes it in place, which
     # is what FSDP2's warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero_stage == 3  # (stage 0 on a one-rank shard has nothing to reshard)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    if offload:
-        kw["offload_policy"] = CPUOffloadPolicy()
+    if offload:  # (pinning needs a GPU; a CPU run only offloads in tests)
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
     blocks = list(model.layers.values())
     units: list[FSDPModule] = []
     tied = getattr(model.args, "tie_embeddings", False)
@@ -118,7 +122,10 @@ def apply_fsdp(
     if not tied and model.output is not None:
         fully_shard([model.norm, model.output], **kw)  # one unit; returns the list, so keep a member
         units.append(model.norm)
-    fully_shard(model, **kw)
+    # a tied head is in the root unit; when the loss applies it after the forward (chunked loss,
+    # hidden_out) the root stays gathered until backward, as FSDP2 keeps a root by default
+    root_kw = {**kw, "reshard_after_forward": False} if tied and getattr(model, "hidden_out", False) else kw
+    fully_shard(model, **root_kw)
     for cur, nxt in zip(units, units[1:], strict=False):
         cur.set_modules_to_forward_prefetch([nxt])
     if dist.get_backend(fsdp_mesh.get_group(fsdp_mesh.ndim - 1)) == "gloo":

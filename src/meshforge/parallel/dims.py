@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.errors import ConfigError, suggest
-from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, Layout
+from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.schedules import SCHEDULES, schedule_available, schedule_name
 
-__all__ = ["DIMS", "EXPERT_DIMS", "FLATTENED", "Layout"]  # the layout data lives in meshforge/layout.py
+__all__ = ["DIMS", "EXPERT_DIMS", "FLATTENED", "ISLAND", "Layout"]  # the layout data lives in meshforge/layout.py
+
+SYNC_DTYPES = ("fp32", "bf16", "fp8")  # DiLoCo pseudo-gradients on the wire
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,31 @@ class Batch:
     seq_len: int
     global_batch: int
     ranks_per_node: int | None = None
+    diloco: DiLoCoRules | None = None  # [diloco] when diloco.islands > 1 (the islands are a Layout field)
+
+
+@dataclass(frozen=True)
+class DiLoCoRules:
+    """What the DiLoCo rules read of the [diloco] section besides ``Layout.islands``."""
+
+    inner_steps: int = 50
+    fragments: int = 1
+    delay: int = 0
+    sync_dtype: str = "fp32"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
 
 def resolve_degrees(layout: Layout, world_size: int) -> Layout:
-    """The layout with one -1 degree inferred; refuses products that do not match the world size."""
+    """The layout with one -1 degree inferred; refuses products that do not match the world size
+    (under DiLoCo the degrees are one island's: world_size / islands ranks)."""
+    islands = layout.islands
+    if islands < 1 or world_size % islands:
+        raise ConfigError(
+            f"diloco.islands = {islands} must be >= 1 and divide the world size {world_size} (every island runs "
+            f"the same inner layout); use a divisor of {world_size} or start a multiple of {max(islands, 1)} ranks"
+        )
+    world_size //= islands
     mesh = layout.degrees()
     for k, v in {**mesh, "ep": layout.ep}.items():
         if v == 0 or v < -1 or (k == "ep" and v < 1):
@@ -90,11 +113,25 @@ def resolve_degrees(layout: Layout, world_size: int) -> Layout:
     return layout.replace(**mesh)
 
 
+def casts_once(d: Layout, precision: str, mixed_precision: str) -> bool:
+    """Whether data parallelism runs on FSDP2 beyond ``uses_fsdp``: a world of one under CPU
+    offload, and -- for bf16/fp8 with ``train.mixed_precision = "cast_once"`` -- a world of one
+    (a one-rank mesh) and DDP's layouts (stage 0: replicated over dp), so that FSDP2's
+    mixed-precision policy casts each weight to bf16 once per micro-batch instead of autocast
+    at every use. (bf16 ZeRO-1 holds bf16 working weights of its own: parallel/zero1.py.)"""
+    if d.uses_fsdp():
+        return False
+    if d.world_size == 1 and d.offload == "cpu" and d.zero_stage >= 2:
+        return True
+    once = precision in ("bf16", "fp8") and mixed_precision == "cast_once"
+    return once and (d.world_size == 1 or (d.dp_cp > 1 and d.zero_stage == 0))
+
+
 def problems(d: Layout, model: ModelShape, t: Batch) -> list[Problem]:
     """Every reason this layout cannot run this model with this batch (empty: it runs)."""
     out: list[Problem] = []
     rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
-    for rule in (*rules, _experts):
+    for rule in (*rules, _experts, diloco_problems):
         out.extend(rule(d, model, t))
     return out
 
@@ -107,15 +144,17 @@ def check(d: Layout, model: ModelShape, t: Batch) -> None:
 
 
 def rank_layout(degrees: dict[str, int]) -> list[dict[str, int]]:
-    """Each global rank's coordinate on every mesh dimension (row-major, tp fastest)."""
-    sizes = [degrees[d] for d in DIMS]
+    """Each global rank's coordinate on every mesh dimension (row-major, tp fastest; the
+    island dimension first when ``degrees`` has one)."""
+    names = [d for d in (ISLAND, *DIMS) if d in degrees]
+    sizes = [degrees[d] for d in names]
     out = []
     for r in range(_product(sizes)):
         coord, rest = {}, r
-        for d, s in reversed(list(zip(DIMS, sizes, strict=True))):
+        for d, s in reversed(list(zip(names, sizes, strict=True))):
             coord[d] = rest % s
             rest //= s
-        out.append({"rank": r, **{d: coord[d] for d in DIMS}})
+        out.append({"rank": r, **{d: coord[d] for d in names}})
     return out
 
 
@@ -157,17 +196,24 @@ def _data_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
 
 def offload_problem(d: Layout) -> Problem | None:
     """Why ``parallel.offload = "cpu"`` cannot run on this layout (None: it can). FSDP2's
-    CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 over more than one
-    data-parallel rank; the experts' own FSDP units (ep > 1) take no offload policy yet.
+    CPUOffloadPolicy offloads FSDP2's sharded state, so it needs ZeRO-2/3 on FSDP2: over more
+    than one data-parallel rank, or a world of one (a one-rank FSDP2 mesh, as DeepSpeed and
+    FSDP2 offload a single GPU); the experts' own FSDP units (ep > 1) take no offload policy yet.
     The planner puts its fixed choices to this rule too."""
     if d.offload != "cpu":
         return None
-    if d.zero_stage < 2 or not d.uses_fsdp():
+    if d.zero_stage < 2:
         return Problem(
             "parallel.offload",
-            f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3 with more than one "
-            f"data-parallel rank; here zero_stage = {d.zero_stage}, dp = {d.dp_cp}); set parallel.zero_stage = 3 "
-            "or parallel.offload = 'none'",
+            f"parallel.offload = 'cpu' needs FSDP2's sharded state (parallel.zero_stage = 2 or 3; here "
+            f"zero_stage = {d.zero_stage}); set parallel.zero_stage = 3 or parallel.offload = 'none'",
+        )
+    if not (d.uses_fsdp() or d.world_size == 1):
+        return Problem(
+            "parallel.offload",
+            f"parallel.offload = 'cpu' on {d.world_size} ranks with one data-parallel rank (dp = {d.dp_cp}): the "
+            "model-parallel axes alone do not run on FSDP2; use more data-parallel ranks (parallel.dp_shard) or "
+            "parallel.offload = 'none'",
         )
     if d.ep > 1:
         return Problem(
@@ -186,11 +232,12 @@ def _offload(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
 
 
 def _batch(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
-    dp = d.dp
+    dp = d.data_ranks
     if t.global_batch % dp:
+        what = f"diloco.islands x dp = {d.islands} x {d.dp}" if d.islands > 1 else "the data-parallel degree"
         yield Problem(
             "train.global_batch_size",
-            f"train.global_batch_size = {t.global_batch} is not divisible by the data-parallel degree {dp}; "
+            f"train.global_batch_size = {t.global_batch} is not divisible by {what} {dp}; "
             f"use a multiple of {dp}, e.g. {max(dp, (t.global_batch // dp) * dp) or dp}",
         )
         return
@@ -351,7 +398,7 @@ def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Itera
 
 
 def _pipeline_microbatches(d: Layout, t: Batch, name: str) -> Iterator[Problem]:
-    if t.global_batch % d.dp:
+    if t.global_batch % d.data_ranks:
         return  # _batch says so
     local, m = d.local_batch(t.global_batch), d.microbatches(t.global_batch)
     if local % m:
@@ -459,4 +506,50 @@ def _moe_context_parallel(d: Layout, model: ModelShape) -> Iterator[Problem]:
             "sequence shard, not per micro-batch as on one device; set model.capacity_factor = 0 (dropless) "
             "or parallel.cp = 1",
             "unsupported",
+        )
+
+
+def diloco_problems(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
+    """DiLoCo (islands > 1): a round of H inner steps, F fragments synced H / F steps apart,
+    each applied ``delay`` steps after its send (so at most one sync per fragment is in flight)."""
+    c = t.diloco
+    if c is None or d.islands == 1:
+        return
+    h, f, tau = c.inner_steps, c.fragments, c.delay
+    checks = (
+        (h >= 1, "diloco.inner_steps", f"diloco.inner_steps = {h} must be >= 1 (e.g. 50)"),
+        (c.outer_lr > 0, "diloco.outer_lr", f"diloco.outer_lr = {c.outer_lr} must be > 0 (the paper: 0.7)"),
+        (
+            0 <= c.outer_momentum < 1,
+            "diloco.outer_momentum",
+            f"diloco.outer_momentum = {c.outer_momentum} must be in [0, 1) (the paper: 0.9)",
+        ),
+        (
+            c.sync_dtype in SYNC_DTYPES,
+            "diloco.sync_dtype",
+            f"diloco.sync_dtype = {c.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}",
+        ),
+        (
+            1 <= f <= model.layers,
+            "diloco.fragments",
+            f"diloco.fragments = {f} must be between 1 and model.layers = {model.layers} (a fragment is a "
+            "contiguous group of blocks); lower diloco.fragments",
+        ),
+    )
+    for ok, key, message in checks:
+        if not ok:
+            yield Problem(key, message)
+    if h < 1 or not 1 <= f <= model.layers:
+        return
+    if h % f:
+        yield Problem(
+            "diloco.inner_steps",
+            f"diloco.inner_steps = {h} must be a multiple of diloco.fragments = {f} (fragments sync every "
+            f"inner_steps / fragments steps); use e.g. diloco.inner_steps = {-(-h // f) * f}",
+        )
+    elif not 0 <= tau < h // f:
+        yield Problem(
+            "diloco.delay",
+            f"diloco.delay = {tau} must be in [0, inner_steps / fragments = {h // f}) (a fragment's sync must land "
+            f"before the next one is sent); lower diloco.delay to at most {h // f - 1} or raise diloco.inner_steps",
         )

@@ -4,7 +4,8 @@ Which dimensions and flattened sub-meshes exist, and in which order, is a layout
 lives in ``parallel/dims.py``; this file only turns them into process groups. One
 process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks find each
 other through the launcher's environment (``launch_env``); started directly, meshforge
-is a world of one and needs no process group at all.
+is a world of one and needs no process group, except on FSDP2 (bf16 cast once, CPU
+offload), which gets a one-rank mesh over an in-memory group (``Mesh.solo_mesh``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshforge import launch_env
+from meshforge.compat import mesh_slice_names
 from meshforge.errors import ConfigError
-from meshforge.layout import DIMS, Layout
+from meshforge.layout import ISLAND, Layout
 
 
 @dataclass
@@ -34,10 +36,12 @@ class Mesh:
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see dims.py
     ep_group: dist.ProcessGroup | None = None  # ep > 1: the token all-to-all's own group (counted as axis "ep")
+    solo: DeviceMesh | None = None  # a world of one on FSDP2 (bf16 cast once, CPU offload): its one-rank mesh
 
     @property
     def degrees(self) -> dict[str, int]:
-        return self.dims.degrees()
+        """The whole mesh's degrees (with the island dimension first under DiLoCo)."""
+        return self.dims.mesh_degrees()
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +59,12 @@ class Mesh:
     def dp_rank(self) -> int:
         return self.coordinate("dp")
 
+    @property
+    def data_rank(self) -> int:
+        """This rank's slice of a global batch among ``dims.data_ranks`` (islands take their own slices)."""
+        island = self.coordinate(ISLAND) if self.dims.islands > 1 else 0
+        return island * self.dims.dp + self.dp_rank
+
     def submesh(self, name: str) -> DeviceMesh:
         """A named dimension or flattened sub-mesh (see module docstring)."""
         assert self.device_mesh is not None, "a world of one has no mesh"
@@ -69,7 +79,17 @@ class Mesh:
             # PyTorch warns that slicing a flattened dimension from the root may go away; it is
             # the only public way to combine one with another dimension, so keep it in one place.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return self.device_mesh[dims]
+            return self.device_mesh[mesh_slice_names(dims, self.dims.flattened(), self.degrees)]
+
+    def solo_mesh(self) -> DeviceMesh:
+        """A world of one's one-rank FSDP2 mesh (for its bf16 cast once per step and CPU offload),
+        over an in-memory process group of one; shutdown() tears it down like any other."""
+        if self.solo is None:
+            if not dist.is_initialized():
+                backend = "cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo"
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self.solo = init_device_mesh(self.device.type, (1,), mesh_dim_names=("dp_shard",))
+        return self.solo
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         return self.submesh(name).get_group() if self.device_mesh is not None else None
@@ -82,7 +102,7 @@ class Mesh:
         out: dict[dist.ProcessGroup, str] = {}
         if self.device_mesh is None:
             return out
-        for name in (*DIMS, *self.dims.flattened()):
+        for name in (*self.dims.mesh_degrees(), *self.dims.flattened()):
             sub = self.submesh(name)
             if sub.size() > 1:
                 out.setdefault(sub.get_group(), name)
@@ -124,7 +144,7 @@ def build_mesh(dims: Layout, device_kind: str = "auto", timeout_s: float = 600.0
     ``cpu_backend``: on GPU, also gloo for host tensors (CPU offload reduces its host-side figures)."""
     world, rank = launch_env.world_size(), launch_env.rank()
     if dims.world_size != world:
-        raise ConfigError(f"the layout {dims.degrees()} needs {dims.world_size} ranks, but {world} were started")
+        raise ConfigError(f"the layout {dims.mesh_degrees()} needs {dims.world_size} ranks, but {world} were started")
     device = pick_device(device_kind)
     if world == 1:
         return Mesh(0, 1, 0, device, dims)
@@ -136,7 +156,7 @@ def build_mesh(dims: Layout, device_kind: str = "auto", timeout_s: float = 600.0
         dist.init_process_group(
             backend, timeout=timeout, store=_store(rank, world, timeout), rank=rank, world_size=world
         )
-    degrees = dims.degrees()
+    degrees = dims.mesh_degrees()
     device_mesh = init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
     flattened = {name: _flatten(device_mesh, sub, name) for name, sub in dims.flattened().items()}
     expert_mesh = ep_group = None

@@ -40,8 +40,10 @@ from torch import nn
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
+from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
+from meshforge.parallel.dims import casts_once
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
@@ -55,7 +57,7 @@ from meshforge.parallel.pipeline import (
     model_view,
     split_model,
 )
-from meshforge.parallel.precision import autocast, resolve_precision
+from meshforge.parallel.precision import autocast, resolve_mixed_precision, resolve_precision
 from meshforge.parallel.schedules import chunks_per_rank, schedule_name
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 from meshforge.parallel.zero1 import uses_flat_zero1
@@ -65,8 +67,11 @@ if TYPE_CHECKING:
 
 
 def is_sharded(cfg: Config, mesh: Mesh) -> bool:
-    """Data parallelism runs on FSDP2 (the rule is the layout's: Layout.uses_fsdp)."""
-    return mesh.dims.uses_fsdp()
+    """Data parallelism runs on FSDP2 (the rules are the layout's: Layout.uses_fsdp, and
+    dims.casts_once for a world of one and DDP's layouts in bf16, and a world of one offloading)."""
+    precision = resolve_precision(cfg.train.precision, mesh.device)
+    mixed = resolve_mixed_precision(cfg.train.mixed_precision, mesh.device)
+    return mesh.dims.uses_fsdp() or casts_once(mesh.dims, precision, mixed)
 
 
 def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
@@ -77,8 +82,13 @@ def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
 
 def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
     """The one loss object of a run (plain step, pipeline's last stage, evaluation); under
-    tensor parallelism its context is loss_parallel, over vocab-sharded logits."""
-    return LanguageModelLoss(context=functools.partial(loss_context, mesh.degrees["tp"] > 1))
+    tensor parallelism its context is loss_parallel, over vocab-sharded logits. With
+    train.loss_chunk_size the head runs in the loss, in bf16 where the layout autocasts."""
+    return LanguageModelLoss(
+        context=functools.partial(loss_context, mesh.degrees["tp"] > 1),
+        chunk_size=cfg.train.loss_chunk_size,
+        compute_dtype=torch.bfloat16 if uses_autocast(cfg, mesh) else None,  # else: the hidden states' dtype
+    )
 
 
 def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.AbstractContextManager]:
@@ -92,6 +102,7 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     """fp8 -> TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
+    model.hidden_out = cfg.train.loss_chunk_size > 0  # the loss applies the head (build_loss)
     if cfg.train.precision == "fp8":
         apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     if mesh.degrees["tp"] > 1:
@@ -104,9 +115,8 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
         apply_cp(model, mesh, cfg)
         apply_moe_cp(model, mesh.group("cp"))
     apply_activation_checkpoint(blocks, cfg.train.activation_checkpoint)
-    if cfg.train.compile:
-        for block in blocks:
-            block.compile()
+    if cfg.train.compile:  # whole blocks (fullgraph) where they hold (parallel/compile.py)
+        compile_blocks(blocks)
     sharded = is_sharded(cfg, mesh)
     if sharded:
         param_dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else None

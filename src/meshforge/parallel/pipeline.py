@@ -36,6 +36,7 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from meshforge.compat import pipeline_stage_fixups
 from meshforge.models import flops
 from meshforge.models.llama import ModelShape, Transformer
 from meshforge.models.loss import LanguageModelLoss
@@ -224,6 +225,7 @@ class Pipeline:
         self.positions: torch.Tensor | None = None
         self._t0 = 0.0
         for stage in self.stages:
+            pipeline_stage_fixups(stage)
             self._instrument(stage)
             forget_metadata_inference(stage, loss, self.stage_aux)
 
@@ -265,6 +267,9 @@ class Pipeline:
         ``measure``: keep the step's timeline (bubble, in-flight, Gantt chart)."""
         self._start(rank, measure)
         losses: list[torch.Tensor] = []
+        # torch <= 2.11 checks each micro-batch's strides against the first one's; a slice of
+        # the (batch, seq + 1) token block has row stride seq + 1, its micro-batches seq
+        inputs, targets = inputs.contiguous(), targets.contiguous()
         args = (inputs,) if self.has_first else ()
         kw: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
         with self.loss.context():

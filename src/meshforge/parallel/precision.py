@@ -19,3 +19,11 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision in ("bf16", "fp8"):  # fp8: bf16 around the fp8 linears (parallel/fp8.py)
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def resolve_mixed_precision(requested: str, device: torch.device) -> str:
+    """``auto`` is cast_once on CUDA and autocast on CPU: on a CPU, FSDP2's per-unit host work and
+    one-rank collectives cost more than the casts it saves (bench/bench_cast_once.py)."""
+    if requested == "auto":
+        return "cast_once" if device.type == "cuda" else "autocast"
+    return requested

@@ -21,7 +21,8 @@ Same bytes on the wire, less memory.
 The embedding is vocab-parallel (each rank holds vocab/tp rows; tokens outside its range
 give zeros and the partial sums are reduced); the head is column-parallel over the
 vocabulary and the loss is computed on those shards (``loss_parallel``), so the full
-b x s x vocab logits are never gathered.
+b x s x vocab logits are never gathered. With ``train.loss_chunk_size`` the head runs inside
+the chunked loss, one chunk of tokens at a time, its log-sum-exp all-reduced over tp.
 
 DTensor's ``parallelize_module`` styles cover all of this; this file only says which
 style goes where.
@@ -68,6 +69,18 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+class VocabParallelHead(ColwiseParallel):
+    """The head: column-parallel over the vocabulary. Its output is the vocab-sharded logits
+    (a DTensor, for loss_parallel), or, when the chunked loss calls it with ``loss_fn``
+    (models/chunked_loss.py), that loss's plain replicated value, passed through."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
 def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The Megatron layout of one transformer block, keyed by submodule name.
 
@@ -97,11 +110,12 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 def outer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Embedding, final norm and head. The head keeps its vocab-sharded logits as a
-    DTensor (``use_local_output=False``) for the loss-parallel cross-entropy."""
+    DTensor (``use_local_output=False``) for the loss-parallel cross-entropy; the chunked
+    loss instead reduces its log-sum-exp over the tp group itself."""
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+        "output": VocabParallelHead(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
     }
     plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     return plan

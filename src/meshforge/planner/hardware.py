@@ -48,7 +48,7 @@ class Hardware:
     optimizer_fixed_s: float = 0.0
     tp_block_fixed_s: float = 0.0  # the block's fixed cost sharded over tp (DTensor dispatch), less its collectives' α
     # per layout kind ("tp", "fsdp"): seconds a tiny model trained that way costs whatever its size
-    # (planner/calibrate_fixed.py): "block" and "ends" (embedding, head, loss) per micro-batch,
+    # (calibration/layout_fixed.py): "block" and "ends" (embedding, head, loss) per micro-batch,
     # "block_step" and "ends_step" per step (gradient reduction, clipping, optimizer); they include
     # that kind's collectives' latency. Replace block_fixed_s/optimizer_fixed_s for that kind.
     layout_fixed_s: dict = field(default_factory=dict)

@@ -8,6 +8,7 @@ Megatron/TE runs and ``train.compile``) and the chunked loss unless told otherwi
 from __future__ import annotations
 
 from meshforge.layout import Layout
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.context_parallel_cost import (
     local_tokens,
@@ -39,7 +40,7 @@ def allocated_state_bytes(shape: ModelShape, lay: Layout, psi: float, precision:
     splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded
     rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/zero1.py) splits flat buffers evenly."""
     n = lay.dp * lay.cp
-    if lay.zero_stage >= 2 and n > 1:
+    if lay.zero_stage >= 2 and (n > 1 or lay.offload == "cpu"):  # FSDP2 (a world of one: when offloading)
         return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
     states = model_state_bytes(psi, n, lay.zero_stage, precision)
     if lay.zero_stage == 1 and n > 1 and precision not in ("bf16", "fp8"):
@@ -164,7 +165,7 @@ def stage_state_bytes(shape: ModelShape, lay: Layout, precision: str) -> dict[st
     return {k: v + experts[k] for k, v in states.items()}
 
 
-LOSS_CHUNK = 1024  # train.loss_chunk_size's default: the loss never holds more logits rows than this
+LOSS_CHUNK = DEFAULT_CHUNK  # train.loss_chunk_size's default: the loss never holds more logits rows than this
 
 
 def activation_parts(
@@ -185,6 +186,8 @@ def activation_parts(
     moe = moe_costs.activation_delta_bytes(shape, mb * tokens, lay.tp, ac, bpe)
     act_layer += moe_costs.moe_layers_on_stage(shape, lay.pp) / layers * moe
     loss = loss_bytes(mb * tokens, shape.vocab_size / lay.tp, precision, loss_chunk)
+    if 0 < loss_chunk < mb * tokens:  # the chunked loss's fp32 head-gradient accumulator
+        loss += shape.vocab_size * shape.hidden / lay.tp * 4
     if ac == "full":
         loss = max(loss, activation_bytes_per_layer(*args, "none", bpe, rb, eager=not compiled))
     first = act_layer * held_layers(shape, lay)
@@ -210,9 +213,10 @@ def _buffers(shape: ModelShape, lay: Layout, psi: float, per_layer: float, preci
     """Communication buckets, FSDP2's gathered parameters, offload staging (bytes)."""
     psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
     w = 2 if precision != "fp32" else 4
-    if lay.zero_stage == 2 and lay.dp > 1:
+    fsdp = lay.dp > 1 or lay.offload == "cpu"  # (a world of one offloads on a one-rank FSDP2 mesh)
+    if lay.zero_stage == 2 and fsdp:
         gathered = psi * w  # parameters kept gathered from forward to backward
-    elif lay.zero_stage == 3 and lay.dp > 1:
+    elif lay.zero_stage == 3 and fsdp:
         gathered = 2 * per_layer * w  # the running block and the prefetched one
     else:
         gathered = 0.0

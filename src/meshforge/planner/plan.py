@@ -4,10 +4,11 @@ train config), search, and print or write the answer."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from meshforge.config import load_config, tomllib
@@ -15,7 +16,8 @@ from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
-from meshforge.planner import report
+from meshforge.planner import diloco_costs
+from meshforge.planner import output as report
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Ranked, search
@@ -86,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_training_arguments(p)
     _add_cluster_arguments(p)
     _add_fixed_arguments(p)
+    diloco_costs.add_arguments(p, whole, real)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=whole(), default=10, metavar="N", help="rows of the ranking to show (default 10)")
     o.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
@@ -349,8 +352,10 @@ def run(args: argparse.Namespace) -> int:
     results, considered, shape, hw = pl.results, pl.considered, pl.shape, pl.hw
     gb, seq, precision, preset = pl.global_batch, pl.seq, pl.precision, pl.preset
     elapsed = time.perf_counter() - t0
+    islands = diloco_costs.island_costs(shape.num_params(), results[0].step_time_s, args) if args.islands > 1 else None
     if args.json:
-        print(report.as_json(results, args.top, shape, considered, results.refused))
+        text = report.as_json(results, args.top, shape, considered, results.refused)
+        print(text if islands is None else json.dumps({**json.loads(text), "islands": asdict(islands)}, indent=1))
     else:
         active = shape.active_params()
         moe = "" if active == shape.num_params() else f" ({active / 1e9:.2f}B active, {shape.num_experts} experts)"
@@ -365,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
         print(report.table(results, args.top, results.refused))
         print("\nthe fixed layout, explained:" if results.fits_nothing else "\nbest layout, explained:")
         print(report.explain(results[0], hw.hbm_gib))
+        if islands is not None:
+            print(diloco_costs.describe(islands, args))
     if args.emit_config and results.fits_nothing:
         raise ConfigError(f"--emit-config: the fixed layout does not fit ({results[0].overflow})")
     if args.emit_config:

@@ -8,7 +8,8 @@ ones, marked with the reason, so the planner never recommends a layout training 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from meshforge.errors import ConfigError
@@ -127,11 +128,12 @@ def _ep_choices(shape: ModelShape, dp_cp: int, f: Layout) -> list[int]:
 
 
 def _zero_choices(dp_cp: int, ep: int, f: Layout) -> list[int]:
-    """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3."""
+    """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3,
+    as is CPU offload on one data-parallel rank (the layout rule refuses it except on a world of one)."""
     if f.zero_stage is not None:
         return [f.zero_stage]
-    if dp_cp == 1:
-        return [0]
+    if dp_cp == 1:  # a world of one offloads on a one-rank FSDP2 mesh (ZeRO-2/3; dims.offload_problem)
+        return [2, 3] if f.offload == "cpu" else [0]
     return [2, 3] if ep > 1 else [0, 1, 2, 3]
 
 
@@ -163,9 +165,19 @@ def _per_rank_choices(
                     )
 
 
-def layouts(shape: ModelShape, gpus: int, global_batch: int, seq: int, f: Layout, gpus_per_node: int):
-    """Every layout the rules let exist, with (runnable, reason)."""
+def layouts(
+    shape: ModelShape,
+    gpus: int,
+    global_batch: int,
+    seq: int,
+    f: Layout,
+    gpus_per_node: int,
+    stop: Callable[[], bool] | None = None,
+):
+    """Every layout the rules let exist, with (runnable, reason); ends early when ``stop()`` says so."""
     for lay in candidates(shape, gpus, global_batch, seq, f, gpus_per_node):
+        if stop is not None and stop():
+            return
         exists, reason = judge(lay, shape, seq, global_batch, gpus_per_node)
         if exists:
             yield lay, reason
@@ -193,6 +205,7 @@ class Ranked(list):
 
     refused: list[Estimate] = []
     fits_nothing: bool = False
+    partial: bool = False  # the search stopped at its deadline: the best of the layouts it got to
 
 
 def fully_fixed(f: Layout, gpus: int | None = None) -> bool:
@@ -221,6 +234,7 @@ class _Scan:
     overflowing: list[Estimate] = field(default_factory=list)  # kept when every degree is fixed
     smallest: Estimate | None = None
     considered: int = 0
+    partial: bool = False
 
 
 def _scan(
@@ -232,9 +246,10 @@ def _scan(
     seq: int,
     precision: str,
     f: Layout,
+    stop: Callable[[], bool] | None = None,
 ) -> _Scan:
     out, keep_all = _Scan(), fully_fixed(f, gpus)
-    for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node):
+    for lay, reason in layouts(shape, gpus, global_batch, seq, f, gpus_per_node, stop):
         out.considered += 1
         e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
         e.not_runnable = reason
@@ -245,6 +260,7 @@ def _scan(
                 out.overflowing.append(e)
             if out.smallest is None or e.memory["total"] < out.smallest.memory["total"]:
                 out.smallest = e
+    out.partial = stop is not None and stop()  # the loop ended at the deadline (or the caller left)
     return out
 
 
@@ -258,6 +274,8 @@ def search(
     precision: str,
     fixed: Layout,
     max_gpus: int = 2**20,
+    deadline: float | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> tuple[Ranked, int]:
     """Fitting layouts that meshforge train runs, fastest first (``.refused``: fitting ones it
     does not run, with the reason), and how many were considered. When only refused layouts
@@ -266,25 +284,71 @@ def search(
     (``fits_nothing``); an open search that fits nothing is refused with what would fit.
     When none fits, the error names the smallest cluster of up to ``max_gpus`` that does.
     CPU offload (``fixed.offload``, ``offload_modes``) is searched only when nothing runnable
-    fits without it, unless fixed; never for a fixed layout (``fully_fixed``) unless asked."""
+    fits without it, unless fixed; never for a fixed layout (``fully_fixed``) unless asked.
+    ``deadline`` (a ``time.monotonic()`` time) and ``cancelled`` end the search early: the
+    ranking is then of the layouts considered so far, marked ``partial``."""
     check_fixed(shape, gpus, fixed, gpus_per_node)
     modes = offload_modes(fixed, hw)
     if fully_fixed(fixed, gpus) and fixed.offload is None:
         modes = ["none"]  # a fixed layout is answered as asked: offloaded only with --offload cpu
     scans: list[_Scan] = []
+    stop = _stopper(deadline, cancelled)
     for mode in modes:
-        scans.append(_scan(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, replace(fixed, offload=mode)))
-        if any(not e.not_runnable for e in scans[-1].fitting):
+        f = replace(fixed, offload=mode)
+        scans.append(_scan(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, f, stop))
+        if scans[-1].partial or any(not e.not_runnable for e in scans[-1].fitting):
             break
+    ranked, considered = _rank(
+        scans, shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed, max_gpus, stop
+    )
+    ranked.partial = any(sc.partial for sc in scans)
+    return ranked, considered
+
+
+def _stopper(deadline: float | None, cancelled: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """One check for the candidate loop: past the deadline, or the caller gave up."""
+    if deadline is None and cancelled is None:
+        return None
+    return lambda: (deadline is not None and time.monotonic() > deadline) or (cancelled is not None and cancelled())
+
+
+def _rank(
+    scans: list[_Scan],
+    shape: ModelShape,
+    hw: Hardware,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq: int,
+    precision: str,
+    fixed: Layout,
+    max_gpus: int,
+    stop: Callable[[], bool] | None = None,
+) -> tuple[Ranked, int]:
+    """The scans' answer (see ``search``); ``stop`` bounds the hunt for a larger cluster."""
+    modes = offload_modes(fixed, hw)
     fitting = [e for sc in scans for e in sc.fitting]
     overflowing = [e for sc in scans for e in sc.overflowing]
     considered = sum(sc.considered for sc in scans)
     if not fitting and overflowing:
         return _overflowing(overflowing), considered
+    if not fitting and any(sc.partial for sc in scans):
+        raise ConfigError(
+            f"the search stopped at its deadline after {considered} layouts of {shape.name} on {gpus} GPUs, none of "
+            "them fitting yet; fix some degrees (tp, pp, ZeRO stage, micro-batch) to narrow it"
+        )
     if not fitting:
         tried = [sc.smallest for sc in scans if sc.smallest is not None]
         smallest = min(tried, key=lambda e: e.memory["total"]) if tried else None
-        bigger = smallest_cluster(shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed, max_gpus)
+        try:
+            bigger = smallest_cluster(
+                shape, hw, gpus, gpus_per_node, global_batch, seq, precision, fixed, max_gpus, stop
+            )
+        except _Stopped:
+            raise ConfigError(
+                f"{shape.name} fits no layout on {gpus} x {hw.name} ({considered} considered); the search for a larger "
+                "cluster that fits stopped at its deadline: try more GPUs, GPUs with more memory or a smaller model"
+            ) from None
         msg = no_fit_message(shape, hw, gpus, considered, smallest, precision, bigger, max_gpus, global_batch)
         raise ConfigError(msg + (" (CPU offload searched too)" if "cpu" in modes and considered else ""))
     fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory["total"]))
@@ -293,6 +357,10 @@ def search(
         return Ranked(fitting), considered
     runs.refused = [e for e in fitting if e.not_runnable]
     return runs, considered
+
+
+class _Stopped(Exception):
+    """The deadline passed during the hunt for a larger cluster."""
 
 
 def smallest_cluster(
@@ -305,6 +373,7 @@ def smallest_cluster(
     precision: str,
     f: Layout,
     max_gpus: int = 2**20,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[int, Estimate] | None:
     """The first power-of-two multiple of ``gpus`` (up to ``max_gpus``) on which some layout
     fits, with its fastest layout; the data-parallel degree is left free, offload as in search."""
@@ -313,10 +382,12 @@ def smallest_cluster(
         for mode in offload_modes(f, hw):  # at each size without offload first, as search does
             best = None
             free = f.replace(dp_shard=None, offload=mode)
-            for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node):
+            for lay, reason in layouts(shape, n, global_batch, seq, free, gpus_per_node, stop):
                 e = estimate(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
                 if e.fits and not reason and (best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
                     best = e
+            if stop is not None and stop():
+                raise _Stopped
             if best is not None:
                 return n, best
         n *= 2

@@ -1,6 +1,7 @@
 """The HTML run report: read what a run directory holds (even a crashed run's partial files)
-and write one self-contained page — curves, events, config and the planner's prediction
-beside what was measured — that opens offline in any browser."""
+and write one self-contained page — curves (uPlot, inlined), where the wall time went, events,
+config and the planner's prediction beside what was measured — that opens offline in any
+browser, from file:// too."""
 
 from __future__ import annotations
 
@@ -14,18 +15,9 @@ from typing import Any
 from meshforge.errors import MeshforgeError
 from meshforge.planner.hardware import PRESETS, preset_for_device
 from meshforge.planner.plan import parse_plan_args, plan_from_args
-from meshforge.report.svg import COLORS, Series, line_chart, pipeline_timeline
-
-# (metric key in metrics.jsonl, chart title)
-CHARTS = (
-    ("lr", "learning rate"),
-    ("grad_norm", "gradient norm"),
-    ("tokens_per_s", "tokens/s"),
-    ("mfu", "MFU (model FLOPs utilization)"),
-    ("hfu", "HFU (hardware FLOPs utilization)"),
-    ("peak_mem_gib", "peak memory (GiB)"),
-    ("state_mem_gib", "model + optimizer state memory (GiB)"),
-)
+from meshforge.report.breakdown import breakdown_html, event_row
+from meshforge.report.charts import CHARTS, COLORS, Series, page_script, panels, spec, vendored
+from meshforge.report.timeline import pipeline_timeline
 
 
 @dataclass
@@ -167,12 +159,12 @@ def _comm_series(runs: list[Run]) -> list[Series]:
     return out
 
 
-def charts(runs: list[Run]) -> list[str]:
-    """Every metric's chart, all runs overlaid."""
-    out = [line_chart("loss", "loss (solid) and validation loss (dashed)", _loss_series(runs))]
-    out += [line_chart(key, title, _series(runs, key)) for key, title in CHARTS]
-    out.append(line_chart("comm_bytes", "communication bytes per step, by mesh axis", _comm_series(runs)))
-    return out
+def charts(runs: list[Run]) -> list[dict[str, Any]]:
+    """Every metric's chart spec, all runs overlaid; metrics no run has are left out."""
+    out = [spec("loss", "loss (solid) and validation loss (dashed)", "", _loss_series(runs))]
+    out += [spec(key, title, unit, _series(runs, key)) for key, title, unit in CHARTS]
+    out.append(spec("comm_bytes", "communication bytes per step, by mesh axis", "B", _comm_series(runs)))
+    return [c for c in out if c is not None]
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -240,47 +232,55 @@ def events_table(run: Run) -> str:
     if not run.events:
         return "<p>no events.jsonl</p>"
     t0 = next((e["time"] for e in run.events if isinstance(e.get("time"), (int, float))), 0.0)
-    rows = []
-    for e in run.events:
-        kind = str(e.get("event", "?"))
-        t = e.get("time")
-        details = {k: v for k, v in e.items() if k not in ("time", "event")}
-        text = json.dumps(details, default=str)
-        if len(text) > 600:
-            text = text[:600] + " …"
-        cls = ' class="key-event"' if kind in EVENT_KINDS else ""
-        rows.append(
-            f"<tr{cls}><td>{_fmt(t - t0 if isinstance(t, (int, float)) else None, '.2f')}</td>"
-            f'<td class="event">{escape(kind)}</td><td><code>{escape(text)}</code></td></tr>'
-        )
-    return '<table class="events"><tr><th>t (s)</th><th>event</th><th>details</th></tr>' + "".join(rows) + "</table>"
+    rows = "".join(event_row(e, t0, e.get("event") in EVENT_KINDS) for e in run.events)
+    head = "<tr><th>time (s)</th><th>step</th><th>event</th><th>details</th></tr>"
+    return f'<table class="events">{head}{rows}</table>'
 
 
 CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1240px}
 h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}h3{font-size:.95em;margin:.3em 0}
 table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ddd;padding:3px 6px;vertical-align:top}
 th{background:#f4f4f4}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart{border:1px solid #eee;padding:6px}
 .tick{font-size:10px;fill:#555}.legend{font-size:.8em}.key{margin-right:1em;white-space:nowrap}
 .swatch{display:inline-block;width:10px;height:10px;margin-right:4px}.err{color:#b00}
 tr.key-event td.event{font-weight:bold}pre{background:#f8f8f8;padding:8px;font-size:.8em;overflow:auto}
-.nodata{color:#888}code{font-size:.9em;word-break:break-all}
+.nodata{color:#888}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.field{display:inline-block;margin-right:1em}.field b{font-weight:600;color:#555}
+.stack{display:flex;height:22px;width:600px;border:1px solid #ccc;margin:4px 0 8px}.stack .part{height:100%}
+.u-legend td,.u-legend th{border:none;background:none}.u-legend{font-size:12px}
+.u-legend .u-marker{width:18px;height:0;border-width:3px 0 0 0!important}
 """
+
+
+def _breakdowns(runs: list[Run]) -> list[str]:
+    parts = [breakdown_html(r.name, r.summary.get("time_breakdown") or {}) for r in runs]
+    parts = [p for p in parts if p]
+    if not parts:
+        return []
+    note = (
+        "<p><small>From summary.json: every step's host time split in the proportions measured on the "
+        "logged steps; checkpoints, evaluation and logging timed on the host; other is the rest.</small></p>"
+    )
+    return ["<h2>Where the wall time went</h2>", note, *parts]
 
 
 def build_html(runs: list[Run]) -> str:
     """The whole page for one or more runs (their curves overlaid, one colour per run)."""
     names = ", ".join(r.name for r in runs)
+    specs = charts(runs)
+    _, css = vendored()
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>meshforge report: {escape(names)}</title>",
-        f"<style>{CSS}</style></head><body><h1>meshforge run report: {escape(names)}</h1>",
+        f"<style>{css}</style><style>{CSS}</style></head><body><h1>meshforge run report: {escape(names)}</h1>",
         "<h2>Overview: measured and predicted</h2>",
         overview(runs),
         "<p><small>Measured: medians past the first logged step; planner: <code>meshforge plan --config "
         "RUN_DIR/config.toml --gpus WORLD</code> for that exact layout.</small></p>",
-        '<h2>Curves</h2><div class="charts">',
-        *charts(runs),
+        '<h2>Curves</h2><p><small>Hover a chart for the values at a step.</small></p><div class="charts">',
+        panels(specs) if specs else '<p class="nodata">no logged steps</p>',
         "</div>",
+        *_breakdowns(runs),
     ]
     for r in runs:
         if r.timeline:
@@ -293,7 +293,7 @@ def build_html(runs: list[Run]) -> str:
         body = escape(r.config_text) if r.config_text else "(no config.toml)"
         parts.append(f"<h2>Config: {escape(r.name)}</h2><details open><summary>config.toml</summary>")
         parts.append(f'<pre class="config">{body}</pre></details>')
-    parts.append("</body></html>\n")
+    parts += [page_script(specs), "</body></html>\n"]
     return "\n".join(parts)
 
 
@@ -303,5 +303,12 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         raise MeshforgeError("give at least one run directory")
     runs = [load_run(d) for d in run_dirs]
     path = Path(out) if out else runs[0].path / "report.html"
-    path.write_text(build_html(runs))
+    html = build_html(runs)
+    part = path.with_name(f".{path.name}.part")  # never a half-written (or 0-byte) report: write, then rename
+    try:
+        part.write_text(html)
+        part.replace(path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     return path

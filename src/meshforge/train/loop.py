@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,30 +20,35 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshforge import faults, launch_env
+from meshforge import faults, launch_env, run_lock
+from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
+from meshforge.health.step_watch import StepWatch
 from meshforge.metrics.mfu import peak_flops
+from meshforge.metrics.progress import is_logged, slow_step_line
 from meshforge.metrics.sinks import MetricsLogger
+from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
+from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
 from meshforge.models.flops import num_params
 from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.compile import compile_plan_event
+from meshforge.parallel.diloco import build_diloco
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
 from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import layout, resolve
-from meshforge.train.checkpointing import CheckpointManager, read_resume_point
 from meshforge.train.evaluate import Evaluator
-from meshforge.train.metrics import StepMetrics, end_line, resume_hint, start_line
+from meshforge.train.failure import on_failure
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
-from meshforge.train.run_dir import agree_on_start, event_writer, open_data, preflight, write_run_report
+from meshforge.train.run_dir import agree_on_start, open_data, preflight
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
-from meshforge.train.step_watch import StepWatch
 from meshforge.train.stop import StopRequest
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -70,9 +74,10 @@ class Trainer:
         self.args, self.model, self.pipeline = built.args, built.model, built.pipeline
         self.optimizer = build_optimizer(self.model, cfg, mesh)
         install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
+        self.diloco = build_diloco(cfg, mesh, self.model, self.optimizer)  # None unless diloco.islands > 1
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
-        self.local_batch = t.global_batch_size // mesh.dp_size
+        self.local_batch = t.global_batch_size // mesh.dims.data_ranks  # DiLoCo islands take their own slices
         self.micro = self.local_batch // self.pipeline.m if self.pipeline else t.micro_batch_size or self.local_batch
         self.accum = self.local_batch // self.micro  # the pipeline schedule runs its micro-batches itself
         self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
@@ -83,6 +88,7 @@ class Trainer:
         self.gantt_step = min(3, t.steps) if self.pipeline else 0  # past the first steps' warm-up
         self.peak = peak_flops(self.device, self.precision)
         self.metrics = StepMetrics(cfg, self.args, mesh.world_size, self.peak, self.device)
+        self.phases = PhaseTimer()  # host time of checkpoint, eval and logging (time_breakdown)
         self._start_run(stream, resume, built.train_model)
 
     def _start_run(self, stream: TextIO | None, resume: Path | None, train_model: torch.nn.Module) -> None:
@@ -93,7 +99,9 @@ class Trainer:
         if mesh.is_main:
             m = cfg.metrics
             self.logger = MetricsLogger(Path(cfg.run.dir), cfg.train.steps, m.console, m.jsonl, m.tensorboard, stream)
-        self.checkpoints = CheckpointManager(cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event)
+        self.checkpoints = RunCheckpoints(
+            cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event, self.diloco
+        )
         if launch_env.restart_count():
             self.event("restart", attempt=launch_env.restart_count(), resume_from=str(resume) if resume else None)
         if resume:
@@ -111,6 +119,10 @@ class Trainer:
         self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
         self.watch = StepWatch(self)  # health checks, profiler, time breakdown
 
+    def reposition_schedule(self) -> None:
+        """The LR schedule at the current step (after a rollback loaded an older checkpoint)."""
+        self.scheduler = self.runner.scheduler = build_scheduler(self.optimizer, self.cfg, self.state.step)
+
     def event(self, name: str, **fields: Any) -> None:
         if self.logger:
             self.logger.event(name, **fields)
@@ -122,10 +134,12 @@ class Trainer:
     def step_once(self, measure: bool = True) -> StepResult:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
-        idx = self.state.sampler.next_batch(self.mesh.dp_rank, self.mesh.dp_size)
+        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.dims.data_ranks)
         batch = self.data.train.get(idx).to(self.device, non_blocking=True)
         with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
             result = self.runner.run(batch, measure)
+            if self.diloco:  # the outer sync (counted on the "island" axis)
+                self.diloco.after_step(self.state.step + 1)
         if measure:
             self.state_mem = result.state_mem or {}
             self.comm_bytes = self.comm.snapshot() if self.comm else {}
@@ -156,7 +170,7 @@ class Trainer:
                 self.logger.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, Any]:
-        t, log, st = self.cfg.train, self.logger, self.state
+        t, st = self.cfg.train, self.state
         if st.step >= t.steps:  # resumed from a checkpoint at (or past) the end
             self.event("nothing_to_do", step=st.step, steps=t.steps)
             self.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
@@ -165,21 +179,20 @@ class Trainer:
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
             n = st.step + 1
-            logged = n % self.cfg.metrics.log_interval == 0 or n == t.steps
+            logged = is_logged(n, self.cfg.metrics.log_interval, t.steps)
             last = n == t.steps or stop.stop_after(n, logged)
             t0 = self.watch.before_step(n)
             result = self.step_once(measure=logged or last or n == self.gantt_step)
             if self.watch.after_step(n):  # went back to a checkpoint
                 continue
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
-            self.metrics.add(time.perf_counter() - t0, result)
-            if logged or last:
-                extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats, "moe": self.moe_stats}
-                rec = self.metrics.record(n, st.tokens_seen, result, extra)
-                if log:
-                    log.log_step(rec)
-            self.checkpoints.checkpointer.poll()
-            self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
+            dt = time.perf_counter() - t0
+            self.metrics.add(dt, result)
+            with self.phases("logging"):
+                self._log_step(n, result, logged or last, dt)
+            with self.phases("checkpoint"):
+                self.checkpoints.checkpointer.poll()
+                self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
             if t.eval_interval and n % t.eval_interval == 0 and not last:
                 self._evaluate_and_log()
             if last and n < t.steps:
@@ -187,9 +200,10 @@ class Trainer:
                 self.event("interrupted", step=n)
                 break
         self.watch.close()
-        self.checkpoints.checkpointer.wait()
-        wall = time.perf_counter() - t_start
+        with self.phases("checkpoint"):
+            self.checkpoints.checkpointer.wait()
         val_loss = self._evaluate_and_log() if t.eval_batches else None
+        wall = time.perf_counter() - t_start
         summary = self.metrics.summary(
             self.runner.reduce_loss,
             steps=st.step,
@@ -198,6 +212,8 @@ class Trainer:
             wall_time_s=wall,
             val_loss=val_loss,
         )
+        parts = self.metrics.breakdown_sum
+        summary["time_breakdown"] = run_breakdown(wall, sum(self.metrics.times), parts, self.phases.totals)
         if self.mesh.is_main:
             (Path(self.cfg.run.dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         self.checkpoints.export_final(pipelined=self.pipeline is not None)
@@ -206,8 +222,21 @@ class Trainer:
         self.say(resume_hint(self.cfg, self.mesh.world_size, finished=not interrupted))
         return summary
 
+    def _log_step(self, n: int, result: StepResult, logged: bool, dt: float) -> None:
+        """Record and write logged step ``n``; a word on an unlogged step that was slow."""
+        if not logged:
+            slow = slow_step_line(n, self.cfg.train.steps, dt, self.cfg.metrics.log_interval)
+            if slow:
+                self.say(slow)
+            return
+        extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats, "moe": self.moe_stats}
+        rec = self.metrics.record(n, self.state.tokens_seen, result, extra)
+        if self.logger:
+            self.logger.log_step(rec)
+
     def _evaluate_and_log(self) -> float | None:
-        v = self.evaluate()
+        with self.phases("eval"):
+            v = self.evaluate()
         if self.logger and v is not None:
             self.logger.log_eval(self.state.step, v)
         return v
@@ -230,6 +259,8 @@ class Trainer:
         )
         if self.precision == "fp8":
             self._announce_fp8()
+        if self.cfg.train.compile:  # which blocks compile whole, and why the others do not
+            self.event("compile", **compile_plan_event(list(getattr(self.model, "layers", {}).values())))
 
     def _announce_fp8(self) -> None:
         """The fp8 boundary as an event (every converted and excluded module, and why), and
@@ -262,13 +293,15 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
             clean = True
             return result
-        except Exception as e:
-            event_writer(cfg)("failure", rank=mesh.rank, error=f"{type(e).__name__}: {e}"[:2000])
-            if mesh.is_main:
-                print(f"meshforge: the run failed; {resume_hint(cfg, mesh.world_size, False)}", file=sys.stderr)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            instead = on_failure(cfg, mesh.rank, mesh.world_size, e)
+            if instead is not None:
+                raise instead from None
             raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         shutdown(clean)
         if launch_env.rank() == 0:
-            write_run_report(cfg)
+            run_lock.release(Path(cfg.run.dir))

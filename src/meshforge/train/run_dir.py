@@ -19,19 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge import run_lock
 from meshforge.checkpoint import store
-from meshforge.checkpoint.manager import resolve_load
+from meshforge.checkpoint.saver import resolve_load
 from meshforge.config import Config, to_toml
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
+from meshforge.disk import check_disk
 from meshforge.errors import ConfigError, DataError
+from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
 from meshforge.models.presets import model_args_from_config
 from meshforge.parallel.fp8 import model_fp8_plan
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import resolve_precision
-from meshforge.report import write_report
 from meshforge.resolve import resolve
 
 
@@ -120,6 +122,8 @@ def preflight(cfg: Config, world_size: int) -> Config:
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(cfg)
     check_run_dir(cfg)
+    refuse_binary(cfg.data.path, cfg.data.allow_binary)
+    check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
     open_data(cfg)
     return cfg
 
@@ -128,6 +132,8 @@ def prepare_run_dir(cfg: Config) -> Path:
     """Create run.dir (clearing an old run only when run.overwrite is set and this is not a
     restart) and write config.toml."""
     run_dir = check_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_lock.hold(run_dir, quiet=restart_count() > 0)  # before touching anything in it
     if cfg.run.overwrite and restart_count() == 0:
         for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
@@ -137,27 +143,6 @@ def prepare_run_dir(cfg: Config) -> Path:
     (run_dir / "config.toml").write_text(to_toml(cfg))
     store.clean_incomplete(run_dir / "checkpoints")
     return run_dir
-
-
-def trim_metrics(run_dir: Path, step: int) -> int:
-    """Drop metrics.jsonl records after ``step`` (they are recomputed after a resume), so the
-    file keeps one record per step. Returns how many were dropped."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            dropped += 1
-            continue
-        if rec.get("step", 0) <= step:
-            kept.append(line)
-        else:
-            dropped += 1
-    path.write_text("".join(x + "\n" for x in kept))
-    return dropped
 
 
 def event_writer(cfg: Config) -> Callable[..., None]:
@@ -191,15 +176,3 @@ def agree_on_start(cfg: Config, mesh: Mesh) -> tuple[Config, str | None]:
     dist.broadcast_object_list(obj, src=0)
     run = dataclasses.replace(cfg.run, dir=obj[0])
     return dataclasses.replace(cfg, run=run, train=dataclasses.replace(cfg.train, precision=obj[1])), obj[2]
-
-
-def write_run_report(cfg: Config) -> None:
-    """run.dir/report.html from whatever the run wrote; a report error is logged as an
-    event (``report_failed``), never raised over the run's own outcome."""
-    run_dir = Path(cfg.run.dir)
-    if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
-        return
-    try:
-        write_report([run_dir], run_dir / "report.html")
-    except Exception as e:  # noqa: BLE001 - the report must never hide the training outcome
-        event_writer(cfg)("report_failed", error=f"{type(e).__name__}: {e}"[:2000])

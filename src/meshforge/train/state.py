@@ -2,7 +2,7 @@
 got (step, tokens seen), where the data order stands (the sampler) and the RNG streams.
 
 step, tokens_seen and the sampler go into the checkpoint's meta.json (rank 0's, shared by
-all ranks); the RNG is per rank (rank-NNNNN.json, written by the Checkpointer) and is only
+all ranks); the RNG is per rank (rank-NNNNN.json, written by the CheckpointSaver) and is only
 put back when the layout is the same, since another layout's ranks draw other streams.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshforge.checkpoint.manager import rng_state, set_rng_state
+from meshforge.checkpoint.saver import rng_state, set_rng_state
 from meshforge.data.sampler import GlobalBatchSampler
 
 

@@ -24,6 +24,7 @@ from meshforge.config import Config
 from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.compile import compile_loss
 from meshforge.parallel.context_parallel import cp_index
 from meshforge.parallel.data_parallel import gradient_sync
 from meshforge.parallel.grad_clip import clip_grad_norm
@@ -72,6 +73,8 @@ class StepRunner:
         # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
         self.cp_index = cp_index(cfg, mesh)
         self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
+        # the loss as one compiled call (parallel/compile.py); under tp its loss-parallel DTensors stay eager
+        self.loss_fn = compile_loss(loss) if cfg.train.compile and mesh.degrees["tp"] == 1 else loss
 
     def run(self, batch: torch.Tensor, measure: bool) -> StepResult:
         """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one update."""
@@ -148,7 +151,7 @@ class PlainStep(StepRunner):
             with gradient_sync(self.train_model, last or self.sync_all), self.loss.context():
                 with self.forward_context():
                     logits = self.train_model(inputs[sl], self.positions)
-                loss = self.loss(logits, targets[sl], self.model)
+                loss = self.loss_fn(logits, targets[sl], self.model)
                 if measure and last and self.sharded:
                     gathered = gathered_param_bytes(self.model)  # what ZeRO-2 keeps gathered for backward
                 (loss / self.accum).backward()

@@ -9,11 +9,12 @@ None of that is visible in a collective's or a matmul's micro-benchmark, and its
 block differs between the model's blocks and its ends (embedding, head, loss, optimizer).
 
 So a tiny model (a few tokens, tiny hidden size: the work is nothing, the fixed costs are
-everything) is trained here the way ``meshforge train`` trains it - the same
-``parallelize``, loss, clipping and AdamW - on the calibrating ranks, with 1 and 3 blocks.
-The difference per block is the block's share; what 1 block leaves is the ends'. Measured
-separately: a micro-batch's forward + backward without gradient reduction, and a whole
-step's last micro-batch with the reduction, clipping and the optimizer step.
+everything) is trained here by ``meshforge train``'s own step runner (train/step.py, built
+from the same parts: ``parallelize``, loss, clipping, AdamW, LR schedule) on the calibrating
+ranks, with 1 and 3 blocks. The difference per block is the block's share; what 1 block
+leaves is the ends'. Measured separately: a micro-batch's forward + backward without
+gradient reduction, and a whole step's last micro-batch with the reduction, clipping and
+the optimizer step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from collections.abc import Callable
 
 import torch
 
+from meshforge.config import load_config
+from meshforge.parallel.mesh import build_mesh
+from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
+from meshforge.resolve import layout, resolve
+from meshforge.train.model_setup import build_rank_model
+from meshforge.train.moe_stats import install_step_hook
+from meshforge.train.optimizer import build_optimizer, build_scheduler
+from meshforge.train.step import PlainStep
+
 KINDS = {  # layout kind -> config overrides over the calibrating ranks
     "tp": {"parallel.tp": -1, "parallel.dp_shard": 1},
     "fsdp": {"parallel.zero_stage": 3},
@@ -31,22 +41,10 @@ LAYERS = (1, 3)
 TOKENS = 8  # per sequence; one sequence per micro-batch
 
 
-def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) -> tuple[float, float]:
-    """(seconds of a micro-batch's forward + backward without gradient reduction, seconds of a
-    last micro-batch with it plus clipping and the optimizer step) of a tiny ``layers``-block
-    model under ``kind``; every rank calls this."""
-    from meshforge.config import load_config
-    from meshforge.models.llama import build_model
-    from meshforge.models.loss import LanguageModelLoss
-    from meshforge.models.presets import model_args_from_config
-    from meshforge.parallel.data_parallel import gradient_sync
-    from meshforge.parallel.grad_clip import clip_grad_norm
-    from meshforge.parallel.mesh import build_mesh
-    from meshforge.parallel.parallelize import parallelize
-    from meshforge.parallel.tensor_parallel import loss_context, match_grad_layouts
-    from meshforge.resolve import layout, resolve
-    from meshforge.train.optimizer import build_optimizer
-
+def _tiny_runner(kind: str, layers: int, world: int) -> PlainStep:
+    """train/step.py's plain step runner over a tiny ``layers``-block model under ``kind``,
+    built from the parts ``meshforge train`` builds it from (model setup, loss, optimizer,
+    LR schedule, the step's hooks); one micro-batch of one sequence per step."""
     over = {
         **{f"model.{k}": v for k, v in dict(hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256).items()},
         "model.layers": layers,
@@ -55,34 +53,30 @@ def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) 
         "train.micro_batch_size": 1,
         "train.precision": "fp32",
         "train.device": "cpu",
+        "train.seed": 0,
         **KINDS[kind],
     }
     cfg = resolve(load_config(overrides=over), world)
     mesh = build_mesh(layout(cfg, world), "cpu")
-    model = build_model(model_args_from_config(cfg.model), device="meta")
-    train_model = parallelize(model, cfg, mesh, seed=0)
-    opt = build_optimizer(model, cfg, mesh)
-    tp = mesh.degrees["tp"] > 1
-    loss = LanguageModelLoss(lambda: loss_context(tp))
-    x = torch.randint(0, 256, (1, TOKENS + 1))
-    pos = torch.arange(TOKENS)
+    loss = build_loss(cfg, mesh)
+    built = build_rank_model(cfg, mesh, loss)
+    opt = build_optimizer(built.model, cfg, mesh)
+    install_step_hook(opt, built.model, loss, mesh)
+    common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, cfg, 0), "loss": loss}
+    common.update(cfg=cfg, mesh=mesh, sharded=is_sharded(cfg, mesh))
+    return PlainStep(built.train_model, forward_context(cfg, mesh), 1, 1, False, **common)
 
-    def fwd_bwd(sync: bool) -> None:
-        with gradient_sync(train_model, sync), loss.context():
-            loss(train_model(x[:, :-1], pos), x[:, 1:], model).backward()
 
-    def step() -> None:
-        fwd_bwd(True)
-        if tp:
-            match_grad_layouts(model)
-        clip_grad_norm(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.end_step()
-
-    micro = timed(lambda: fwd_bwd(False))
-    opt.zero_grad(set_to_none=True)
-    return micro, timed(step)
+def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) -> tuple[float, float]:
+    """(seconds of a micro-batch's forward + backward without gradient reduction, seconds of a
+    last micro-batch with it plus clipping and the optimizer step) of a tiny ``layers``-block
+    model under ``kind``: a step of one micro-batch is the second; a step of two (the first
+    without gradient reduction) less a step of one is the first. Every rank calls this."""
+    runner = _tiny_runner(kind, layers, world)
+    batch = torch.randint(0, 256, (2, TOKENS + 1))
+    step = timed(lambda: runner.run(batch[:1], measure=False))
+    runner.accum = 2
+    return timed(lambda: runner.run(batch, measure=False)) - step, step
 
 
 def layout_fixed_costs(world: int, timed: Callable[..., float]) -> dict[str, dict[str, float]]:

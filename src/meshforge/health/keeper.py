@@ -15,15 +15,15 @@ import torch.distributed as dist
 
 from meshforge import faults
 from meshforge.checkpoint import store
-from meshforge.checkpoint.manager import resolve_load
+from meshforge.checkpoint.saver import resolve_load
 from meshforge.errors import MeshforgeError
 from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
+from meshforge.health.trainer_view import TrainerView
 from meshforge.health.watchdog import HangWatchdog
-from meshforge.train.optimizer import build_scheduler
-from meshforge.train.run_dir import trim_metrics
-from meshforge.train.trainer_view import TrainerView
+from meshforge.metrics.progress import is_logged
+from meshforge.metrics.sinks import trim_metrics
 
 
 class HealthStop(MeshforgeError):
@@ -122,7 +122,7 @@ class HealthKeeper:
         """Note that step ``n`` starts; returns its start time (perf_counter)."""
         self.guard.arm(n)
         cfg = self.t.cfg
-        self.logged = n % cfg.metrics.log_interval == 0 or n == cfg.train.steps
+        self.logged = is_logged(n, cfg.metrics.log_interval, cfg.train.steps)
         self.compute_s = 0.0
         if self.watchdog:
             self.watchdog.beat(n)
@@ -132,7 +132,7 @@ class HealthKeeper:
     def after_step(self, n: int) -> bool:
         """Report and act on the guard's verdict for step ``n``; True when the run went back
         to a checkpoint (the loop goes on from there)."""
-        if self.stragglers and self.logged:
+        if self.stragglers and self.logged and (n > 1 or self.t.cfg.metrics.log_interval == 1):  # step 1: warm-up
             for found in self.stragglers.check(self.compute_s, n):
                 self.report({"event": "straggler", "action": "log", **found})
         late, self.guard.late = self.guard.late, []
@@ -179,5 +179,5 @@ class HealthKeeper:
         t.say(t.checkpoints.resume(path, meta, dropped))
         skipped = consumed // t.state.sampler.batch - meta["sampler"]["consumed"] // t.state.sampler.batch
         t.state.sampler.consumed = consumed
-        t.scheduler = t.runner.scheduler = build_scheduler(t.optimizer, t.cfg, t.state.step)
+        t.reposition_schedule()
         t.event("rollback", bad_step=bad_step, to_step=t.state.step, path=str(path), batches_skipped=skipped)

@@ -13,13 +13,13 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.optim.lr_scheduler import LambdaLR
 
+    from meshforge.checkpoint.run_checkpoints import RunCheckpoints
     from meshforge.config import Config
     from meshforge.metrics.sinks import MetricsLogger
+    from meshforge.metrics.step_metrics import StepMetrics
     from meshforge.parallel.comm_stats import CommCounter
     from meshforge.parallel.mesh import Mesh
     from meshforge.parallel.pipeline import Pipeline
-    from meshforge.train.checkpointing import CheckpointManager
-    from meshforge.train.metrics import StepMetrics
     from meshforge.train.state import TrainState
     from meshforge.train.step import PipelineStep, PlainStep
 
@@ -34,7 +34,7 @@ class TrainerView(Protocol):
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     state: TrainState
-    checkpoints: CheckpointManager
+    checkpoints: RunCheckpoints
     metrics: StepMetrics
     logger: MetricsLogger | None
     comm: CommCounter | None
@@ -42,3 +42,5 @@ class TrainerView(Protocol):
     def event(self, name: str, **fields: Any) -> None: ...
 
     def say(self, text: str) -> None: ...
+
+    def reposition_schedule(self) -> None: ...

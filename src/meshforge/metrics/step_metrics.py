@@ -13,7 +13,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +24,9 @@ from meshforge.metrics.mfu import utilization
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.llama import ModelArgs
 from meshforge.parallel.fp8 import fp8_emulated
-from meshforge.train.step import StepResult
+
+if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
+    from meshforge.train.step import StepResult
 
 SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 

@@ -1,4 +1,4 @@
-"""When and how a run saves and resumes: synchronous or background saves on a dedicated
+"""How a run saves checkpoints: synchronous or background saves on a dedicated
 process group, completion, retention, choosing what to resume from, and the save cadence.
 
 A background save (``checkpoint.async = true``) goes through ``dcp.async_save``: training
@@ -53,7 +53,7 @@ class SaveStats:
         self.removed: list[Path] = []
 
 
-class Checkpointer:
+class CheckpointSaver:
     """One per rank. ``event`` logs to events.jsonl (rank 0) and may be a no-op elsewhere.
     ``device`` is unused: DCP's own stager makes the host copy of a background save."""
 

@@ -11,11 +11,11 @@ from typing import Any
 from torch import nn
 
 from meshforge.config import to_dict
+from meshforge.health.keeper import HealthKeeper
+from meshforge.health.trainer_view import TrainerView
 from meshforge.metrics.profiler import StepProfiler
 from meshforge.metrics.time_breakdown import StepClock
 from meshforge.metrics.wandb_sink import WandbSink
-from meshforge.train.health import HealthKeeper
-from meshforge.train.trainer_view import TrainerView
 
 
 class StepWatch:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,17 +24,20 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshforge.checkpoint import sharded, store
-from meshforge.checkpoint.manager import Checkpointer, model_shape_hash, young_daly_steps
+from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import save_weights, shape_mismatch
 from meshforge.config import Config, to_toml
 from meshforge.launch_env import restart_count
+from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
 from meshforge.models.llama import ModelArgs
+from meshforge.parallel.diloco import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
-from meshforge.train.run_dir import trim_metrics
-from meshforge.train.state import TrainState
+
+if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
+    from meshforge.train.state import TrainState
 
 
 def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tuple[dict[str, Any] | None, int]:
@@ -47,8 +50,8 @@ def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tupl
     return meta, dropped
 
 
-class CheckpointManager:
-    """One per rank: owns the Checkpointer, the save cadence, resume and the final export."""
+class RunCheckpoints:
+    """One per rank: owns the CheckpointSaver, the save cadence, resume and the final export."""
 
     def __init__(
         self,
@@ -59,11 +62,13 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         state: TrainState,
         event: Callable[..., None],
+        diloco: DiLoCo | None = None,
     ):
         self.cfg, self.mesh, self.args, self.event = cfg, mesh, args, event
+        self.diloco = diloco  # DiLoCo: outer state, and each island's own model and optimizer
         self.model, self.optimizer, self.state = model, optimizer, state
         self.run_dir = Path(cfg.run.dir)
-        self.checkpointer = Checkpointer(
+        self.checkpointer = CheckpointSaver(
             self.run_dir / "checkpoints", mesh.rank, mesh.distributed, cfg.checkpoint.keep, event, mesh.device
         )
         self.interval = cfg.checkpoint.interval
@@ -93,7 +98,11 @@ class CheckpointManager:
 
     def save(self) -> None:
         state = sharded.training_state(self.model, self.optimizer)
+        if self.diloco:
+            state = self.diloco.wrap_state(state)
         self.checkpointer.save(self.state.step, state, self.meta(), background=self.cfg.checkpoint.async_)
+        if self.diloco:
+            self.diloco.settle()
 
     def maybe_save(self, last: bool, step_time_s: float) -> None:
         """Save when the cadence says so (and at the last step when saving at all)."""
@@ -129,7 +138,9 @@ class CheckpointManager:
                 "to the checkpoint's shape, or start a new run (checkpoint.load = none or another run.dir)"
             )
         t0 = time.perf_counter()
-        sharded.load(self.model, self.optimizer, path)
+        sharded.load(self.model, self.optimizer, path, wrap=self.diloco.wrap_state if self.diloco else None)
+        if self.diloco:
+            self.diloco.settle()
         self.state.load_state_dict(meta)
         same_layout = meta["world_size"] == self.mesh.world_size and meta["degrees"] == self.mesh.degrees
         rank_file = path / f"rank-{self.mesh.rank:05d}.json"

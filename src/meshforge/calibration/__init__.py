@@ -1,0 +1,1 @@
+"""`meshforge calibrate`: measure this machine into a hardware profile (planner/hardware.py reads it)."""

@@ -1,0 +1,89 @@
+"""Differences between the torch versions meshforge supports (2.11 to 2.13), in one place.
+
+Every place where the installed torch's behaviour or private API differs goes through a
+function here, so the rest of the code is written once against the newest torch and the
+list of what an older one needs stays short and reviewable. Each entry says which torch
+needs it; when the floor (pyproject.toml) passes that version, the entry goes.
+
+- ``pipeline_stage_fixups``: torch 2.11's multi-stage schedules open every stage's
+  neighbours with a point-to-point handshake, including a stage whose neighbour lives on
+  the same rank (the V-shaped schedules: rank r holds chunks r and 2pp-1-r, so the middle
+  two are neighbours on one rank); gloo cannot send to itself. 2.13 skips that handshake.
+- ``dcp_stager_reusable``: 2.11's ``DefaultStager`` closes itself after every ``stage``
+  call, emptying its deep-copy dispatch table, so a second background save with the same
+  stager dies in ``deepcopy_with_tensor_offload`` with ``KeyError: <class 'type'>`` (the
+  plain ``dict`` at the top of the state finds no copier and is reduced to its class).
+  2.13 keeps the stager (and its cached host buffers) until ``close()``.
+- ``functional_collectives``: the functional collectives DTensor calls (a private module,
+  imported only here), which 2.11 names differently (``all_gather_tensor`` where 2.13 has
+  ``all_gather_single``); communication counting (parallel/comm_stats.py) wraps them.
+
+Other private torch names are used where they are wrapped and listed here: the stage's
+``_post_metadata_inference_cleanup`` (parallel/pipeline_aux.py), the stager's ``_config``
+(checkpoint/sharded.py), ``torch._grouped_mm`` (models/moe.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
+# the oldest torch the whole CPU suite was run on (pyproject.toml's floor; .ci/compat runs it)
+TORCH_FLOOR = "2.11.0"
+
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is ``major.minor`` or newer."""
+    return TORCH_VERSION >= (major, minor)
+
+
+def pipeline_stage_fixups(stage: Any) -> None:
+    """Make ``stage`` (a ``PipelineStage``) run on this torch: on 2.11, drop the start-up
+    handshake with a neighbour on the same rank (see the module docstring)."""
+    init_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if init_ops is None or torch_at_least(2, 13):
+        return
+
+    def ops() -> list:
+        return [op for op in init_ops() if getattr(op, "group_peer", None) != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = ops
+
+
+def dcp_stager_reusable() -> bool:
+    """Whether one DCP ``DefaultStager`` serves many saves (seen on 2.13; 2.12 untested, treated as
+    2.11); else make one per save."""
+    return torch_at_least(2, 13)
+
+
+def functional_collectives() -> tuple[Any, dict[str, str]]:
+    """The functional-collectives module DTensor calls, and which of its functions gather and
+    reduce-scatter a local tensor: ``all_gather_single`` / ``reduce_scatter_single`` on 2.13
+    (whose ``*_tensor`` names are deprecated wrappers around them, so only one set may be
+    counted), ``all_gather_tensor`` / ``reduce_scatter_tensor`` on 2.11. Both take the tensor
+    as ``self``."""
+    import torch.distributed._functional_collectives as funcol  # private module: imported here only
+
+    if hasattr(funcol, "all_gather_single"):
+        return funcol, {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    return funcol, {"all_gather": "all_gather_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+
+
+def mesh_slice_names(dims: tuple[str, ...], flattened: dict[str, tuple[str, ...]], degrees: dict[str, int]) -> tuple:
+    """The names to slice a root mesh by for the sub-mesh ``dims`` (flattened names allowed).
+    torch 2.11 checks that the sliced dimensions' strides ascend, and a flattened dimension
+    of size 1 (e.g. ``dp`` under cp 2 x tp 2) carries a stride that fails it; such a name
+    (or one whose constituents are all size 1 but one) is replaced by that constituent,
+    which is the same ranks. 2.13 slices them as given."""
+    if torch_at_least(2, 13) or len(dims) < 2:
+        return dims
+    out = []
+    for name in dims:
+        parts = flattened.get(name)
+        if parts is not None:
+            big = [p for p in parts if degrees.get(p, 1) > 1]
+            name = big[0] if len(big) == 1 else parts[-1] if not big else name
+        out.append(name)
+    return tuple(out)

@@ -1,0 +1,53 @@
+"""A rank whose peer is gone says so in one line, not a transport traceback.
+
+When one rank of a group ends (its error reported, a hang report written, a crash), the others
+are left in a collective whose connections close under them; gloo and NCCL raise a
+DistBackendError (or a RuntimeError) with a C++ traceback some 60 lines long. That is not the
+cause, so such a rank prints one line pointing at the rank that reports it. If this rank's hang
+watchdog has fired, it is about to exit with the hang's code (3): let it finish its report.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+from meshforge import launch_env
+
+PATTERN = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|Connection refused|"
+    r"NCCL communicator was aborted|ProcessGroup.*(abort|terminat)|Timed out waiting|peer .* closed",
+    re.IGNORECASE,
+)
+PEER_LOST_EXIT = 1
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank went away."""
+    if launch_env.world_size() < 2:
+        return False
+    try:
+        from torch.distributed import DistBackendError, DistNetworkError
+    except ImportError:  # pragma: no cover - torch always has them (>= 2.1)
+        DistBackendError = DistNetworkError = RuntimeError  # noqa: N806
+    if not isinstance(exc, (DistBackendError, DistNetworkError, RuntimeError)):
+        return False
+    return bool(PATTERN.search(str(exc)))
+
+
+def say_peer_lost(exc: BaseException) -> int:
+    """Print the one line and return the exit code (the hang's, when this rank's watchdog fired)."""
+    from meshforge.health import watchdog
+
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    rank = launch_env.rank()
+    print(
+        f"meshforge: rank {rank} stopped: another rank of the run went away ({first}); its own message above says why",
+        file=sys.stderr,
+        flush=True,
+    )
+    if watchdog.FIRED.is_set():  # its thread writes the hang report, then exits with HANG_EXIT
+        time.sleep(60)
+        return watchdog.HANG_EXIT
+    return PEER_LOST_EXIT

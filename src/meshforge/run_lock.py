@@ -1,0 +1,163 @@
+"""One run per run directory: an exclusive ``flock`` on ``run.dir/run.lock``.
+
+The lock file holds the holder's PID, host and start time. The kernel drops a ``flock`` when
+its holder dies however it dies (SIGKILL included), so a lock file that can be locked again is
+stale: it is named in a warning and taken over. ``meshforge train --nproc N`` takes the lock in
+the launcher, before any rank starts, and holds it across elastic restarts; it tells its ranks
+so through ``HELD_ENV`` (rank 0 would otherwise lock itself out). Under torchrun, rank 0 takes
+it when it prepares run.dir; a restarted rank 0 takes it over from its dead predecessor.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from meshforge.errors import MeshforgeError
+
+LOCK_NAME = "run.lock"
+HELD_ENV = "MESHFORGE_RUN_LOCK"  # the run.dir the launcher holds the lock of
+
+
+class RunDirLocked(MeshforgeError):
+    """Another live process holds run.dir's lock."""
+
+
+class RunLock:
+    """A held lock; ``release()`` (or process exit) lets it go."""
+
+    def __init__(self, path: Path, fd: int, stale: dict[str, Any] | None) -> None:
+        self.path, self.fd, self.stale = path, fd, stale
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        _HELD.pop(str(self.path), None)
+        try:
+            self.path.unlink(missing_ok=True)  # unlink first: a waiter then sees a new file, not ours
+        except OSError:
+            pass
+        os.close(self.fd)  # drops the flock
+        self.fd = -1
+
+
+_HELD: dict[str, RunLock] = {}
+
+
+def held_by_launcher(run_dir: Path) -> bool:
+    """Whether meshforge's launcher holds this run.dir's lock for us (we are one of its ranks)."""
+    held = os.environ.get(HELD_ENV)
+    return bool(held) and Path(held).resolve() == Path(run_dir).resolve()
+
+
+def _describe(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "a process that left no details"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
+    return f"PID {info.get('pid')} on {info.get('host')} (started {started})"
+
+
+def _read(fd: int) -> dict[str, Any] | None:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        return json.loads(raw) if raw.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+def acquire(run_dir: Path) -> RunLock | None:
+    """Lock ``run_dir`` (which must exist) for this process. None when this process (or, for a
+    rank, its launcher) holds it already. Raises RunDirLocked naming the holder."""
+    path = (Path(run_dir) / LOCK_NAME).resolve()
+    if str(path) in _HELD or held_by_launcher(run_dir):
+        return None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            info = _read(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirLocked(
+                f"run.dir = {run_dir} is in use by another meshforge run: {_describe(info)} holds {path}. "
+                "Wait for it to finish (or stop it), or choose another run.dir"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file as we locked it: lock the new one
+    stale = _read(fd)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv[:8]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode() + b"\n", 0)
+    lock = RunLock(path, fd, stale)
+    _HELD[str(path)] = lock
+    atexit.register(lock.release)  # a clean exit leaves no lock file (a killed holder leaves a stale one)
+    return lock
+
+
+def stale_note(lock: RunLock | None) -> str | None:
+    """The warning for a lock taken over from a process that died holding it, else None."""
+    if lock is None or not lock.stale or lock.stale.get("pid") == os.getpid():
+        return None
+    return (
+        f"run.dir {lock.path.parent}: took over a stale lock left by {_describe(lock.stale)}, which is no longer "
+        "running (it ended without releasing it: killed or crashed)"
+    )
+
+
+def release(run_dir: Path) -> None:
+    """Let go of this process's lock on ``run_dir`` (if it holds one)."""
+    lock = _HELD.get(str((Path(run_dir) / LOCK_NAME).resolve()))
+    if lock is not None:
+        lock.release()
+
+
+def hold(run_dir: Path, quiet: bool = False) -> RunLock | None:
+    """``acquire`` and say (on stderr) when a stale lock was taken over."""
+    try:
+        lock = acquire(run_dir)
+    except OSError as e:  # a read-only run.dir, no permission: said as the write probe says it
+        from meshforge.disk import DiskError, describe
+
+        raise DiskError(describe(run_dir, e, "write run.dir at")) from None
+    note = stale_note(lock)
+    if note and not quiet:
+        print(f"meshforge: warning: {note}", file=sys.stderr)
+    return lock
+
+
+def run_dir_in_argv(argv: list[str]) -> str | None:
+    """run.dir as ``meshforge train``'s arguments give it (--run.dir, else [run] dir of --config),
+    read without loading the config (and torch): a busy run.dir is refused at once."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        for flag in ("--run.dir", "--config"):
+            if arg.startswith(flag + "="):
+                found[flag] = arg.split("=", 1)[1]
+            elif arg == flag and i + 1 < len(argv):
+                found[flag] = argv[i + 1]
+    if "--run.dir" in found:
+        return found["--run.dir"] or None
+    if "--config" in found:
+        import tomllib
+
+        try:
+            with open(found["--config"], "rb") as f:
+                return str(tomllib.load(f).get("run", {}).get("dir", "")) or None
+        except (OSError, ValueError):
+            return None  # load_config says what is wrong with it
+    return None

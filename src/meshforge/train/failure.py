@@ -1,0 +1,38 @@
+"""What a rank does when its run fails: record it, clean up, and say it once.
+
+Every rank appends a ``failure`` event (best effort: on a full disk even that can fail) and
+rank 0 removes the partial ``.tmp-step-*`` of a save cut short (the complete checkpoints
+before it stay). A user-fixable disk error anywhere in the exception (a full or read-only
+disk, permissions) comes back as a DiskError: the CLI prints it as one paragraph, exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from meshforge.checkpoint import store
+from meshforge.config import Config
+from meshforge.disk import disk_error
+from meshforge.errors import MeshforgeError
+from meshforge.metrics.step_metrics import resume_hint
+from meshforge.train.run_dir import event_writer
+
+
+def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseException | None:
+    """Record and clean up after ``exc``; returns the error to raise instead (a DiskError), or None."""
+    run_dir = Path(cfg.run.dir)
+    disk = disk_error(exc, run_dir) if not isinstance(exc, MeshforgeError) else None  # before freeing space
+    if rank == 0:  # first: on a full disk this frees the room the event needs
+        try:
+            store.clean_incomplete(run_dir / "checkpoints")
+        except OSError:
+            pass
+    shown = disk or exc
+    try:
+        event_writer(cfg)("failure", rank=rank, error=f"{type(shown).__name__}: {shown}"[:2000])
+    except OSError:
+        pass  # the disk that failed the run may refuse the event too; the console still says it
+    if rank == 0:
+        print(f"meshforge: the run failed; {resume_hint(cfg, world, False)}", file=sys.stderr)
+    return disk

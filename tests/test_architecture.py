@@ -1,0 +1,173 @@
+"""The layers of docs/architecture.md, enforced: each folder imports only what its row of
+ALLOWED names, and the analysing side (planner/, explore/, report/) reaches nothing of the
+running side (train/, checkpoint/, health/, calibration/, launch, cli), directly or not."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# folder (or top-level module) of meshforge -> the folders it may import at run time
+ALLOWED: dict[str, set[str]] = {
+    # the bottom: no meshforge imports, or only each other
+    "meshforge": set(),
+    "errors": set(),
+    "compat": set(),  # the one home of torch version differences
+    "launch_env": set(),
+    "config_help": set(),
+    "manifest": {"errors"},
+    "faults": {"errors", "launch_env"},
+    "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
+    "models": {"errors"},
+    "config": {"config_help", "errors", "layout", "models"},
+    "data": {"errors", "manifest"},
+    "parallel": {"compat", "config", "errors", "launch_env", "layout", "models"},
+    "resolve": {"config", "launch_env", "layout", "models", "parallel"},
+    # the run's parts, below train/ (train/ imports them, never the other way at run time)
+    "metrics": {"config", "data", "errors", "models", "parallel"},
+    "checkpoint": {"compat", "config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"},
+    "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
+    "train": {
+        *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
+        *("parallel", "resolve", "run_lock"),
+    },
+    # the analysing side: the shared core only (see SHARED_CORE)
+    "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},
+    "report": {"errors", "planner"},
+    "explore": {"errors", "layout", "models", "parallel", "planner"},
+    # the run's guards: a full or read-only disk, the run.dir lock, ranks tied to their launcher,
+    # one line for a rank whose peer went away
+    "disk": {"errors", "models", "planner"},
+    "run_lock": {"disk", "errors"},
+    "lifeline": set(),
+    "peer_lost": {"health", "launch_env"},
+    # the top: what drives the rest
+    "calibration": {"config", "errors", "models", "parallel", "planner", "resolve", "train"},
+    "launch": {"errors", "lifeline"},
+    "cli": {
+        *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
+        *("planner", "report", "resolve", "train", "disk", "lifeline", "peer_lost", "run_lock"),
+    },
+    "__main__": {"cli"},
+}
+# imports under ``if TYPE_CHECKING:`` (names of types, never run) may also point up
+TYPE_ONLY: dict[str, set[str]] = {"metrics": {"train"}, "checkpoint": {"train"}, "health": {"train"}}
+
+ANALYSING = ("planner", "explore", "report")
+RUNNING = ("train", "checkpoint", "health", "calibration", "launch", "cli", "disk", "run_lock", "lifeline", "peer_lost")
+# what the analysing side may import from outside itself, module by module
+SHARED_CORE = {
+    "meshforge.errors",
+    "meshforge.config",  # plan --config reads a train config; --emit-config writes one
+    "meshforge.parallel.dims",  # the layout rules
+    "meshforge.parallel.schedules",  # the pipeline schedules' facts (chunks per rank, bubble)
+    "meshforge.layout",  # Layout: the one layout type
+    "meshforge.models.shape",  # ModelShape: the one model-shape type
+    "meshforge.models.flops",  # the one FLOP/parameter counter
+    "meshforge.models.presets",
+    "meshforge.models.llama",  # ModelArgs, as a type
+    "meshforge.models.moe",  # is_moe_layer, expert_ffn: which blocks are MoE, an expert's size
+    "meshforge.parallel.expert_parallel",  # a2a_bytes_formula: the planner prices what training sends
+    "meshforge.parallel.context_parallel_cost",  # ring attention's cost formulas
+    "meshforge.models.chunked_loss",  # DEFAULT_CHUNK: the planner's logits term counts one chunk
+    "meshforge.metrics.mfu",  # PEAK_TFLOPS: the datasheet peaks MFU and the planner share
+}
+
+
+def unit(module: str) -> str:
+    """meshforge.planner.search -> planner; meshforge.cli -> cli; meshforge -> meshforge."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:``."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def import_graph() -> dict[str, dict[str, bool]]:
+    """meshforge module -> {imported meshforge module: whether only under TYPE_CHECKING};
+    function-local imports included."""
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, dict[str, bool]] = {m: {} for m in files}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t in files and t != mod and t != "meshforge":
+                    graph[mod][t] = graph[mod].get(t, True) and id(node) in typing_only
+    return graph
+
+
+def wall_breaches(graph: dict[str, dict[str, bool]]) -> list[str]:
+    """Every import against ALLOWED, TYPE_ONLY or SHARED_CORE, as 'module -> module (why)'."""
+    out = []
+    for mod, targets in sorted(graph.items()):
+        src = unit(mod)
+        for t, typing_only in sorted(targets.items()):
+            dst = unit(t)
+            if dst != src and dst not in ALLOWED[src] and not (typing_only and dst in TYPE_ONLY.get(src, ())):
+                out.append(f"{mod} -> {t} ({src}/ may not import {dst}/{' even for types' if typing_only else ''})")
+            if src in ANALYSING and dst not in ANALYSING and t not in SHARED_CORE:
+                out.append(f"{mod} -> {t} (not in the shared core)")
+    return out
+
+
+def reach(graph: dict[str, dict[str, bool]], start: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        for n in set(graph[todo.pop()]) - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+def test_every_folder_imports_only_what_its_layer_allows():
+    graph = import_graph()
+    assert set(map(unit, graph)) <= set(ALLOWED), set(map(unit, graph)) - set(ALLOWED)  # a new folder needs a row
+    assert wall_breaches(graph) == []
+
+
+@pytest.mark.parametrize("side", ANALYSING)
+def test_the_analysing_side_never_reaches_the_running_side(side):
+    graph = import_graph()
+    reached = reach(graph, [m for m in graph if unit(m) == side])
+    assert not {m for m in reached if unit(m) in RUNNING}, sorted(m for m in reached if unit(m) in RUNNING)
+
+
+def test_the_wall_test_can_fail():
+    graph = import_graph()
+    graph["meshforge.planner.search"]["meshforge.train.step"] = False
+    graph["meshforge.metrics.sinks"]["meshforge.train.loop"] = False
+    graph["meshforge.health.keeper"]["meshforge.train.optimizer"] = True  # for types only: allowed
+    graph["meshforge.explore.params"]["meshforge.parallel.mesh"] = False
+    assert wall_breaches(graph) == [
+        "meshforge.explore.params -> meshforge.parallel.mesh (not in the shared core)",
+        "meshforge.metrics.sinks -> meshforge.train.loop (metrics/ may not import train/)",
+        "meshforge.planner.search -> meshforge.train.step (planner/ may not import train/)",
+        "meshforge.planner.search -> meshforge.train.step (not in the shared core)",
+    ]
+    assert "meshforge.train.step" in reach(graph, ["meshforge.report.run_report"])

@@ -1,0 +1,56 @@
+"""No host reads of device values on unlogged steps, except the health guard's one read of
+the global gradient norm (by design, docs/health.md): counted by patching the Tensor methods
+that copy a value to the host, over the unlogged steps of a world-of-one run (both the
+fp32 and the bf16 cast-once path) and a 2-rank DDP-layout step is covered by the same code."""
+
+import pytest
+import torch
+from meshforge.train.step_watch import StepWatch
+
+from conftest import tiny_config
+from meshforge.train import loop
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Count host reads per method while ``on[0]`` is set (an unlogged step is running)."""
+    on, counts = [False], {}
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **k):
+            if on[0]:
+                counts[_name] = counts.get(_name, 0) + 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    step_once, after = loop.Trainer.step_once, StepWatch.after_step
+
+    def counted_step(self, measure=True):
+        on[0] = not measure
+        try:
+            return step_once(self, measure)
+        finally:
+            on[0] = False
+
+    def counted_after(self, n):
+        on[0] = n % self.t.cfg.metrics.log_interval != 0 and n != self.t.cfg.train.steps
+        try:
+            return after(self, n)
+        finally:
+            on[0] = False
+
+    monkeypatch.setattr(loop.Trainer, "step_once", counted_step)
+    monkeypatch.setattr(StepWatch, "after_step", counted_after)
+    return counts
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_unlogged_steps_read_only_the_guards_norm(tmp_path, corpus, host_reads, precision):
+    over = {"train.steps": 6, "metrics.log_interval": 6, "train.global_batch_size": 2, "train.precision": precision}
+    over["train.mixed_precision"] = "cast_once"  # (bf16: FSDP2's path, the default on CUDA)
+    loop.train(tiny_config(tmp_path / "run", corpus, **over, **{"train.eval_batches": 0}))
+    unlogged = 5
+    assert host_reads == {"__float__": unlogged}  # StepGuard.allow_update: float(grad_norm), one per step
