@@ -26,12 +26,21 @@ def layout(cfg: Config, world_size: int) -> Layout:
     return dims.resolve_degrees(from_sections(cfg.parallel, cfg.train), world_size)
 
 
+def _device(cfg: Config) -> str:
+    """The device type training will run on ("auto": CUDA when one is visible)."""
+    if cfg.train.device != "auto":
+        return cfg.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve(cfg: Config, world_size: int = 1) -> Config:
     """Fill in presets and automatic values, then check values and the layout. Returns a new
     Config with the inferred degrees and pipeline micro-batches written in."""
     cfg = fill(cfg)
     lay = layout(cfg, world_size)
-    batch = Batch(cfg.train.seq_len, cfg.train.global_batch_size, launch_env.local_world_size())
+    batch = Batch(cfg.train.seq_len, cfg.train.global_batch_size, launch_env.local_world_size(), _device(cfg))
     dims.check(lay, model_shape(cfg.model), batch)
     for k, v in lay.degrees().items():
         setattr(cfg.parallel, k, v)

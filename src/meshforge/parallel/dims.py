@@ -56,6 +56,7 @@ class Batch:
     seq_len: int
     global_batch: int
     ranks_per_node: int | None = None
+    device: str | None = None  # "cuda" / "cpu" where training runs; None: not known (the planner)
 
 
 def resolve_degrees(layout: Layout, world_size: int) -> Layout:
@@ -93,7 +94,7 @@ def resolve_degrees(layout: Layout, world_size: int) -> Layout:
 def problems(d: Layout, model: ModelShape, t: Batch) -> list[Problem]:
     """Every reason this layout cannot run this model with this batch (empty: it runs)."""
     out: list[Problem] = []
-    rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
+    rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload, _async_tp)
     for rule in (*rules, _experts):
         out.extend(rule(d, model, t))
     return out
@@ -177,6 +178,16 @@ def offload_problem(d: Layout) -> Problem | None:
             "unsupported",
         )
     return None
+
+
+def _async_tp(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
+    """Async TP overlaps tp collectives through CUDA symmetric memory: no such path on another device."""
+    if d.async_tp and t.device is not None and t.device != "cuda":
+        yield Problem(
+            "parallel.async_tp",
+            f"parallel.async_tp = true needs a CUDA device (tp collectives overlapped through CUDA symmetric memory); "
+            f"this run's device is {t.device!r}: set parallel.async_tp = false",
+        )
 
 
 def _offload(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:

@@ -85,6 +85,12 @@ def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
         "it only when nothing fits without it, none never, cpu always",
     )
     f.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="overlap tp collectives with the GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap; "
+        "parallel.async_tp): hidden as far as each chunked GEMM lasts",
+    )
+    f.add_argument(
         "--no-sequence-parallel",
         action="store_true",
         help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
@@ -159,7 +165,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
-    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload") if k in par}
+    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload", "async_tp") if k in par}
     if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
         from_cfg["dp_shard"] = p.dp_shard * p.dp_replicate
     if "pp_schedule" in par and p.pp > 1:
@@ -248,6 +254,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     fixed = open_layout(
         **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
         sequence_parallel=not args.no_sequence_parallel,
+        async_tp=bool(args.tp_overlap or dflt.get("async_tp")),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)
