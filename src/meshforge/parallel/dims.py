@@ -94,7 +94,16 @@ def resolve_degrees(layout: Layout, world_size: int) -> Layout:
 def problems(d: Layout, model: ModelShape, t: Batch) -> list[Problem]:
     """Every reason this layout cannot run this model with this batch (empty: it runs)."""
     out: list[Problem] = []
-    rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload, _async_tp)
+    rules = (
+        _axes_available,
+        _data_parallel,
+        _batch,
+        _tensor_parallel,
+        _context_parallel,
+        _pipeline,
+        _offload,
+        _async_tp,
+    )
     for rule in (*rules, _experts):
         out.extend(rule(d, model, t))
     return out
