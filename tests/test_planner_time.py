@@ -65,6 +65,7 @@ def test_interleaving_only_where_megatron_runs_it():
     f = open_layout()
     assert not [s for s, _ in _schedules(2, f, 32) if s == "interleaved_1f1b"]  # Megatron: pp > 2
     assert [v for s, v in _schedules(4, f, 24) if s == "interleaved_1f1b"] == [2]  # 6 blocks per stage: not 4
+    assert not [v for s, v in _schedules(5, f, 15) if s == "interleaved_1f1b"]  # 3 per stage: neither 2 nor 4
     assert [v for s, v in _schedules(4, f, 32) if s == "interleaved_1f1b"] == [2, 4]
 
 

@@ -59,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of data-parallel traffic that hides under compute (default: the hardware's; 0 for a framework "
         "that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
+    c = p.add_mutually_exclusive_group()
+    c.add_argument(
+        "--eager",
+        dest="eager",
+        action="store_const",
+        const=True,
+        help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
+    )
+    c.add_argument("--compiled", dest="eager", action="store_const", const=False, help="the run is compiled (default)")
     _add_fixed_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
@@ -161,7 +170,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     raw = _raw_toml(path)
     par, tr = raw.get("parallel", {}), raw.get("train", {})
     p, t = cfg.parallel, cfg.train
-    from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
+    from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
@@ -239,6 +248,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     hw = get_hardware(args.gpu, args.hardware)
     if args.inter_node_bw:
         hw.inter_bw = args.inter_node_bw * 1e9
+    hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
     if args.comm_overlap is not None:
         hw.comm_overlap = min(1.0, max(0.0, args.comm_overlap))
     if args.gpus is None or args.gpus < 1:

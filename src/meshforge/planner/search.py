@@ -175,8 +175,8 @@ def layouts(shape: ModelShape, gpus: int, global_batch: int, seq: int, f: Layout
 def _schedules(pp: int, f: Layout, layers: int = 0) -> Iterator[tuple[str, int]]:
     """(schedule, chunks per rank) to try; the V schedules only when asked for. Interleaved
     1F1B is searched only as Megatron-LM can run it: pp > 2 (its parallel_state refuses the
-    interleaved schedule at pp <= 2) and a chunk count dividing the blocks per stage (its
-    arguments check num_layers_per_pipeline_stage % layers_per_virtual_stage == 0); a fixed
+    interleaved schedule at pp <= 2) and a chunk count dividing the blocks per stage, ceil(L/p)
+    (its arguments check num_layers_per_pipeline_stage % layers_per_virtual_stage == 0); a fixed
     --virtual-stages is priced as asked."""
     if pp == 1:
         yield "none", 1
@@ -186,7 +186,7 @@ def _schedules(pp: int, f: Layout, layers: int = 0) -> Iterator[tuple[str, int]]
             if f.pp_virtual_stages:
                 yield s, f.pp_virtual_stages
             elif pp > 2:
-                yield from ((s, v) for v in (2, 4) if not layers or (layers % pp == 0 and layers // pp % v == 0))
+                yield from ((s, v) for v in (2, 4) if not layers or -(-layers // pp) % v == 0)
         elif s in V_SCHEDULES:
             yield s, 2
         else:
