@@ -166,8 +166,9 @@ def table(runs: list, title: str) -> list[float]:
 
 
 def main() -> None:
-    table(HELD_OUT, "held-out published runs (target: median <= 3, worst <= 8 points)")
-    table(EARLIER, "earlier validation set (not held out)")
+    errors = table(HELD_OUT, "held-out published runs (target: median <= 3, worst <= 8 points)")
+    errors += table(EARLIER, "earlier validation set (not held out)")
+    print(f"\nevery run: median {statistics.median(errors):.1f}, worst {max(errors):.1f} ({len(errors)} runs)")
 
 
 if __name__ == "__main__":
