@@ -90,6 +90,7 @@ JSON_SETTINGS = (
     "pp_virtual_stages",
     "pp_schedule",
     "sequence_parallel",
+    "async_tp",
     "offload",
 )
 
