@@ -91,6 +91,12 @@ HELP: dict[str, str] = {
         "under tp > 1, run norms and residuals on sequence shards (reduce-scatter + all-gather "
         "instead of all-reduce: same bytes, 1/tp of those activations); false: replicated"
     ),
+    "parallel.async_tp": (
+        "under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with "
+        "the GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap); meshforge plan "
+        "--tp-overlap prices it. Needs a CUDA device (refused elsewhere); training does not run the"
+        " overlap yet"
+    ),
     "parallel.pp_schedule": (
         "gpipe, 1f1b, interleaved_1f1b, zero_bubble (interleaved zero bubble), zbv, dualpipev (the "
         "last two where the installed PyTorch has them)"

@@ -55,6 +55,10 @@ class Layout:
     # Under tp > 1: run norms and residuals on sequence shards (reduce-scatter/all-gather
     # instead of all-reduce: same bytes, 1/tp of those activations). Off: replicated.
     sequence_parallel: bool = True
+    # Under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the
+    # GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap). Planned; training refuses it on
+    # a non-CUDA device (parallel/dims.py) and does not run it yet.
+    async_tp: bool = False
     # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev (parallel/pipeline.py)
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules: >= 2; V schedules: 2)

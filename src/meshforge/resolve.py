@@ -27,11 +27,20 @@ def layout(cfg: Config, world_size: int) -> Layout:
     return dims.resolve_degrees(from_sections(cfg.parallel, cfg.train, cfg.diloco), world_size)
 
 
-def batch(cfg: Config, ranks_per_node: int | None = None) -> Batch:
+def batch(cfg: Config, ranks_per_node: int | None = None, device: str | None = None) -> Batch:
     """What the layout rules read of a config besides the layout and the model."""
     d = cfg.diloco
     rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
-    return Batch(cfg.train.seq_len, cfg.train.global_batch_size, ranks_per_node, rules)
+    return Batch(cfg.train.seq_len, cfg.train.global_batch_size, ranks_per_node, device=device, diloco=rules)
+
+
+def _device(cfg: Config) -> str:
+    """The device type training will run on ("auto": CUDA when one is visible)."""
+    if cfg.train.device != "auto":
+        return cfg.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve(cfg: Config, world_size: int = 1) -> Config:
@@ -39,7 +48,7 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     Config with the inferred degrees and pipeline micro-batches written in."""
     cfg = fill(cfg)
     lay = layout(cfg, world_size)
-    settings = batch(cfg, launch_env.local_world_size())
+    settings = batch(cfg, launch_env.local_world_size(), _device(cfg))
     dims.check(lay, model_shape(cfg.model), settings)
     for k, v in lay.degrees().items():
         setattr(cfg.parallel, k, v)

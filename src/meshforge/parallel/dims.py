@@ -58,6 +58,7 @@ class Batch:
     seq_len: int
     global_batch: int
     ranks_per_node: int | None = None
+    device: str | None = None  # "cuda" / "cpu" where training runs; None: not known (the planner)
     diloco: DiLoCoRules | None = None  # [diloco] when diloco.islands > 1 (the islands are a Layout field)
 
 
@@ -130,7 +131,16 @@ def casts_once(d: Layout, precision: str, mixed_precision: str) -> bool:
 def problems(d: Layout, model: ModelShape, t: Batch) -> list[Problem]:
     """Every reason this layout cannot run this model with this batch (empty: it runs)."""
     out: list[Problem] = []
-    rules = (_axes_available, _data_parallel, _batch, _tensor_parallel, _context_parallel, _pipeline, _offload)
+    rules = (
+        _axes_available,
+        _data_parallel,
+        _batch,
+        _tensor_parallel,
+        _context_parallel,
+        _pipeline,
+        _offload,
+        _async_tp,
+    )
     for rule in (*rules, _experts, diloco_problems):
         out.extend(rule(d, model, t))
     return out
@@ -223,6 +233,16 @@ def offload_problem(d: Layout) -> Problem | None:
             "unsupported",
         )
     return None
+
+
+def _async_tp(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
+    """Async TP overlaps tp collectives through CUDA symmetric memory: no such path on another device."""
+    if d.async_tp and t.device is not None and t.device != "cuda":
+        yield Problem(
+            "parallel.async_tp",
+            f"parallel.async_tp = true needs a CUDA device (tp collectives overlapped through CUDA symmetric memory); "
+            f"this run's device is {t.device!r}: set parallel.async_tp = false",
+        )
 
 
 def _offload(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:

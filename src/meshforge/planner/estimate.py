@@ -56,7 +56,7 @@ from meshforge.parallel.context_parallel_cost import (
 )
 from meshforge.parallel.schedules import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.schedules import V_SHAPED, bubble_fraction
-from meshforge.planner import kernel_costs, moe_costs, offload_costs
+from meshforge.planner import kernel_costs, moe_costs, offload_costs, time_terms
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.memory import (
     memory,
@@ -71,6 +71,7 @@ from meshforge.planner.memory import (
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
 V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per rank
 RECOMPUTE = ("none", "selective", "full")
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # parallel.grad_reduce_dtype: what ZeRO-1 reduce-scatters
 
 
 def run_layout(lay: Layout) -> Layout:
@@ -89,6 +90,7 @@ JSON_SETTINGS = (
     "pp_virtual_stages",
     "pp_schedule",
     "sequence_parallel",
+    "async_tp",
     "offload",
 )
 
@@ -182,7 +184,7 @@ def _compute_time(
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     peak = hw.peak(precision)
     tokens_mb = lay.micro_batch_size * seq / lay.cp  # tokens per micro-batch on one GPU
-    imbalance = stage_layers(shape, lay.pp) * lay.pp / shape.layers
+    imbalance = time_terms.stage_imbalance(shape, lay, seq, stage_layers(shape, lay.pp))
     tokens_gpu = global_batch * seq / n_gpus
     attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
     if lay.activation_checkpoint in ("full", "selective"):
@@ -207,6 +209,8 @@ def _compute_time(
     routed_recompute = routed_flops / 4 if lay.activation_checkpoint == "full" else 0.0
     recompute_s = (recompute_flops - routed_recompute) / rate + expert_recompute_s
     other_s += _dispatch_time(shape, lay, hw)
+    if hw.name != "cpu" and not hw.elementwise_bytes_per_hidden:  # a CPU profile measures its own
+        other_s += kernel_costs.loss_seconds(shape, hw, tokens_gpu * lay.pp, lay.tp, hw.eager)  # the last stage's
     return {
         "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,
         "gemm": gemm_s,
@@ -241,9 +245,12 @@ def _dispatch_time(shape: ModelShape, lay: Layout, hw: Hardware) -> float:
     return per_block * lay.num_microbatches * (blocks + 1)
 
 
-def _tp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
-    """Tensor-parallel collectives, all on the critical path. Per layer and micro-batch two
-    all-reduces of the block's activations in forward and two in backward (each a
+def _tp_time(
+    shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int
+) -> tuple[float, float]:
+    """(all, hidden) seconds of tensor-parallel collectives, on the critical path except what
+    async TP hides beside the blocks' GEMMs (``parallel.async_tp``: time_terms.tp_overlap_hidden).
+    Per layer and micro-batch two all-reduces of the block's activations in forward and two in backward (each a
     reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
     vocab-parallel embedding (forward) and the head's input (backward) one each, on the
     stages holding them; the loss-parallel cross-entropy three small all-reduces; under
@@ -262,7 +269,12 @@ def _tp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardw
     else:
         one = tp_coll("all_reduce", act)
     moe = moe_costs.tp_seconds(shape, lay, tokens_mb, _bytes_per_element(precision), tp_coll)
-    return lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
+    total = lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
+    rate = kernel_costs.gemm_rate(
+        hw, 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp, precision
+    )
+    blocks = stage_layers(shape, lay.pp)
+    return total, time_terms.tp_overlap_hidden(shape, lay, tokens_mb, one / 2, rate, blocks)
 
 
 def _cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
@@ -319,11 +331,10 @@ def _dp_time(
 
     if dp_n == 1:
         return 0.0
-    if lay.zero_stage <= 1 and group is None:
-        dp_s = dp_coll("all_reduce", grad_bytes)
-        if lay.zero_stage == 1:
-            dp_s += dp_coll("all_gather", psi * w)
-        return dp_s
+    if lay.zero_stage == 0 and group is None:
+        return dp_coll("all_reduce", grad_bytes)
+    if lay.zero_stage == 1 and group is None:  # a distributed optimizer (parallel/zero1.py)
+        return dp_coll("reduce_scatter", psi * REDUCE_BYTES[lay.grad_reduce_dtype]) + dp_coll("all_gather", psi * w)
     gathers = (2 if lay.zero_stage == 3 else 1) * lay.num_microbatches
     units = max(1, round(stage_layers(shape, lay.pp)))
     latency = group is not None or _layout_fixed(lay, hw) is None  # else in the measured fixed costs
@@ -435,7 +446,8 @@ def estimate(
         host = offload_costs.host_memory_gib(stage_state_bytes(shape, lay, precision), min(gpus_per_node, n_gpus))
     fits, overflow = _fit(mem, host, hw)
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
-    tp_s = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    tp_all, tp_hidden = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    tp_s = tp_all - tp_hidden
     cp_s = _cp_time(shape, lay, seq, precision, hw, gpus_per_node)
     pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
@@ -466,6 +478,7 @@ def estimate(
         "gemm": comp["gemm"],
         "non_gemm": comp["non_gemm"],
         "tp_comm": tp_s,
+        "tp_comm_hidden": tp_hidden,
         "cp_comm": cp_s,
         "pp_p2p": pp_s,
         "ep_a2a": ep_s,

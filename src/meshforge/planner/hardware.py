@@ -69,6 +69,9 @@ class Hardware:
     host_link_bw: float = 0.0
     host_mem_bw: float = 0.0
     host_mem_gib: float = 0.0
+    # the run is not compiled (train.compile = false): element-wise chains run op by op
+    # (planner/kernel_costs.py: eager_extra_bytes, loss_seconds); False: fused, as compiled
+    eager: bool = False
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 

@@ -45,6 +45,30 @@ def elementwise_elements(shape: ModelShape) -> tuple[float, float]:
     return 10.0 * h, 2.0 * (h + kv) + 3 * f
 
 
+def eager_extra_bytes(shape: ModelShape) -> float:
+    """Bytes per token and layer one forward of meshforge's Llama block moves run op by op
+    (``train.compile = false``) beyond the fused count of ``elementwise_elements``, from
+    models/llama.py's ops at bf16 (2 bytes) and fp32 (4): an RMSNorm is x.float() (2 read +
+    4 written), rms_norm (4 + 4), times weight.float() (4 + 4), .to(bf16) (4 + 2) = 28·h
+    bytes against a fused 4·h, twice per block; RoPE on q and k is float casts, rotate-half
+    (neg, cat), two products, a sum and a cast back: about 50 bytes per element against 4;
+    SwiGLU's silu and product are two kernels, 10·ffn bytes against 6. A GPT block (fused
+    LayerNorm, bias-GeLU in the runs this models) has none."""
+    if shape.mlp != "swiglu":
+        return 0.0
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
+    return 2 * (28 - 4) * h + (50 - 4) * (h + kv) + (10 - 6) * f
+
+
+def loss_seconds(shape: ModelShape, hw: Hardware, tokens: float, tp: int, eager: bool) -> float:
+    """The cross-entropy over the head's logits (models/loss.py: logits.float() then
+    F.cross_entropy), memory-bound, per vocab entry and token: eager, the cast (2 read + 4
+    written), log-softmax (4 + 4) and in backward its gradient (8 + 4) and the cast's (4 + 2):
+    32 bytes; compiled, the bf16 logits read, the gradient written and read back: 8."""
+    per_vocab = 32.0 if eager else 8.0
+    return per_vocab * shape.vocab_size / tp * tokens / hw.hbm_bw
+
+
 def elementwise_seconds(
     shape: ModelShape, hw: Hardware, tokens: float, layers: float, recompute: str, bytes_per: int, replicated: int = 1
 ) -> float:
@@ -59,6 +83,7 @@ def elementwise_seconds(
     else:
         stream, sharded = elementwise_elements(shape)
         per_pass = stream * replicated + sharded
+        per_pass += eager_extra_bytes(shape) / 2 if hw.eager else 0.0  # in bf16 elements' units
     return per_pass * bytes_per * passes * layers * tokens / hw.hbm_bw
 
 

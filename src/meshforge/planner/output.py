@@ -116,7 +116,9 @@ def explain(e: Estimate, hbm_gib: float) -> str:
         + (" (fits)" if e.fits else f" -- fits: false, {e.overflow}"),
         "time per step (s): "
         + ", ".join(f"{k} {t[k]:.4f}" for k in TIME_PARTS if _shown(k, e))
-        + f" -> {e.step_time_s:.4f} (dp traffic {t['dp_comm_total']:.4f} s, mostly hidden under compute)",
+        + f" -> {e.step_time_s:.4f} (dp traffic {t['dp_comm_total']:.4f} s, mostly hidden under compute"
+        + (f"; tp traffic hidden by async TP {t['tp_comm_hidden']:.4f} s" if t.get("tp_comm_hidden") else "")
+        + ")",
         "where the time goes (fractions of the step): "
         + ", ".join(f"{k} {100 * v:.1f}%" for k, v in b.items() if k != "offload_exposed" or offload),
     ]

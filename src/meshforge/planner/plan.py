@@ -142,6 +142,15 @@ FIXED_HELP = {
     "micro-batch": "sequences per forward pass",
     "virtual-stages": "model chunks per pipeline rank (interleaved schedules)",
 }
+    c = p.add_mutually_exclusive_group()
+    c.add_argument(
+        "--eager",
+        dest="eager",
+        action="store_const",
+        const=True,
+        help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
+    )
+    c.add_argument("--compiled", dest="eager", action="store_const", const=False, help="the run is compiled (default)")
 
 
 def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,6 +178,12 @@ def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(OFFLOAD),
         help="CPU offload of the sharded model states (FSDP2, ZeRO-2/3; parallel.offload): auto (default) searches "
         "it only when nothing fits without it, none never, cpu always",
+    )
+    f.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="overlap tp collectives with the GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap; "
+        "parallel.async_tp): hidden as far as each chunked GEMM lasts",
     )
     f.add_argument(
         "--no-sequence-parallel",
@@ -241,11 +256,11 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     raw = _raw_toml(path)
     par, tr = raw.get("parallel", {}), raw.get("train", {})
     p, t = cfg.parallel, cfg.train
-    from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size}
+    from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
-    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload") if k in par}
+    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload", "async_tp") if k in par}
     if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
         from_cfg["dp_shard"] = p.dp_shard * p.dp_replicate
     if "pp_schedule" in par and p.pp > 1:
@@ -319,6 +334,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     hw = get_hardware(args.gpu, args.hardware)
     if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
+    hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
     if args.gpus is None:
@@ -334,6 +350,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     fixed = open_layout(
         **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
         sequence_parallel=not args.no_sequence_parallel,
+        async_tp=bool(args.tp_overlap or dflt.get("async_tp")),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)

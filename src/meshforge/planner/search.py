@@ -147,7 +147,7 @@ def _per_rank_choices(
             continue
         for zero in _zero_choices(dp * cp, ep, f):
             for rc in [f.activation_checkpoint] if f.activation_checkpoint else RECOMPUTE:
-                for sched, v in _schedules(pp, f):
+                for sched, v in _schedules(pp, f, shape.layers):
                     yield plan_layout(
                         tp,
                         pp,
@@ -161,6 +161,7 @@ def _per_rank_choices(
                         pp_virtual_stages=v,
                         pp_schedule=sched,
                         sequence_parallel=f.sequence_parallel,
+                        async_tp=f.async_tp,
                         offload=offload,
                     )
 
@@ -183,15 +184,21 @@ def layouts(
             yield lay, reason
 
 
-def _schedules(pp: int, f: Layout) -> Iterator[tuple[str, int]]:
-    """(schedule, chunks per rank) to try; the V schedules only when asked for."""
+def _schedules(pp: int, f: Layout, layers: int = 0) -> Iterator[tuple[str, int]]:
+    """(schedule, chunks per rank) to try; the V schedules only when asked for. Interleaved
+    1F1B is searched only as Megatron-LM can run it: pp > 2 (its parallel_state refuses the
+    interleaved schedule at pp <= 2) and a chunk count dividing the blocks per stage, ceil(L/p)
+    (its arguments check num_layers_per_pipeline_stage % layers_per_virtual_stage == 0); a fixed
+    --virtual-stages is priced as asked."""
     if pp == 1:
         yield "none", 1
         return
     for s in [f.pp_schedule] if f.pp_schedule else SCHEDULES:
         if s == "interleaved_1f1b":
-            for v in [f.pp_virtual_stages] if f.pp_virtual_stages else (2, 4):
-                yield s, v
+            if f.pp_virtual_stages:
+                yield s, f.pp_virtual_stages
+            elif pp > 2:
+                yield from ((s, v) for v in (2, 4) if not layers or -(-layers // pp) % v == 0)
         elif s in V_SCHEDULES:
             yield s, 2
         else:

@@ -1,0 +1,77 @@
+"""The planner's time terms from first principles (issue 28): ZeRO-1 as a distributed
+optimizer, async TP's hidden share, the output head in the slowest pipeline stage,
+interleaving only where Megatron runs it, and the async_tp rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshforge.errors import ConfigError
+from meshforge.layout import open_layout
+from meshforge.parallel import dims
+from meshforge.parallel.dims import Batch
+from meshforge.planner import time_terms
+from meshforge.planner.estimate import _dp_time, collective_time, estimate, plan_layout
+from meshforge.planner.hardware import get_hardware
+from meshforge.planner.memory import stage_params
+from meshforge.planner.search import _schedules
+from meshforge.planner.shape import from_preset
+
+H100 = get_hardware("h100-sxm")
+SHAPE = from_preset("llama3.1-8b")
+
+
+def test_zero1_is_a_reduce_scatter_plus_an_all_gather():
+    lay = plan_layout(1, 1, 8, zero_stage=1)
+    psi = stage_params(SHAPE, 1, 1)[0]
+    rs = collective_time(H100, "reduce_scatter", 4 * psi, 1, 8, 8)
+    ag = collective_time(H100, "all_gather", 2 * psi, 1, 8, 8)
+    assert _dp_time(SHAPE, lay, "bf16", H100, 8) == pytest.approx(rs + ag)
+    ddp = _dp_time(SHAPE, plan_layout(1, 1, 8, zero_stage=0), "bf16", H100, 8)
+    assert _dp_time(SHAPE, lay, "bf16", H100, 8) == pytest.approx(0.75 * ddp, rel=0.01)  # 6 of 8 bytes
+    bf16 = _dp_time(SHAPE, lay.replace(grad_reduce_dtype="bf16"), "bf16", H100, 8)
+    assert bf16 == pytest.approx(0.5 * ddp, rel=0.01)  # 4 of 8 bytes: a bf16 all-reduce's
+
+
+def test_async_tp_hides_what_the_neighbouring_gemms_cover():
+    args = (SHAPE, 4096, 8, "bf16", H100, 8)
+    lay = plan_layout(8, 1, 1, micro_batch_size=1, num_microbatches=1)
+    off, on = estimate(SHAPE, lay, *args[1:]), estimate(SHAPE, lay.replace(async_tp=True), *args[1:])
+    assert off.time["tp_comm_hidden"] == 0.0
+    hidden = on.time["tp_comm_hidden"]
+    assert 0.5 * off.time["tp_comm"] < hidden < off.time["tp_comm"] * 7 / 8  # the first chunk always waits
+    assert on.step_time_s == pytest.approx(off.step_time_s - hidden)
+    # bounded by the GEMMs: a collective far slower than its GEMM hides only the GEMM's time
+    g = [x / 1e15 for x in time_terms.block_gemm_flops(SHAPE, 4096, 8)]
+    slow = time_terms.tp_overlap_hidden(SHAPE, lay.replace(async_tp=True), 4096, 1.0, 1e15, 1)
+    assert slow == pytest.approx(3 * sum(g) * 7 / 8)
+    assert (
+        time_terms.tp_overlap_hidden(SHAPE, lay.replace(async_tp=True, sequence_parallel=False), 4096, 1.0, 1e15, 1)
+        == 0
+    )
+
+
+def test_last_stage_pays_for_the_output_head():
+    # 32 blocks over 16 stages: 2 blocks + the 128K-vocab head on the last stage
+    lay = plan_layout(1, 16, 1, num_microbatches=16)
+    k = time_terms.stage_imbalance(SHAPE, lay, 4096, 2)
+    block = (SHAPE.hardware_flops_per_token(4096, "none") - 6 * SHAPE.vocab_size * SHAPE.hidden) / 32
+    want = (2 * block + 6 * SHAPE.vocab_size * SHAPE.hidden) * 16 / SHAPE.hardware_flops_per_token(4096, "none")
+    assert k == pytest.approx(want) and k > 1.05
+    assert time_terms.stage_imbalance(SHAPE, plan_layout(1, 1, 1), 4096, 32) == 1.0
+
+
+def test_interleaving_only_where_megatron_runs_it():
+    f = open_layout()
+    assert not [s for s, _ in _schedules(2, f, 32) if s == "interleaved_1f1b"]  # Megatron: pp > 2
+    assert [v for s, v in _schedules(4, f, 24) if s == "interleaved_1f1b"] == [2]  # 6 blocks per stage: not 4
+    assert not [v for s, v in _schedules(5, f, 15) if s == "interleaved_1f1b"]  # 3 per stage: neither 2 nor 4
+    assert [v for s, v in _schedules(4, f, 32) if s == "interleaved_1f1b"] == [2, 4]
+
+
+def test_async_tp_is_refused_off_cuda():
+    lay = plan_layout(2, 1, 1, micro_batch_size=1, async_tp=True)
+    shape = from_preset("debug")
+    with pytest.raises(ConfigError, match="parallel.async_tp"):
+        dims.check(lay, shape, Batch(128, 1, 2, "cpu"))
+    dims.check(lay, shape, Batch(128, 1, 2, "cuda"))
