@@ -132,6 +132,15 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="share (0..1) of data-parallel traffic that hides under compute (default: the hardware's; 0 for a "
         "framework that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
+    c = p.add_mutually_exclusive_group()  # (the compile flags: see estimate's eager terms)
+    c.add_argument(
+        "--eager",
+        dest="eager",
+        action="store_const",
+        const=True,
+        help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
+    )
+    c.add_argument("--compiled", dest="eager", action="store_const", const=False, help="the run is compiled (default)")
 
 
 FIXED_HELP = {
@@ -142,15 +151,6 @@ FIXED_HELP = {
     "micro-batch": "sequences per forward pass",
     "virtual-stages": "model chunks per pipeline rank (interleaved schedules)",
 }
-    c = p.add_mutually_exclusive_group()
-    c.add_argument(
-        "--eager",
-        dest="eager",
-        action="store_const",
-        const=True,
-        help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
-    )
-    c.add_argument("--compiled", dest="eager", action="store_const", const=False, help="the run is compiled (default)")
 
 
 def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
