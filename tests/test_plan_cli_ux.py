@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from meshforge.cli import build_parser
-from meshforge.planner import report
+from meshforge.planner import output as report
 from meshforge.planner.plan import parse_plan_args, plan_from_args
 
 BASE = ["--model", "debug", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2"]
@@ -69,8 +69,9 @@ def test_the_walk_sees_a_flag_without_help():
 
 
 def test_table_columns_stay_aligned_with_long_schedules():
+    # interleaving needs pp > 2 and chunks dividing the blocks per stage: a 16-block model on pp 4
     args = parse_plan_args(
-        [*BASE, "--gpus", "4", "--gpus-per-node", "4", "--pp", "2", "--schedule", "interleaved_1f1b", "--seq-len", "64"]
+        ["--model", "llama3.2-1b", "--gpus", "8", "--pp", "4", "--schedule", "interleaved_1f1b", "--seq-len", "512"]
     )
     pl = plan_from_args(args)
     out = report.table(pl.results, 5, pl.results.refused).splitlines()

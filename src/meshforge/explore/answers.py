@@ -1,6 +1,6 @@
 """The explorer's answers, all from the planner: one layout's memory, communication and step
 time (``planner.estimate``), the rules it breaks (``parallel.dims``), the best layouts for the
-same model and cluster (``planner.search``) and the train config of one (``planner.report``).
+same model and cluster (``planner.search``) and the train config of one (``planner.output``).
 Nothing here models memory or time itself."""
 
 from __future__ import annotations
