@@ -25,19 +25,24 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 WHEELS=${WHEELS:-bench/gpu/wheels}  # WHEELS=bench/gpu/wheels-cp311 for a dry run on Python 3.11
 MODE=${1:-all}
 PY=${PYTHON:-python3}  # the interpreter that runs the suite installs its wheels (never a bare pip)
-SITE="$OUT/site"
+SITE="$(cd "$OUT" && pwd)/site"  # absolute: $OUT may be relative or absolute
 mkdir -p "$SITE"
-export PYTHONPATH="$PYTHONPATH:$PWD/$SITE"
+export PYTHONPATH="$PYTHONPATH:$SITE"
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   # torchtitan by the machine's torch: 0.2.2 imports on 2.11, 0.3.0 needs >= 2.13
   TT=$($PY -c "import torch; v=tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); print('0.3.0' if v >= (2, 13) else '0.2.2')")
+  todo=()
   for w in "$WHEELS"/*.whl; do
     dist=$(basename "$w" | cut -d- -f1); ver=$(basename "$w" | cut -d- -f2)
     [ "$dist" = torchtitan ] && [ "$ver" != "$TT" ] && continue
     $PY -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" >/dev/null 2>&1 && continue
-    $PY -m pip install --no-index --no-deps --quiet --target "$SITE" "$w" >>"$OUT/pip.log" 2>&1 \
-      || echo "could not install $w (see $OUT/pip.log)" | tee -a "$OUT/pip.log"
+    todo+=("$w")
   done
+  pipi() { $PY -m pip install --no-index --no-deps --no-compile --quiet --upgrade --target "$SITE" "$@" >>"$OUT/pip.log" 2>&1; }
+  if [ ${#todo[@]} -gt 0 ] && ! pipi "${todo[@]}"; then  # one by one only when the batch fails
+    for w in "${todo[@]}"; do pipi "$w" || echo "could not install $w (see $OUT/pip.log)" | tee -a "$OUT/pip.log"; done
+  fi
+  echo "installed ${#todo[@]} carried wheels into $SITE (torchtitan $TT; packages the interpreter has are kept)"
 fi
 # every import the GPU run needs, before running anything
 $PY - <<'PYEOF' | tee "$OUT/imports.txt"
