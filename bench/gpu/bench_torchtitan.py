@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+import types
 from typing import Any
 
 import torch
@@ -71,6 +72,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def install_datasets_placeholder() -> None:
+    """A stand-in ``datasets`` module where the real one is absent: torchtitan imports it at module
+    level for its HF dataloaders only (unused here); it pulls pyarrow, too big to carry."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+
+        def missing(*_a: Any, **_k: Any) -> Any:
+            raise RuntimeError("HF datasets is not installed; bench_torchtitan.py feeds random tokens")
+
+        ds, dd = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+        ds.Dataset, ds.IterableDataset, ds.load_dataset, ds.distributed = type("Dataset", (), {}), object, missing, dd
+        dd.split_dataset_by_node = missing
+        sys.modules["datasets"], sys.modules["datasets.distributed"] = ds, dd
+
+
 def tt_version() -> str:
     import importlib.metadata as md
 
@@ -101,7 +118,8 @@ def build_022(shape: ModelArgs, seq_len: int, device: torch.device) -> torch.nn.
     with torch.device(device):
         model = Transformer(args)
     if device.type != "meta":
-        model.init_weights(buffer_device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
     if shape.tie_embeddings:  # Llama 3.2: one matrix for embedding and head, before FSDP groups it
         model.output.weight = model.tok_embeddings.weight
     return model
@@ -115,7 +133,8 @@ def build_030(a: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     with torch.device(device):
         model = cfg.build()
     if device.type != "meta":
-        model.init_states(buffer_device=device)
+        with torch.no_grad():
+            model.init_states(buffer_device=device)
     return model
 
 
@@ -237,6 +256,7 @@ def profile_one(step: Any, out: str, device: torch.device) -> str:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Build, train, measure (and optionally profile one step)."""
+    install_datasets_placeholder()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     cuda = torch.cuda.is_available()

@@ -46,8 +46,14 @@ if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
 fi
 # every import the GPU run needs, before running anything
 $PY - <<'PYEOF' | tee "$OUT/imports.txt"
-import importlib
+import importlib, sys
 bad = []
+try:  # torchtitan imports HF datasets at module level; the peer stands it in the same way
+    sys.path.insert(0, "bench/gpu")
+    importlib.import_module("bench_torchtitan").install_datasets_placeholder()
+except Exception as e:  # noqa: BLE001 - reported below
+    bad.append("bench_torchtitan")
+    print(f"import FAILED: bench_torchtitan: {type(e).__name__}: {e}")
 mods = ("torch", "meshforge", "meshforge.train", "transformers", "torchao", "torchao.float8", "torchtitan",
         "torchtitan.models.llama3", "torch.distributed.fsdp", "torch.profiler",
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
