@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -88,7 +89,9 @@ def install_datasets_placeholder() -> None:
         sys.modules["datasets"], sys.modules["datasets.distributed"] = ds, dd
 
 
+@functools.cache
 def tt_version() -> str:
+    """The installed torchtitan release (read once: the API differs between 0.2.2 and 0.3.0)."""
     import importlib.metadata as md
 
     return md.version("torchtitan")
