@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 from trace_summary import short, summarize  # noqa: E402
 
 # the peer needs meshforge and the carried wheels (run.sh puts them on PYTHONPATH)
+SIDE_TIMEOUT_S = int(os.environ.get("SIDE_TIMEOUT_S", "270"))
 PYPATH = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
 
 
@@ -90,6 +91,31 @@ CASES = [
 SMOKE = Case("smoke", "debug", 128, False, "none", 8, 4, steps=12)
 
 
+def run_side(cmd: list[str]) -> subprocess.CompletedProcess:
+    """One side of a row, killed after SIDE_TIMEOUT_S so one hang cannot eat a part's device time."""
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYPATH}, timeout=SIDE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {SIDE_TIMEOUT_S} s")
+
+
+def host_memory_short(case: Case) -> str:
+    """Offload keeps fp32 weights, gradients and Adam's two moments in host memory (16 bytes per
+    parameter): say so instead of letting the kernel's OOM killer end the whole part."""
+    if not case.offload:
+        return ""
+    sys.path.insert(0, str(ROOT / "src"))
+    from meshforge.models import flops
+    from meshforge.models.presets import get_preset
+
+    need = 16 * flops.num_params(get_preset(case.preset)) / 2**30
+    avail = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if "MemAvailable" in x)
+    have = avail / 2**20
+    return f"needs ~{need:.0f} GiB host memory for offloaded state, {have:.0f} GiB available" if have < need else ""
+
+
 def run_meshforge(case: Case, device: str, work: Path) -> dict:
     """Train ``case`` and return its summary, steady step time, profile and the planner's prediction."""
     run = work / case.name
@@ -97,7 +123,7 @@ def run_meshforge(case: Case, device: str, work: Path) -> dict:
     cmd += [f"--run.dir={run}", "--run.overwrite=true"]
     if device == "cpu":
         cmd.append("--train.precision=fp32")
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYPATH})
+    r = run_side(cmd)
     if r.returncode:
         return {"error": (r.stderr or r.stdout)[-1500:]}
     summary = json.loads((run / "summary.json").read_text())
@@ -126,7 +152,7 @@ def run_torchtitan(case: Case, device: str, work: Path) -> dict | None:
         return None
     args = [sys.executable, str(script)]
     args += ["--smoke"] if device == "cpu" else [*case.peer_args(), "--profile-dir", str(work / f"{case.name}-peer")]
-    r = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYPATH})
+    r = run_side(args)
     if r.returncode:
         return {"error": (r.stderr or r.stdout)[-800:]}
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -187,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
+            short_mem = host_memory_short(c)
+            if short_mem:
+                lines.append(row(c, {"error": short_mem}, {"error": short_mem}))
+                print(lines[-1], flush=True)
+                continue
             m = run_meshforge(c, device, Path(tmp))
             tt = None if a.no_torchtitan else run_torchtitan(c, device, Path(tmp))
             lines.append(row(c, m, tt))
