@@ -1,5 +1,6 @@
-"""MFU on one GPU: meshforge's training of Llama 3.2 1B/3B against the physical limit, the
-planner's prediction and torchtitan, side by side in one run.
+"""MFU on one GPU: meshforge's training against the physical limit, the planner's prediction and
+torchtitan's single-GPU recipe (bench_torchtitan.py), side by side in one run, with a one-step
+profile summary per side (trace_summary.py). Rows are grouped in parts (run.sh part2..part6).
 
 For each configuration this trains with ``meshforge train`` (default corpus, bf16, one GPU,
 no evaluation or checkpoints), reads the run's summary (tokens/s, MFU, HFU, peak memory,
@@ -9,6 +10,7 @@ imports -- trains the same shape under torchtitan and prints tokens/s as a ratio
 
     python bench/gpu/bench_mfu.py --out bench/gpu/out/mfu.md        # the suite's table
     python bench/gpu/bench_mfu.py --only 1b-4096-compile             # one row
+    python bench/gpu/bench_mfu.py --part 3 --out $OUT/mfu-part3.md   # one part
     python bench/gpu/bench_mfu.py --smoke                            # CPU: debug preset, checks the plumbing
 """
 
@@ -157,6 +159,8 @@ def run_torchtitan(case: Case, device: str, work: Path) -> dict | None:
         return {"error": (r.stderr or r.stdout)[-800:]}
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     out = json.loads(lines[-1]) if lines else {"error": "no JSON line in its output"}
+    if "error" not in out and "tokens_per_s" not in out:  # 0.3.0 on CPU only builds the model
+        return {"error": f"peer: {out.get('smoke', 'no measurement')} ({out.get('params', 0):,} params)"}
     out["profile"] = summarize(out["trace"]) if out.get("trace") else None
     return out
 
