@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,10 @@ sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 from trace_summary import short, summarize  # noqa: E402
 
 # the peer needs meshforge and the carried wheels (run.sh puts them on PYTHONPATH)
+# one device command may run 10 minutes: a part stops starting runs after PART_BUDGET_S (env overrides)
 SIDE_TIMEOUT_S = int(os.environ.get("SIDE_TIMEOUT_S", "270"))
+PART_BUDGET_S = int(os.environ.get("PART_BUDGET_S", "480"))
+DEADLINE = time.monotonic() + PART_BUDGET_S
 PYPATH = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
 
 
@@ -95,12 +99,15 @@ SMOKE = Case("smoke", "debug", 128, False, "none", 8, 4, steps=12)
 
 def run_side(cmd: list[str]) -> subprocess.CompletedProcess:
     """One side of a row, killed after SIDE_TIMEOUT_S so one hang cannot eat a part's device time."""
+    limit = int(min(SIDE_TIMEOUT_S, DEADLINE - time.monotonic()))
+    if limit < 30:
+        return subprocess.CompletedProcess(cmd, 124, "", f"the part's time budget ({PART_BUDGET_S} s) is spent")
     try:
         return subprocess.run(
-            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYPATH}, timeout=SIDE_TIMEOUT_S
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYPATH}, timeout=limit
         )
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {SIDE_TIMEOUT_S} s")
+        return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {limit} s")
 
 
 def host_memory_short(case: Case) -> str:
