@@ -1,5 +1,6 @@
-"""MFU on one GPU: meshforge's training of Llama 3.2 1B/3B against the physical limit, the
-planner's prediction and torchtitan, side by side in one run.
+"""MFU on one GPU: meshforge's training against the physical limit, the planner's prediction and
+torchtitan's single-GPU recipe (bench_torchtitan.py), side by side in one run, with a one-step
+profile summary per side (trace_summary.py). Rows are grouped in parts (run.sh part2..part6).
 
 For each configuration this trains with ``meshforge train`` (default corpus, bf16, one GPU,
 no evaluation or checkpoints), reads the run's summary (tokens/s, MFU, HFU, peak memory,
@@ -9,6 +10,7 @@ imports -- trains the same shape under torchtitan and prints tokens/s as a ratio
 
     python bench/gpu/bench_mfu.py --out bench/gpu/out/mfu.md        # the suite's table
     python bench/gpu/bench_mfu.py --only 1b-4096-compile             # one row
+    python bench/gpu/bench_mfu.py --part 3 --out $OUT/mfu-part3.md   # one part
     python bench/gpu/bench_mfu.py --smoke                            # CPU: debug preset, checks the plumbing
 """
 
@@ -20,10 +22,20 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+from trace_summary import short, summarize  # noqa: E402
+
+# the peer needs meshforge and the carried wheels (run.sh puts them on PYTHONPATH)
+# one device command may run 10 minutes: a part stops starting runs after PART_BUDGET_S (env overrides)
+SIDE_TIMEOUT_S = int(os.environ.get("SIDE_TIMEOUT_S", "270"))
+PART_BUDGET_S = int(os.environ.get("PART_BUDGET_S", "480"))
+DEADLINE = time.monotonic() + PART_BUDGET_S
+PYPATH = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
 
 
 @dataclass(frozen=True)
@@ -35,10 +47,13 @@ class Case:
     ac: str  # activation checkpointing: none | selective | full
     global_batch: int
     micro_batch: int
-    steps: int = 30
+    part: int = 2  # bench/gpu/run.sh partN runs the cases of part N
+    fp8: bool = False
+    offload: bool = False
+    steps: int = 16
 
     def overrides(self) -> list[str]:
-        return [
+        o = [
             f"--model.preset={self.preset}",
             f"--model.max_seq_len={self.seq_len}",
             f"--train.seq_len={self.seq_len}",
@@ -48,33 +63,76 @@ class Case:
             f"--train.activation_checkpoint={self.ac}",
             f"--train.steps={self.steps}",
             "--train.eval_batches=0",
-            "--optim.warmup_steps=5",
-            "--metrics.log_interval=10",
+            "--optim.warmup_steps=2",
+            "--metrics.log_interval=4",
             "--metrics.report=false",
             "--metrics.tensorboard=false",
             "--checkpoint.save_final=false",
+            f"--profile.start_step={self.steps - 1}",  # one unlogged step near the end, traced
+            "--profile.steps=1",
         ]
+        o += ["--train.precision=fp8"] if self.fp8 else []
+        return o + (["--parallel.offload=cpu"] if self.offload else [])
+
+    def peer_args(self) -> list[str]:
+        """The same shape, tokens per optimizer step, precision, compile, AC, fp8 and offload."""
+        a = ["--model", self.preset, "--seq-len", str(self.seq_len), "--micro-batch", str(self.micro_batch)]
+        a += ["--accum", str(self.global_batch // self.micro_batch), "--ac", "full" if self.ac == "full" else "none"]
+        a += ["--steps", str(max(4, self.steps // 2)), "--warmup", "2", "--compile" if self.compile else "--no-compile"]
+        return a + (["--fp8"] if self.fp8 else []) + (["--offload"] if self.offload else [])
 
 
+# part 1 of run.sh is the CUDA tests; the parts below are each sized to stay under 8 minutes on one H100
 CASES = [
-    Case("1b-4096-eager", "llama3.2-1b", 4096, False, "none", 16, 2),
-    Case("1b-4096-compile", "llama3.2-1b", 4096, True, "none", 16, 2),
-    Case("1b-8192-eager", "llama3.2-1b", 8192, False, "none", 8, 1),
-    Case("1b-8192-compile", "llama3.2-1b", 8192, True, "none", 8, 1),
-    Case("3b-4096-ac-compile", "llama3.2-3b", 4096, True, "full", 16, 2),
-    Case("3b-8192-ac-compile", "llama3.2-3b", 8192, True, "full", 8, 1),
+    Case("1b-4096-eager", "llama3.2-1b", 4096, False, "none", 16, 2, part=2),
+    Case("1b-4096-compile", "llama3.2-1b", 4096, True, "none", 16, 2, part=2),
+    Case("1b-32k-ac-compile", "llama3.2-1b", 32768, True, "full", 1, 1, part=3, steps=12),
+    Case("1b-64k-ac-compile", "llama3.2-1b", 65536, True, "full", 1, 1, part=3, steps=8),
+    Case("3b-8192-ac-compile", "llama3.2-3b", 8192, True, "full", 4, 1, part=4, steps=12),
+    Case("3b-8192-ac-eager", "llama3.2-3b", 8192, False, "full", 4, 1, part=4, steps=8),
+    Case("1b-4096-fp8-compile", "llama3.2-1b", 4096, True, "none", 16, 2, part=5, fp8=True),
+    Case("3b-4096-fp8-ac-compile", "llama3.2-3b", 4096, True, "full", 8, 2, part=5, fp8=True, steps=12),
+    Case("8b-4096-offload-eager", "llama3.1-8b", 4096, False, "none", 2, 1, part=6, offload=True, steps=6),
 ]
 SMOKE = Case("smoke", "debug", 128, False, "none", 8, 4, steps=12)
 
 
+def run_side(cmd: list[str]) -> subprocess.CompletedProcess:
+    """One side of a row, killed after SIDE_TIMEOUT_S so one hang cannot eat a part's device time."""
+    limit = int(min(SIDE_TIMEOUT_S, DEADLINE - time.monotonic()))
+    if limit < 30:
+        return subprocess.CompletedProcess(cmd, 124, "", f"the part's time budget ({PART_BUDGET_S} s) is spent")
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYPATH}, timeout=limit
+        )
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {limit} s")
+
+
+def host_memory_short(case: Case) -> str:
+    """Offload keeps fp32 weights, gradients and Adam's two moments in host memory (16 bytes per
+    parameter): say so instead of letting the kernel's OOM killer end the whole part."""
+    if not case.offload:
+        return ""
+    sys.path.insert(0, str(ROOT / "src"))
+    from meshforge.models import flops
+    from meshforge.models.presets import get_preset
+
+    need = 16 * flops.num_params(get_preset(case.preset)) / 2**30
+    avail = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if "MemAvailable" in x)
+    have = avail / 2**20
+    return f"needs ~{need:.0f} GiB host memory for offloaded state, {have:.0f} GiB available" if have < need else ""
+
+
 def run_meshforge(case: Case, device: str, work: Path) -> dict:
-    """Train ``case`` and return its summary, steady step time and the planner's prediction."""
+    """Train ``case`` and return its summary, steady step time, profile and the planner's prediction."""
     run = work / case.name
     cmd = [sys.executable, "-m", "meshforge", "train", *case.overrides(), f"--train.device={device}"]
     cmd += [f"--run.dir={run}", "--run.overwrite=true"]
     if device == "cpu":
         cmd.append("--train.precision=fp32")
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    r = run_side(cmd)
     if r.returncode:
         return {"error": (r.stderr or r.stdout)[-1500:]}
     summary = json.loads((run / "summary.json").read_text())
@@ -82,6 +140,8 @@ def run_meshforge(case: Case, device: str, work: Path) -> dict:
     steady = [x["step_time_s"] for x in recs[len(recs) // 2 :]] or [x["step_time_s"] for x in recs]
     summary["step_time_s"] = sorted(steady)[len(steady) // 2]
     summary["prediction"] = predict(run)
+    traces = sorted((run / "profile").glob("rank-*.json"))
+    summary["profile"] = summarize(traces[0]) if traces else None
     return summary
 
 
@@ -94,48 +154,59 @@ def predict(run: Path) -> dict | str:
     return report_predict(load_run(run))
 
 
-def run_torchtitan(case: Case, device: str) -> dict | None:
-    """torchtitan on the same shape, or None where its bench or torchtitan is missing."""
+def run_torchtitan(case: Case, device: str, work: Path) -> dict | None:
+    """The peer on the same shape and tokens per optimizer step, or None where its script is missing."""
     script = ROOT / "bench" / "gpu" / "bench_torchtitan.py"
     if not script.is_file():
         return None
-    if device == "cpu":
-        args = [sys.executable, str(script), "--smoke"]
-    else:  # torchtitan has no accumulation: one micro-batch per step, the same tokens per forward
-        args = [sys.executable, str(script), "--model", case.preset, "--seq-len", str(case.seq_len)]
-        args += ["--micro-batch", str(case.micro_batch), "--precision", "bf16", "--ac", case.ac]
-        args += ["--steps", "13", "--warmup", "3", "--compile" if case.compile else "--no-compile"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run(args, capture_output=True, text=True, env=env)
-    if r.returncode and device != "cpu":  # CUDA graphs or its compile may not work on this torch
-        r = subprocess.run([*args, "--no-cuda-graphs"], capture_output=True, text=True, env=env)
+    args = [sys.executable, str(script)]
+    args += ["--smoke"] if device == "cpu" else [*case.peer_args(), "--profile-dir", str(work / f"{case.name}-peer")]
+    r = run_side(args)
     if r.returncode:
         return {"error": (r.stderr or r.stdout)[-800:]}
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": "no JSON line in its output"}
+    out = json.loads(lines[-1]) if lines else {"error": "no JSON line in its output"}
+    if "error" not in out and "tokens_per_s" not in out:  # 0.3.0 on CPU only builds the model
+        return {"error": f"peer: {out.get('smoke', 'no measurement')} ({out.get('params', 0):,} params)"}
+    out["profile"] = summarize(out["trace"]) if out.get("trace") else None
+    return out
 
 
-def row(case: Case, m: dict, tt: dict | None) -> str:
+def _reason(err: str) -> str:
+    """The last line of an error, shortened for a table cell ('not run: ...')."""
+    last = [x for x in err.strip().splitlines() if x.strip()] or ["?"]
+    return "not run: " + last[-1].replace("|", "/")[:110]
+
+
+def cells(m: dict) -> str:
+    """tok/s | MFU | HFU | peak GiB | profile for one side."""
     if "error" in m:
-        return f"| {case.name} | failed: {m['error'].splitlines()[-1][:120]} |"
-    p = m["prediction"]
-    pt = f"{p['step_time_s'] / m['step_time_s']:.2f}" if isinstance(p, dict) else "-"
-    pm = f"{p['mem_gib'] / m['peak_mem_gib']:.2f}" if isinstance(p, dict) and m["peak_mem_gib"] else "-"
-    if tt is None:
-        ttc = "not run"
-    elif "error" in tt:
-        ttc = "failed: " + tt["error"].splitlines()[-1][:80]
-    else:
-        ttc = f"{tt['tokens_per_s']:,.0f} ({m['tokens_per_s'] / tt['tokens_per_s']:.2f}x)"
+        return f"{_reason(m['error'])} | - | - | - | -"
     return (
-        f"| {case.name} | {m['tokens_per_s']:,.0f} | {100 * m['mfu']:.1f}% | {100 * m['hfu']:.1f}% | "
-        f"{m['peak_mem_gib']:.1f} | {m['step_time_s'] * 1e3:.0f} | {pt} | {pm} | {ttc} |"
+        f"{m['tokens_per_s']:,.0f} | {100 * m['mfu']:.1f}% | {100 * m['hfu']:.1f}% | "
+        f"{m.get('peak_mem_gib', 0):.1f} | {short(m.get('profile'))}"
     )
 
 
+def row(case: Case, m: dict, tt: dict | None) -> str:
+    """meshforge's cells, the planner's ratios, the peer's cells and the ratios between the two."""
+    p = m.get("prediction")
+    ok = "error" not in m
+    pt = f"{p['step_time_s'] / m['step_time_s']:.2f}" if ok and isinstance(p, dict) else "-"
+    pm = f"{p['mem_gib'] / m['peak_mem_gib']:.2f}" if ok and isinstance(p, dict) and m["peak_mem_gib"] else "-"
+    tt = tt or {"error": "torchtitan bench not run"}
+    both = ok and "error" not in tt
+    ratio = f"{m['tokens_per_s'] / tt['tokens_per_s']:.2f}x" if both else "-"
+    mem = f"{m['peak_mem_gib'] / tt['peak_mem_gib']:.2f}x" if both and tt.get("peak_mem_gib") else "-"
+    ran = f"gb {case.global_batch} / mb {case.micro_batch}, AC {case.ac}" + (", fp8" if case.fp8 else "")
+    ran += ", offload" if case.offload else ""
+    return f"| {case.name} | {ran} | {cells(m)} | {pt} | {pm} | {cells(tt)} | {ratio} | {mem} |"
+
+
 HEADER = (
-    "| config | tok/s | MFU | HFU | peak GiB | step ms | planner time / measured | planner mem / measured "
-    "| torchtitan tok/s (meshforge / torchtitan) |\n|---|---|---|---|---|---|---|---|---|"
+    "| config | both sides ran | meshforge tok/s | MFU | HFU | peak GiB | profile (1 step: busy, top kernel classes %) "
+    "| planner time / measured | planner mem / measured | torchtitan recipe tok/s | MFU | HFU | peak GiB | profile "
+    "| tok/s mf / tt | mem mf / tt |\n" + "|---" * 17 + "|"
 )
 
 
@@ -144,22 +215,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the table (markdown) here")
     ap.add_argument("--only", nargs="*", help="run only these cases: " + ", ".join(c.name for c in CASES))
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the debug preset")
+    ap.add_argument("--part", type=int, help="run only the cases of this part (see run.sh)")
     ap.add_argument("--no-torchtitan", action="store_true")
     a = ap.parse_args(argv)
-    cases = [SMOKE] if a.smoke else [c for c in CASES if not a.only or c.name in a.only]
+    cases = [SMOKE] if a.smoke else [c for c in CASES if (not a.only or c.name in a.only) and a.part in (None, c.part)]
     device = "cpu" if a.smoke else "cuda"
     lines = [HEADER]
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
+            short_mem = host_memory_short(c)
+            if short_mem:
+                lines.append(row(c, {"error": short_mem}, {"error": short_mem}))
+                print(lines[-1], flush=True)
+                continue
             m = run_meshforge(c, device, Path(tmp))
-            tt = None if a.no_torchtitan or "error" in m else run_torchtitan(c, device)
+            tt = None if a.no_torchtitan else run_torchtitan(c, device, Path(tmp))
             lines.append(row(c, m, tt))
             print(lines[-1], flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text("\n".join(lines) + "\n")
-    return 0 if all("failed" not in x for x in lines) else 1
+    return 0  # a row that cannot run says "not run: reason"; the suite goes on
 
 
 if __name__ == "__main__":

@@ -1,62 +1,43 @@
-"""The torchtitan side of the GPU suite's MFU comparison: the same model shape trained by
-torchtitan 0.3.0 (its PyPI release) on one device, measured the way meshforge measures.
+"""The peer in the GPU suite: torchtitan's Llama 3 model trained with torchtitan's single-GPU
+recipe, measured the way meshforge measures, so bench/gpu/bench_mfu.py can print ratios.
 
-Prints one JSON line on stdout (everything else goes to stderr) so bench/gpu/bench_mfu.py
-can put tokens/s, MFU and peak memory beside meshforge's figures as ratios.
+Works with torchtitan 0.2.2 (the one that imports on torch 2.11) and 0.3.0 (torch >= 2.13).
+What is torchtitan's: the model -- 0.2.2's ``Transformer(TransformerModelArgs)`` (SDPA, causal)
+with the shape of meshforge's preset, or 0.3.0's ``model_registry("1B"|"3B"|"8B")`` (FlexAttention,
+causal mask from positions). The recipe is torchtitan's ``parallelize_llama`` for one GPU, written
+out with the same torch APIs so it is the same on both versions and can accumulate:
+full activation checkpointing per block (``--ac full``), per-block ``torch.compile(fullgraph=True)``
+(``--compile``), FSDP2 ``fully_shard`` per block and at the root on a world of one with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights), optional
+``CPUOffloadPolicy`` (``--offload``, torchtitan's ``training.enable_cpu_offload``), torchao float8
+tensorwise on every block Linear (``--fp8``, torchtitan's float8 converter; the head stays bf16),
+cross-entropy in fp32 (compiled with ``--compile``, as torchtitan compiles its loss), fused
+AdamW (lr 3e-4, betas 0.9/0.95, wd 0.1) and grad-norm clipping at 1.0.
 
-What is torchtitan's (unchanged, as its own llama3 configs use it):
-- the model: ``torchtitan.models.llama3.model_registry("1B" | "3B")`` (dim 2048/3072, 16/28
-  layers, 32/24 heads, 8 kv heads, ffn 8192, vocab 128256, rope theta 500000, tied
-  embeddings: the Llama 3.2 shapes; a check below compares its parameter count with
-  meshforge's preset and refuses to run on a mismatch). ``--smoke`` uses its
-  ``debugmodel`` flavor. Its attention is FlexAttention (0.3.0 has no SDPA backend for
-  language models; ``--attn`` picks flex, flex_flash or varlen);
-- the Trainer (``torchtitan.trainer.Trainer``): its training loop and train_step, its
-  ``parallelize_llama`` (activation checkpointing, per-block ``torch.compile``, FSDP2 on a
-  world of one for the mixed-precision policy: fp32 parameters, bf16 compute), its AdamW
-  (``default_adamw``, fused), LR schedule, gradient clipping, chunked cross-entropy loss,
-  GC handling and, by default, CUDA-graph capture of forward+backward.
+Fairness: ``--accum N`` accumulates N micro-batches per optimizer step, so tokens per optimizer
+step equal meshforge's global batch. Data: uniform random token ids (no tokenizer, no network).
+Measurement: one sync before the first timed step and one after the last; MFU from
+``meshforge.models.flops`` and ``meshforge.metrics.mfu`` (counted as meshforge counts);
+``--profile-dir`` traces one step after the timed ones (Chrome trace, for trace_summary.py).
 
-What is ours (so it runs with no network and no HF assets):
-- the data: ``RandomTokens``, a torchtitan dataloader component yielding uniform random
-  token ids with positions 0..seq_len-1 (one document per row, so the attention mask is
-  plain causal, as in meshforge's benchmark);
-- ``NoTokenizer``: the Trainer always builds a tokenizer; our data never uses it;
-- a placeholder ``datasets`` module when the real one is absent: torchtitan imports it at
-  module level only for its HF dataloaders, which this script does not use (``datasets``
-  pulls pyarrow, 40+ MiB per Python version, too big to carry with the tree);
-- ``torch.distributed.set_timeout``, which torchtitan 0.3.0 calls after the first step and
-  torch 2.13 does not have, is aliased to ``distributed_c10d._set_pg_timeout`` where absent;
-- the measurement: one device sync before the first timed step and one after the last;
-  tokens/s over the timed steps; FLOPs per token from ``meshforge.models.flops`` and the
-  peak from ``meshforge.metrics.mfu`` (so MFU is counted exactly as meshforge counts it);
-  peak memory from ``meshforge.metrics.memory.peak_mem_gib`` (CUDA max allocated);
-- ``--smoke`` on a machine without CUDA (tests the wiring only, not speed): torchtitan 0.3.0
-  assumes CUDA when no accelerator is found, so its device globals are pointed at a small
-  CPU shim; and FlexAttention has no backward on CPU, so its kernel call is replaced by
-  causal SDPA (same result for one document per row). Neither happens on a GPU.
-
-    python bench/gpu/bench_torchtitan.py --model llama3.2-1b --seq-len 4096 --compile --ac none
-    python bench/gpu/bench_torchtitan.py --model llama3.2-3b --seq-len 8192 --no-compile --ac full
-    python bench/gpu/bench_torchtitan.py --smoke          # tiny flavor, CPU, a few seconds
+    python bench/gpu/bench_torchtitan.py --model llama3.2-1b --seq-len 4096 --micro-batch 2 --accum 8 --compile
+    python bench/gpu/bench_torchtitan.py --smoke      # tiny shape, CPU, one JSON line
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
-import logging
 import os
-import socket
 import sys
-import tempfile
 import time
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from meshforge.metrics.memory import peak_mem_gib
 from meshforge.metrics.mfu import peak_flops, utilization
@@ -64,41 +45,37 @@ from meshforge.models import flops
 from meshforge.models.presets import get_preset
 from meshforge.models.shape import ModelShape
 
-FLAVORS = {"llama3.2-1b": "1B", "llama3.2-3b": "3B", "debug": "debugmodel"}
-# torchtitan's debugmodel flavor (dim 256, 16 heads, no GQA, ffn 768, vocab 2048, untied).
-DEBUG_SHAPE = ModelShape(
-    hidden=256, layers=6, heads=16, kv_heads=16, ffn_hidden=768, vocab_size=2048, max_seq_len=131072
+FLAVORS_030 = {"llama3.2-1b": "1B", "llama3.2-3b": "3B", "llama3.1-8b": "8B"}
+SMOKE_SHAPE = ModelShape(
+    hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=256, vocab_size=512, max_seq_len=128, rope_theta=500000.0
 )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=list(FLAVORS), default="llama3.2-1b")
+    p.add_argument("--model", choices=[*FLAVORS_030, "smoke"], default="llama3.2-1b")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per step (no accumulation)")
-    p.add_argument("--steps", type=int, default=13, help="all steps, warm-up included")
-    p.add_argument("--warmup", type=int, default=3, help="untimed first steps (compile, CUDA-graph capture)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps (compilation)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--ac", choices=["none", "full"], default="none", help="activation checkpointing")
-    p.add_argument("--attn", choices=["flex", "flex_flash", "varlen"], default="flex")
-    p.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="torchtitan's default; --no-cuda-graphs to run forward+backward eagerly",
-    )
-    p.add_argument("--smoke", action="store_true", help="debug flavor, seq 128, batch 2, 4 steps; runs on CPU too")
+    p.add_argument("--ac", choices=["none", "full"], default="none")
+    p.add_argument("--fp8", action="store_true", help="torchao float8 tensorwise on the block Linears")
+    p.add_argument("--offload", action="store_true", help="FSDP2 CPUOffloadPolicy (params, grads, optimizer)")
+    p.add_argument("--profile-dir", default="", help="trace one extra step into this folder")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU in fp32: checks the wiring")
     a = p.parse_args(argv)
     if a.smoke:
-        a.model, a.seq_len, a.micro_batch, a.steps, a.warmup = "debug", 128, 2, 4, 2
+        a.model, a.seq_len, a.micro_batch, a.accum, a.steps, a.warmup = "smoke", 64, 2, 2, 3, 1
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must be greater than --warmup ({a.warmup})")
     return a
 
 
 def install_datasets_placeholder() -> None:
-    """Register a stand-in ``datasets`` module when the real one is absent (see the docstring)."""
+    """A stand-in ``datasets`` module where the real one is absent: torchtitan imports it at module
+    level for its HF dataloaders only (unused here); it pulls pyarrow, too big to carry."""
     try:
         import datasets  # noqa: F401
     except ImportError:
@@ -106,152 +83,145 @@ def install_datasets_placeholder() -> None:
         def missing(*_a: Any, **_k: Any) -> Any:
             raise RuntimeError("HF datasets is not installed; bench_torchtitan.py feeds random tokens")
 
-        ds = types.ModuleType("datasets")
-        dd = types.ModuleType("datasets.distributed")
-        ds.Dataset, ds.load_dataset, ds.distributed = type("Dataset", (), {}), missing, dd
+        ds, dd = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+        ds.Dataset, ds.IterableDataset, ds.load_dataset, ds.distributed = type("Dataset", (), {}), object, missing, dd
         dd.split_dataset_by_node = missing
         sys.modules["datasets"], sys.modules["datasets.distributed"] = ds, dd
 
 
-class _CpuDevice:
-    """The few ``torch.cuda`` calls torchtitan makes, answered for the CPU (``--smoke`` only)."""
+@functools.cache
+def tt_version() -> str:
+    """The installed torchtitan release (read once: the API differs between 0.2.2 and 0.3.0)."""
+    import importlib.metadata as md
 
-    set_device = empty_cache = reset_peak_memory_stats = synchronize = staticmethod(lambda *a, **k: None)
-    device_count = staticmethod(lambda: 1)
-    current_device = staticmethod(lambda: 0)
-    get_device_name = staticmethod(lambda *a: "cpu")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    get_device_properties = staticmethod(lambda *a: types.SimpleNamespace(total_memory=_CpuDevice.ram))
-    memory_stats = staticmethod(lambda *a: {})
-    memory = types.SimpleNamespace()
+    return md.version("torchtitan")
 
 
-def point_torchtitan_at_cpu() -> None:
-    """torchtitan 0.3.0 picks "cuda" when no accelerator is found; rebind its device globals."""
-    import importlib
-
-    for name in (
-        "tools.utils",
-        "components.metrics",
-        "models.common.token_dispatcher",
-        "distributed.parallel_dims",
-        "distributed.utils",
-        "tools.profiler",
-    ):
-        mod = importlib.import_module(f"torchtitan.{name}")
-        if hasattr(mod, "device_type"):
-            mod.device_type = "cpu"
-        if hasattr(mod, "device_module"):
-            mod.device_module = _CpuDevice
+def shape_of(a: argparse.Namespace) -> ModelShape:
+    """meshforge's preset for this run: the shape both sides train and the FLOPs count."""
+    return SMOKE_SHAPE if a.model == "smoke" else get_preset(a.model)
 
 
-def cpu_attention_stand_in() -> None:
-    """FlexAttention has no CPU backward: answer its kernel call with causal SDPA (``--smoke`` only)."""
-    import torch.nn.functional as F
-    from torchtitan.models.common.attention import FlexAttention
+def build_022(shape: ModelShape, seq_len: int, device: torch.device) -> torch.nn.Module:
+    """torchtitan 0.2.2's Llama 3 Transformer with meshforge's preset's shape (SDPA, causal)."""
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    def sdpa(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, enable_gqa: bool, **_flex: Any
-    ) -> tuple[torch.Tensor, None]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
-
-    FlexAttention._compiled_flex_attn = staticmethod(sdpa)
-
-
-def provide_set_timeout() -> None:
-    """torchtitan 0.3.0 calls ``torch.distributed.set_timeout``; older torch names it ``_set_pg_timeout``."""
-    import torch.distributed.distributed_c10d as c10d
-
-    if not hasattr(torch.distributed, "set_timeout"):
-        torch.distributed.set_timeout = c10d._set_pg_timeout
-
-
-def set_single_process_env() -> None:
-    """What torchrun would set for a world of one, unless the caller already did."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in (
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("LOCAL_WORLD_SIZE", "1"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(port)),
-    ):
-        os.environ.setdefault(k, v)
+    base = int(2 * 4 * shape.hidden / 3)  # torchtitan: ffn = multiple_of-round(multiplier * 8/3 * dim)
+    args = TransformerModelArgs(
+        dim=shape.hidden,
+        n_layers=shape.layers,
+        n_heads=shape.heads,
+        n_kv_heads=shape.kv_heads,
+        vocab_size=shape.vocab_size,
+        ffn_dim_multiplier=shape.ffn_hidden / base,
+        multiple_of=min(256, shape.ffn_hidden),
+        rope_theta=shape.rope_theta,
+        max_seq_len=seq_len,
+    )
+    with torch.device(device):
+        model = Transformer(args)
+    if device.type != "meta":
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
+    if shape.tie_embeddings:  # Llama 3.2: one matrix for embedding and head, before FSDP groups it
+        model.output.weight = model.tok_embeddings.weight
+    return model
 
 
-def define_components() -> tuple[type, type]:
-    """Our data and tokenizer as torchtitan components.
+def build_030(a: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """torchtitan 0.3.0's own Llama 3 flavor (FlexAttention; it has no SDPA backend)."""
+    from torchtitan.models.llama3 import model_registry
 
-    Defined after torchtitan is importable (and, on CPU, after the device rebinding)."""
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.tokenizer import BaseTokenizer
-
-    class NoTokenizer(BaseTokenizer):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            vocab_size: int = 0
-
-        def __init__(self, config: Any, tokenizer_path: str = "") -> None:
-            super().__init__()
-            self.vocab_size = config.vocab_size
-
-        def encode(self, *args: Any, **kwargs: Any) -> list[int]:
-            raise RuntimeError("bench_torchtitan.py trains on random token ids; nothing is tokenized")
-
-        decode = encode
-
-        def get_vocab_size(self) -> int:
-            return self.vocab_size
-
-    class RandomTokens(BaseDataLoader):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            vocab_size: int = 0
-
-        def __init__(self, config: Any, *, seq_len: int, local_batch_size: int, **_runtime: Any) -> None:
-            self.vocab, self.seq_len, self.batch = config.vocab_size, seq_len, local_batch_size
-            self.gen = torch.Generator().manual_seed(0)
-
-        def __iter__(self):  # yields torchtitan's ({input, positions}, labels) pairs
-            positions = torch.arange(self.seq_len).expand(self.batch, -1)
-            while True:
-                ids = torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), generator=self.gen)
-                yield {"input": ids[:, :-1], "positions": positions}, ids[:, 1:]
-
-        def state_dict(self) -> dict[str, Any]:
-            return {}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            pass
-
-    return NoTokenizer, RandomTokens
+    cfg = model_registry(FLAVORS_030.get(a.model, "debugmodel"), attn_backend="flex").model
+    with torch.device(device):
+        model = cfg.build()
+    if device.type != "meta":
+        with torch.no_grad():
+            model.init_states(buffer_device=device)
+    return model
 
 
-def define_timed_trainer() -> type:
-    """torchtitan's Trainer with a clock around the timed steps."""
-    from torchtitan.trainer import Trainer
+def check_same_shape(model: torch.nn.Module, shape: ModelShape) -> int:
+    """Refuse to report a comparison of two different models: parameter counts must agree."""
+    n = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+    if n != flops.num_params(shape):
+        raise SystemExit(f"torchtitan's model has {n:,} parameters, meshforge's shape {flops.num_params(shape):,}")
+    return n
 
-    class TimedTrainer(Trainer):
-        """torchtitan's Trainer; only syncs before the first timed step and after the last."""
 
-        warmup: int = 0
-        t0: float = 0.0
-        t1: float = 0.0
-        last_loss: float = float("nan")
+def apply_recipe(model: torch.nn.Module, a: argparse.Namespace, bf16: bool) -> None:
+    """torchtitan's single-GPU parallelize_llama: fp8, AC, per-block compile, FSDP2 (mixed precision)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        def train_step(self, data_iterator: Any) -> None:
-            if self.step == self.warmup + 1:
-                _sync(self.device)
-                self.t0 = time.perf_counter()
-            super().train_step(data_iterator)
-            if self.step == self.config.training.steps:
-                _sync(self.device)
-                self.t1 = time.perf_counter()
+    if a.fp8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    return TimedTrainer
+        keep = {id(model.output if hasattr(model, "output") else model.lm_head)}
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(), module_filter_fn=lambda m, _fqn: id(m) not in keep
+        )
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw: dict[str, Any] = {"mp_policy": mp} if mp else {}
+    if a.offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for name, block in list(model.layers.named_children()):
+        if a.ac == "full":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if a.compile:
+            block = torch.compile(block, fullgraph=True)
+        model.layers.register_module(name, block)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+
+
+def build_model(a: argparse.Namespace, device: torch.device, bf16: bool) -> tuple[torch.nn.Module, int]:
+    """The model on its device with the recipe applied; meta + to_empty where offload needs it."""
+    v030 = tt_version().startswith("0.3")
+    where = torch.device("meta") if a.offload else device
+    model = build_030(a, where) if v030 else build_022(shape_of(a), a.seq_len, where)
+    n = check_same_shape(model, shape_of(a))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", world_size=1, rank=0)
+    apply_recipe(model, a, bf16)
+    if a.offload:  # as torchtitan: parameters on CPU, buffers (RoPE) on the GPU
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            (model.init_states if v030 else model.init_weights)(buffer_device=device)
+    return model, n
+
+
+def make_step(model: torch.nn.Module, a: argparse.Namespace, device: torch.device) -> Any:
+    """One optimizer step over ``accum`` micro-batches of random tokens; returns the loss tensor."""
+    v030 = tt_version().startswith("0.3")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=not a.offload or device.type == "cpu"
+    )
+    vocab = shape_of(a).vocab_size
+    pos = torch.arange(a.seq_len, device=device).expand(a.micro_batch, -1)
+    masks = model.get_attention_masks(pos) if v030 else None
+
+    def ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    loss_fn = torch.compile(ce) if a.compile else ce
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step() -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for _ in range(a.accum):
+            ids = torch.randint(0, vocab, (a.micro_batch, a.seq_len + 1), device=device, generator=gen)
+            logits = model(ids[:, :-1], pos, masks) if v030 else model(ids[:, :-1])
+            loss = loss_fn(logits, ids[:, 1:]) / a.accum
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
 
 
 def _sync(device: torch.device) -> None:
@@ -259,130 +229,88 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_config(a: argparse.Namespace, tok_cls: type, data_cls: type, dump: str) -> Any:
-    """A Trainer.Config in the style of torchtitan's own llama3 configs, with our data."""
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.trainer import Trainer
-
-    spec = model_registry(FLAVORS[a.model], attn_backend=a.attn)
-    vocab = decoder_vocab_size(spec)
-    return Trainer.Config(
-        model_spec=spec,
-        hf_assets_path=dump,
-        dump_folder=dump,
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
-        tokenizer=tok_cls.Config(vocab_size=vocab),
-        dataloader=data_cls.Config(vocab_size=vocab),
-        optimizer=default_adamw(lr=3e-4),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=a.warmup),
-        training=TrainingConfig(
-            local_batch_size=a.micro_batch,
-            seq_len=a.seq_len,
-            steps=a.steps,
-            mixed_precision_param="bfloat16" if a.precision == "bf16" else "float32",
-            disable_cuda_graphs=not a.cuda_graphs,
-        ),
-        metrics=MetricsProcessor.Config(log_freq=a.steps),  # loss read (a sync) on steps 1 and last only
-        parallelism=ParallelismConfig(),
-        checkpoint=CheckpointManager.Config(enable=False),
-        activation_checkpoint=FullAC.Config() if a.ac == "full" else None,
-        compile=CompileConfig(enable=a.compile, components=["model", "loss"]),
-        debug=DebugConfig(seed=0, enable_structured_logging=False),
-    )
+def timed(step: Any, a: argparse.Namespace, device: torch.device) -> tuple[float, float]:
+    """Seconds over the timed steps and the last loss (one sync before, one after)."""
+    for _ in range(a.warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(a.steps - a.warmup):
+        loss = step()
+    _sync(device)
+    return time.perf_counter() - t0, float(loss)
 
 
-def meshforge_shape(a: argparse.Namespace) -> ModelShape:
-    """The meshforge preset this run compares with (for the FLOPs and the shape check)."""
-    return DEBUG_SHAPE if a.model == "debug" else get_preset(a.model)
+def profile_one(step: Any, out: str, device: torch.device) -> str:
+    """Trace one step (after the timed ones) into ``out``/peer.json."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def check_same_shape(model: torch.nn.Module, shape: ModelShape) -> int:
-    """Refuse to report a comparison of two different models: parameter counts must agree."""
-    n = sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
-    if n != flops.num_params(shape):
-        raise SystemExit(f"torchtitan's model has {n:,} parameters, meshforge's shape {flops.num_params(shape):,}")
-    return n
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "peer.json")
+    prof.export_chrome_trace(path)
+    return path
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    """Build torchtitan's Trainer for this config, train, and measure."""
+    """Build, train, measure (and optionally profile one step)."""
     install_datasets_placeholder()
-    provide_set_timeout()
-    if not torch.cuda.is_available():
-        if not a.smoke:
-            raise SystemExit("no CUDA device: only --smoke runs on CPU")
-        point_torchtitan_at_cpu()
-        cpu_attention_stand_in()
-    set_single_process_env()
-    (tok_cls, data_cls), trainer_cls = define_components(), define_timed_trainer()
-    with tempfile.TemporaryDirectory(prefix="bench_torchtitan_") as dump:
-        trainer = trainer_cls(build_config(a, tok_cls, data_cls, dump))
-        trainer.warmup = a.warmup
-        log = trainer.metrics_processor.log
-
-        def keep_loss(step: int, loss: float, *rest: Any, **kw: Any) -> Any:
-            trainer.last_loss = loss
-            return log(step, loss, *rest, **kw)
-
-        trainer.metrics_processor.log = keep_loss
-        try:
-            n_params = check_same_shape(trainer.model_parts[0], meshforge_shape(a))
-            trainer.train()
-        finally:
-            trainer.close()
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-    return measure(a, trainer, n_params)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not a.smoke:
+        raise SystemExit("no CUDA device: only --smoke runs on CPU")
+    if cuda:
+        torch.cuda.set_device(0)
+    if not cuda and tt_version().startswith("0.3"):  # FlexAttention has no CPU backward: build only
+        n = sum(p.numel() for p in build_030(a, torch.device("meta")).parameters())
+        return {"framework": "torchtitan", "torchtitan_version": tt_version(), "smoke": "built on meta", "params": n}
+    model, n_params = build_model(a, device, bf16=cuda)
+    step = make_step(model, a, device)
+    seconds, loss = timed(step, a, device)
+    peak = peak_mem_gib(device)
+    trace = profile_one(step, a.profile_dir, device) if a.profile_dir else ""
+    torch.distributed.destroy_process_group()
+    return measure(a, device, n_params, seconds, loss) | {"peak_mem_gib": peak, "trace": trace}
 
 
-def measure(a: argparse.Namespace, trainer: Any, n_params: int) -> dict[str, Any]:
-    """tokens/s, MFU and HFU counted with meshforge's FLOPs and peak, and peak memory."""
-    import torchtitan
-
-    shape, device = meshforge_shape(a), trainer.device
-    seconds = trainer.t1 - trainer.t0
-    tokens_per_s = (a.steps - a.warmup) * a.micro_batch * a.seq_len / seconds
-    peak = peak_flops(device, a.precision)
+def measure(a: argparse.Namespace, device: torch.device, n_params: int, seconds: float, loss: float) -> dict:
+    """tokens/s, MFU and HFU with meshforge's FLOPs count and peak."""
+    shape, timed_steps = shape_of(a), a.steps - a.warmup
+    tokens_per_s = timed_steps * a.accum * a.micro_batch * a.seq_len / seconds
+    prec = "bf16" if device.type == "cuda" else "fp32"
+    peak = peak_flops(device, prec)
     model_f = flops.model_flops_per_token(shape, a.seq_len)
     hw_f = flops.hardware_flops_per_token(shape, a.seq_len, recompute=a.ac)
+    ran = f"torchtitan {tt_version()} model, FSDP2 1-GPU {prec}/fp32-reduce, {'compiled' if a.compile else 'eager'}"
+    ran += f", AC {a.ac}" + (", fp8" if a.fp8 else "") + (", offload" if a.offload else "")
     return {
         "framework": "torchtitan",
-        "torchtitan_version": getattr(torchtitan, "__version__", "?"),
+        "ran": ran + f", mb {a.micro_batch} x accum {a.accum}",
+        "torchtitan_version": tt_version(),
         "torch_version": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": a.model,
         "params": n_params,
         "seq_len": a.seq_len,
         "micro_batch": a.micro_batch,
-        "precision": a.precision,
-        "compile": a.compile,
-        "ac": a.ac,
-        "attn": a.attn,
-        "cuda_graphs": a.cuda_graphs and device.type == "cuda",  # torchtitan runs eagerly elsewhere
-        "steps": a.steps,
-        "warmup": a.warmup,
-        "step_time_s": seconds / (a.steps - a.warmup),
+        "accum": a.accum,
+        "step_time_s": seconds / timed_steps,
         "tokens_per_s": tokens_per_s,
         "mfu": utilization(model_f, tokens_per_s, peak),
         "hfu": utilization(hw_f, tokens_per_s, peak),
-        "model_flops_per_token": model_f,
-        "torchtitan_flops_per_token": float(trainer.metrics_processor.num_flops_per_token),
-        "peak_flops": peak,
-        "peak_mem_gib": peak_mem_gib(device),
-        "final_loss": float(trainer.last_loss),
+        "final_loss": loss,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[titan] %(levelname)s %(message)s")
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
         result = run(a)
     print(json.dumps(result), flush=True)

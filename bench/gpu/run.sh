@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The GPU suite: one command on a fresh GPU machine, from the repository root or anywhere.
 #
-#   bash bench/gpu/run.sh            # everything: CUDA tests, MFU table, torchtitan ratio
-#   SUITE_QUICK=1 bash bench/gpu/run.sh   # CUDA tests and the two Llama 3.2 1B rows at 4096
-#   bash bench/gpu/run.sh check     # install the carried wheels and verify every import (a CPU dry run)
+#   bash bench/gpu/run.sh check     # install the carried wheels, verify every import, CPU smoke of both sides
+#   bash bench/gpu/run.sh part1     # CUDA tests (pytest -m cuda)                         ~5 min
+#   bash bench/gpu/run.sh part2     # 1B seq 4096 eager + compiled, gb 16 / mb 2, + peer   ~6 min
+#   bash bench/gpu/run.sh part3     # 1B seq 32K and 64K, AC full, compiled, + peer        ~6 min
+#   bash bench/gpu/run.sh part4     # 3B seq 8K, AC full, compiled + eager, + peer         ~7 min
+#   bash bench/gpu/run.sh part5     # fp8 (torchao tensorwise) 1B and 3B, compiled, + peer ~6 min
+#   bash bench/gpu/run.sh part6     # 8B with parallel.offload=cpu on one GPU, + peer      ~7 min
+#   bash bench/gpu/run.sh all       # every part in one go (longer than one device command may run)
+# Each part fits one 10-minute device command; run part2 first (the headline ratio), then 3, 4, 5, 6, 1.
 #
 # It runs on the torch the machine already has (it never installs one), puts meshforge on
 # PYTHONPATH instead of pip-installing it (no build step, no registry needed), installs the
@@ -16,27 +22,42 @@ OUT=${OUT:-bench/gpu/out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
-WHEELS=bench/gpu/wheels
+WHEELS=${WHEELS:-bench/gpu/wheels}  # WHEELS=bench/gpu/wheels-cp311 for a dry run on Python 3.11
+MODE=${1:-all}
 PY=${PYTHON:-python3}  # the interpreter that runs the suite installs its wheels (never a bare pip)
-SITE="$OUT/site"
+SITE="$(cd "$OUT" && pwd)/site"  # absolute: $OUT may be relative or absolute
 mkdir -p "$SITE"
-export PYTHONPATH="$PYTHONPATH:$PWD/$SITE"
+export PYTHONPATH="$PYTHONPATH:$SITE"
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   # torchtitan by the machine's torch: 0.2.2 imports on 2.11, 0.3.0 needs >= 2.13
   TT=$($PY -c "import torch; v=tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); print('0.3.0' if v >= (2, 13) else '0.2.2')")
+  todo=()
   for w in "$WHEELS"/*.whl; do
     dist=$(basename "$w" | cut -d- -f1); ver=$(basename "$w" | cut -d- -f2)
     [ "$dist" = torchtitan ] && [ "$ver" != "$TT" ] && continue
     $PY -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" >/dev/null 2>&1 && continue
-    $PY -m pip install --no-index --no-deps --quiet --target "$SITE" "$w" >>"$OUT/pip.log" 2>&1 \
-      || echo "could not install $w (see $OUT/pip.log)" | tee -a "$OUT/pip.log"
+    todo+=("$w")
   done
+  pipi() { $PY -m pip install --no-index --no-deps --no-compile --quiet --upgrade --target "$SITE" "$@" >>"$OUT/pip.log" 2>&1; }
+  if [ ${#todo[@]} -gt 0 ] && ! pipi "${todo[@]}"; then  # one by one only when the batch fails
+    for w in "${todo[@]}"; do pipi "$w" || echo "could not install $w (see $OUT/pip.log)" | tee -a "$OUT/pip.log"; done
+  fi
+  echo "installed ${#todo[@]} carried wheels into $SITE (torchtitan $TT; packages the interpreter has are kept)"
 fi
 # every import the GPU run needs, before running anything
 $PY - <<'PYEOF' | tee "$OUT/imports.txt"
-import importlib
+import importlib, sys
 bad = []
-for mod in ("torch", "meshforge", "meshforge.train", "transformers", "torchao", "torchao.float8", "torchtitan"):
+try:  # torchtitan imports HF datasets at module level; the peer stands it in the same way
+    sys.path.insert(0, "bench/gpu")
+    importlib.import_module("bench_torchtitan").install_datasets_placeholder()
+except Exception as e:  # noqa: BLE001 - reported below
+    bad.append("bench_torchtitan")
+    print(f"import FAILED: bench_torchtitan: {type(e).__name__}: {e}")
+mods = ("torch", "meshforge", "meshforge.train", "transformers", "torchao", "torchao.float8", "torchtitan",
+        "torchtitan.models.llama3", "torch.distributed.fsdp", "torch.profiler",
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+for mod in mods:
     try:
         m = importlib.import_module(mod)
         print(f"import ok: {mod} {getattr(m, '__version__', '')}")
@@ -45,9 +66,16 @@ for mod in ("torch", "meshforge", "meshforge.train", "transformers", "torchao", 
         print(f"import FAILED: {mod}: {type(e).__name__}: {e}")
 print("not importable:", ", ".join(bad) if bad else "none")
 PYEOF
-[ "${1:-}" = check ] && { echo "check only: imports above"; exit 0; }
+if [ "$MODE" = check ]; then
+  echo "== peer smoke (bench_torchtitan.py --smoke)"
+  $PY bench/gpu/bench_torchtitan.py --smoke 2>"$OUT/peer_smoke.log" | tail -n 1
+  echo "== table smoke (bench_mfu.py --smoke)"
+  $PY bench/gpu/bench_mfu.py --smoke --out "$OUT/mfu-smoke.md" 2>&1 | tail -n 1
+  exit 0
+fi
 
-$PY - <<'EOF' | tee "$OUT/results.md"
+header() {
+  $PY - <<'EOF'
 import datetime, platform, torch
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
 print(f"# GPU suite: {name}\n")
@@ -60,15 +88,25 @@ for mod in ("torchao", "torchtitan", "transformers"):
         print(f"- {mod}: not importable ({type(e).__name__})  ")
 print()
 EOF
+}
 
-echo "## CUDA tests (pytest -m cuda)" >>"$OUT/results.md"
-$PY -m pytest -m cuda -q -rs -p no:cacheprovider tests >"$OUT/pytest_cuda.txt" 2>&1
-echo "exit $?" >>"$OUT/pytest_cuda.txt"
-{ echo '```'; tail -n 25 "$OUT/pytest_cuda.txt"; echo '```'; echo; } >>"$OUT/results.md"
+cuda_tests() {
+  echo "## CUDA tests (pytest -m cuda)"
+  $PY -m pytest -m cuda -q -rs -p no:cacheprovider tests >"$OUT/pytest_cuda.txt" 2>&1
+  echo "exit $?" >>"$OUT/pytest_cuda.txt"
+  echo '```'; tail -n 25 "$OUT/pytest_cuda.txt"; echo '```'; echo
+}
 
-echo "## MFU (bench/gpu/bench_mfu.py)" >>"$OUT/results.md"
-ONLY=()
-[ -n "${SUITE_QUICK:-}" ] && ONLY=(--only 1b-4096-eager 1b-4096-compile)
-$PY bench/gpu/bench_mfu.py --out "$OUT/mfu.md" "${ONLY[@]}" >"$OUT/bench_mfu.log" 2>&1
-cat "$OUT/mfu.md" >>"$OUT/results.md" 2>/dev/null || tail -n 20 "$OUT/bench_mfu.log" >>"$OUT/results.md"
-echo "written: $OUT/results.md"
+mfu_part() {  # one part of the table: mfu-partN.md, ready for docs/benchmarks.md
+  echo "## meshforge vs torchtitan's single-GPU recipe, part $1 (bench/gpu/bench_mfu.py)"
+  PYTHONUNBUFFERED=1 $PY bench/gpu/bench_mfu.py --part "$1" --out "$OUT/mfu-part$1.md" 2>"$OUT/bench_mfu-part$1.log"
+  echo
+}
+
+case "$MODE" in
+  part1) { header; cuda_tests; } | tee "$OUT/results-part1.md" ;;
+  part[2-9]) { header; mfu_part "${MODE#part}"; } | tee "$OUT/results-$MODE.md" ;;
+  all) { header; cuda_tests; for n in 2 3 4 5 6; do mfu_part "$n"; done; } | tee "$OUT/results.md" ;;
+  *) echo "unknown mode '$MODE': check | part1..part6 | all" >&2; exit 2 ;;
+esac
+echo "written under $OUT"
