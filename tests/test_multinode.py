@@ -13,10 +13,36 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_args, run_cli, tiny_overrides
+from meshforge import faults, launch_env
 from sim_hosts import SimHosts, free_port
 
-STEPS, INTERVAL, PACE_MS = 60, 5, 150
+STEPS, INTERVAL, PACE_MS = 30, 5, 150
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def test_a_host_that_joined_later_shares_the_store_scope_of_the_survivors(monkeypatch):
+    """A fresh store per round (TORCHELASTIC_USE_AGENT_STORE=False): a survivor (restart 1) and a host
+    that joined later (restart 0) must scope their keys alike, or init waits forever for each other."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setenv("MASTER_PORT", "51471")
+    scopes = set()
+    for count in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+        scopes.add(launch_env.attempt_scope())
+    assert len(scopes) == 1
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent's store outlives attempts: scoped apart
+    assert launch_env.attempt_scope() == "attempt-1"
+
+
+def test_pace_fault_sleeps_on_every_attempt(monkeypatch):
+    monkeypatch.setenv("MESHFORGE_FAULT", "pace:ms=20")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    t = time.perf_counter()
+    faults.pace()
+    assert time.perf_counter() - t >= 0.02
+    monkeypatch.setenv("MESHFORGE_FAULT", "pace:ms=x")
+    with pytest.raises(Exception, match="pace:ms=M"):
+        faults.pace()
 
 
 def _jsonl(path: Path) -> list[dict]:
