@@ -1,5 +1,6 @@
 """Simulated hosts for tests: scripts/sim_hosts.sh's network namespaces, or (where namespaces
-are not permitted: no root, no CAP_NET_ADMIN, no iproute2) distinct loopback addresses.
+are not permitted: no root, no CAP_NET_ADMIN, no iproute2; or MESHFORGE_SIM_HOSTS=loopback)
+distinct loopback addresses. A SIGTERM (a timeout's kill) still removes the namespaces.
 
     with SimHosts(2) as hosts:
         p = hosts.popen(0, ["torchrun", ...])   # runs "on" host 0 (its netns, its address)
@@ -15,7 +16,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sim_hosts.sh"
 NET = "10.77.0"
@@ -23,6 +24,8 @@ NET = "10.77.0"
 
 def _namespaces_unavailable() -> str | None:
     """Why network namespaces cannot be used here, or None when they can."""
+    if os.environ.get("MESHFORGE_SIM_HOSTS") == "loopback":
+        return "MESHFORGE_SIM_HOSTS=loopback asks for loopback addresses"
     if shutil.which("ip") is None:
         return "iproute2 (`ip`) is not installed"
     if os.geteuid() != 0:
@@ -34,6 +37,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -51,8 +58,11 @@ class SimHosts:
         self.fallback: str | None = None
         self.notes = ""
         self._procs: dict[int, list[subprocess.Popen]] = {i: [] for i in range(n)}
+        self._old_term: Any = None
 
     def __enter__(self) -> SimHosts:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # let __exit__ run when we are terminated
+            self._old_term = signal.signal(signal.SIGTERM, _terminated)
         why = _namespaces_unavailable()
         if why is None:
             r = subprocess.run(
@@ -70,6 +80,8 @@ class SimHosts:
             self.kill(i)
         if self.fallback is None:
             subprocess.run([str(SCRIPT), "down", self.name], capture_output=True)
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
 
     def addr(self, i: int) -> str:
         return f"127.0.0.{i + 2}" if self.fallback else f"{NET}.{i + 1}"

@@ -130,6 +130,9 @@ def test_a_killed_host_leaves_the_world_and_joins_again(tmp_path, corpus):
             agents.append(hosts.popen(1, _agent(hosts, 1, port, args), env, f))
         _wait("the run's end", lambda: all(p.poll() is not None for p in (agents[0], agents[2])), [], deadline, logs)
         assert agents[0].returncode == 0 and agents[2].returncode == 0, logs[0].read_text()[-3000:]
+    assert not (d / "run.lock").exists()  # rank 0 of the last world let go of run.dir; no host was locked out
+    for log in logs:
+        assert "is in use by another meshforge run" not in log.read_text()
     grown = _worlds(d, 2, after=1)
     assert grown, "the world did not grow back to 2 hosts"
     regrown = _step_of(grown[-1]["resume_from"])
