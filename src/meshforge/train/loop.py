@@ -302,4 +302,3 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         shutdown(clean)
         if launch_env.rank() == 0:
             run_lock.release(Path(cfg.run.dir))
-
