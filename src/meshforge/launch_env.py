@@ -45,7 +45,8 @@ def attempt_scope() -> str:
     restart count, which all agents share as long as none joined later. Where each round gets
     a fresh store hosted by rank 0 (``TORCHELASTIC_USE_AGENT_STORE=False``, e.g. under
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), restart counts differ between a surviving host
-    and one that joined later (it starts at 0), and the fresh store needs no such scope.
+    and one that joined later (it starts at 0; pytorch/pytorch#135712), and the fresh store
+    needs no such scope.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "false":
         return f"store-{os.environ.get('MASTER_PORT', '')}"
