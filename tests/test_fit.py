@@ -48,6 +48,14 @@ def test_cli_refusal_exits_2_and_skip_trains(tmp_path, corpus, monkeypatch, caps
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
+def test_nproc_launcher_refuses_before_any_rank_starts(tmp_path, corpus):
+    o = tiny_overrides(tmp_path / "run", corpus, **{"train.steps": 2})
+    r = run_cli("train", "--nproc", "2", *cli_args(o), env={AVAILABLE_ENV: "0.01"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "cannot fit" in r.stderr and "for each of 2 ranks" in r.stderr
+    assert "torch.distributed" not in r.stderr and not (tmp_path / "run").exists()  # refused by the launcher
+
+
 def test_ranks_on_one_host_share_its_ram(tmp_path, corpus, monkeypatch):
     """Each of N local ranks gets 1/N of the available RAM: what fits one rank may not fit two."""
     cfg = resolve(tiny_config(tmp_path / "run", corpus, **{"train.global_batch_size": 64}), 2)

@@ -128,7 +128,7 @@ def _train(argv: list[str]) -> int:
         train_and_report(cfg)
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
-    cfg = preflight(cfg, nproc)
+    cfg = preflight(cfg, nproc, launcher=True)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
     os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())

@@ -285,8 +285,8 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = preflight(cfg, world)
     else:
         cfg = resolve(cfg, world)
-    if uses_cuda(cfg):  # each rank holds the estimate against its own GPU's free memory, before allocating
-        check_fit(cfg, world, launch_env.local_rank())
+        if uses_cuda(cfg):  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
+            check_fit(cfg, world, launch_env.local_rank())
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
     mesh = build_mesh(layout(cfg, world), cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")
