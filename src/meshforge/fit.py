@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,12 +144,14 @@ def estimate_run(cfg: Any, world: int, mem: DeviceMemory) -> RunEstimate:
 def check_fit(cfg: Any, world: int, local_rank: int = 0, local_ranks: int = 1) -> RunEstimate | None:
     """Refuse (FitError) a resolved run whose estimate exceeds this rank's memory; warn where it
     is within the planner's uncertainty. ``train.skip_memory_check = true`` skips it."""
-    import sys
-
     if cfg.train.skip_memory_check:
         return None
     mem = device_memory(uses_cuda(cfg), local_rank, local_ranks)
-    est = estimate_run(cfg, world, mem)
+    try:
+        est = estimate_run(cfg, world, mem)
+    except Exception as err:  # noqa: BLE001 - a planner bug must not stop a run it cannot price
+        print(f"meshforge: warning: memory check skipped (the planner failed: {err!r})", file=sys.stderr)
+        return None
     e = est.estimate
     if e is None:
         return est  # the planner cannot price this layout: nothing to hold it against
