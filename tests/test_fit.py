@@ -66,6 +66,14 @@ def test_ranks_on_one_host_share_its_ram(tmp_path, corpus, monkeypatch):
         check_fit(cfg, 2, local_ranks=2)
 
 
+def test_an_estimate_near_the_free_memory_warns_but_starts(tmp_path, corpus, monkeypatch, capsys):
+    cfg = resolve(tiny_config(tmp_path / "run", corpus), 1)
+    need = fit.estimate_run(cfg, 1, device_memory(False)).estimate.memory["total"]
+    monkeypatch.setenv(AVAILABLE_ENV, str(need / 0.9))
+    assert check_fit(cfg, 1) is not None
+    assert "may still run out of memory" in capsys.readouterr().err
+
+
 def _fake_gpu(monkeypatch, free_gib: float, asked: list) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
