@@ -192,7 +192,8 @@ def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
         out.append("activation checkpointing: --train.activation_checkpoint=full (recompute each block's activations)")
     if lay.micro_batch_size > 1:
         mb = lay.micro_batch_size
-        out.append(f"a smaller micro-batch: --train.micro_batch_size={max(1, mb // 4)} (is {mb})")
+        smaller = next(d for d in range(max(1, mb // 4), 0, -1) if mb % d == 0)  # still divides the batch
+        out.append(f"a smaller micro-batch: --train.micro_batch_size={smaller} (is {mb})")
     if mem.kind == "cuda" and cfg.parallel.offload != "cpu":
         out.append("CPU offload: --parallel.offload=cpu (parameters, gradients and optimizer state in host RAM)")
     if mem.kind == "cpu" and t.precision == "fp32":
