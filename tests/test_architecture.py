@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
     "train": {
         *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
-        *("parallel", "resolve", "run_lock"),
+        *("parallel", "resolve", "run_lock", "fit"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
     "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},
@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     # the run's guards: a full or read-only disk, the run.dir lock, ranks tied to their launcher,
     # one line for a rank whose peer went away
     "disk": {"errors", "models", "planner"},
+    "fit": {"config", "errors", "models", "planner"},  # the pre-flight fit check: the planner's estimate vs free memory
     "run_lock": {"disk", "errors"},
     "lifeline": set(),
     "peer_lost": {"health", "launch_env"},
@@ -48,7 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "launch": {"errors", "lifeline"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
-        *("planner", "report", "resolve", "train", "disk", "lifeline", "peer_lost", "run_lock"),
+        *("planner", "report", "resolve", "train", "disk", "lifeline", "peer_lost", "run_lock", "fit"),
     },
     "__main__": {"cli"},
 }
@@ -56,7 +57,19 @@ ALLOWED: dict[str, set[str]] = {
 TYPE_ONLY: dict[str, set[str]] = {"metrics": {"train"}, "checkpoint": {"train"}, "health": {"train"}}
 
 ANALYSING = ("planner", "explore", "report")
-RUNNING = ("train", "checkpoint", "health", "calibration", "launch", "cli", "disk", "run_lock", "lifeline", "peer_lost")
+RUNNING = (
+    "train",
+    "checkpoint",
+    "health",
+    "calibration",
+    "launch",
+    "cli",
+    "disk",
+    "run_lock",
+    "lifeline",
+    "peer_lost",
+    "fit",
+)
 # what the analysing side may import from outside itself, module by module
 SHARED_CORE = {
     "meshforge.errors",

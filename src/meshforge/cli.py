@@ -128,7 +128,7 @@ def _train(argv: list[str]) -> int:
         train_and_report(cfg)
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
-    cfg = preflight(cfg, nproc)
+    cfg = preflight(cfg, nproc, launcher=True)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
     os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())
@@ -187,49 +187,35 @@ def write_run_report(cfg: Any) -> None:
 
 
 def dry_run(cfg: Any, world: int) -> int:
-    """Print the config resolved for ``world`` ranks and the planner's estimate of exactly that
-    layout; start nothing and write nothing (run.dir is not touched)."""
-    import dataclasses
-    import tempfile
-
-    import torch
-
+    """Print the config resolved for ``world`` ranks, this machine's device and memory, and the
+    planner's estimate of exactly that layout on it (the one the pre-flight fit check uses);
+    start nothing and write nothing (run.dir is not touched)."""
     from meshforge.config import to_toml
-    from meshforge.planner.hardware import preset_for_device
-    from meshforge.planner.plan import parse_plan_args, plan_from_args
+    from meshforge.fit import device_memory, estimate_run, uses_cuda
     from meshforge.resolve import resolve
     from meshforge.train.run_dir import check_precision_and_offload
 
     cfg = resolve(cfg, world)
-    m = cfg.diloco.islands
-    inner = world // m
-    text = to_toml(cfg)
-    print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{text}")
+    print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{to_toml(cfg)}")
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
         check_precision_and_offload(cfg)
     except MeshforgeError as e:
         print(f"on this machine meshforge train refuses it: {e}")
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    gpu = preset_for_device(torch.cuda.get_device_name(0) if use_cuda and torch.cuda.is_available() else "cpu")
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "config.toml"
-        # DiLoCo: the planner estimates one island's layout, on its share of the global batch
-        island = dataclasses.replace(cfg.train, global_batch_size=cfg.train.global_batch_size // m)
-        path.write_text(text if m == 1 else to_toml(dataclasses.replace(cfg, train=island)))
-        try:
-            pl = plan_from_args(parse_plan_args(["--config", str(path), "--gpus", str(inner), "--gpu", gpu]))
-        except MeshforgeError as e:
-            print(f"planner: no estimate for this layout ({e})")
-            return 0
-    e = pl.results[0] if pl.results else (pl.results.refused[0] if pl.results.refused else None)
+    cuda = uses_cuda(cfg)
+    mem = device_memory(cuda, 0, 1 if cuda else world)
+    print(f"device: {mem.describe()}" + (" (GPU 0; each rank checks its own)" if cuda and world > 1 else ""))
+    run = estimate_run(cfg, world, mem)
+    e = run.estimate
     if e is None:
-        print("planner: no estimate for this layout")
+        print(f"planner: no estimate for this layout ({run.error})")
         return 0
     fits = "fits" if e.fits else f"does NOT fit: {e.overflow}"
-    if m > 1:
-        print(f"diloco: {m} islands of {inner} rank(s); the estimate is one island's")
+    if run.islands > 1:
+        print(f"diloco: {run.islands} islands of {run.ranks} rank(s); the estimate is one island's")
+    skip = " (train.skip_memory_check = true: not checked)" if cfg.train.skip_memory_check else ""
     print(
-        f"planner estimate on {inner} x {pl.hw.name}: memory {e.memory['total']:.2f} GiB per device ({fits}) | "
+        f"planner estimate on {run.ranks} x {run.hardware}: memory {e.memory['total']:.2f} GiB per device "
+        f"({fits}){skip} | "
         f"step time {e.step_time_s:.4f} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
     )
     print("dry run: no ranks started, nothing written")

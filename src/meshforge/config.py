@@ -95,6 +95,7 @@ class TrainConfig:
     compile: bool = False
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    skip_memory_check: bool = False  # start even where the planner's estimate exceeds the free memory
     eval_interval: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4  # global batches of validation data per evaluation; 0: none
 

@@ -171,6 +171,11 @@ HELP: dict[str, str] = {
     "train.compile": "torch.compile each block",
     "train.deterministic": "deterministic algorithms; on CPU two runs give bit-identical losses",
     "train.device": "auto, cpu or cuda",
+    "train.skip_memory_check": (
+        "start even where the pre-flight fit check refuses the run (the planner's estimate exceeds "
+        "the GPU's free memory, or on a CPU the RAM available to each local rank). See "
+        "[precision.md](precision.md#pre-flight-fit-check)"
+    ),
     "train.eval_interval": "evaluate on the validation split every N steps; 0 = only at the end",
     "train.eval_batches": (
         "global batches of validation data per evaluation (the same sequences on every layout); 0 = no evaluation"

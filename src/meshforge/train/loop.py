@@ -24,6 +24,7 @@ from meshforge import faults, launch_env, run_lock
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
+from meshforge.fit import check_fit, uses_cuda
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.step_watch import StepWatch
 from meshforge.metrics.mfu import peak_flops
@@ -287,6 +288,8 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         cfg = preflight(cfg, world)
     else:
         cfg = resolve(cfg, world)
+        if uses_cuda(cfg):  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
+            check_fit(cfg, world, launch_env.local_rank())
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
     mesh = build_mesh(layout(cfg, world), cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")

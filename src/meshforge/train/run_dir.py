@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshforge import run_lock
+from meshforge import launch_env, run_lock
 from meshforge.checkpoint import store
 from meshforge.checkpoint.saver import resolve_load
 from meshforge.config import Config, to_toml
@@ -28,6 +28,7 @@ from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
 from meshforge.disk import check_disk
 from meshforge.errors import ConfigError, DataError
+from meshforge.fit import check_fit, uses_cuda
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
 from meshforge.models.presets import model_args_from_config
@@ -110,13 +111,16 @@ def check_precision_and_offload(cfg: Config) -> None:
         )
 
 
-def preflight(cfg: Config, world_size: int) -> Config:
-    """Resolve and validate the config, pick the run dir, and make sure the data is usable."""
+def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
+    """Resolve and validate the config, check that it fits the device's memory, pick the run dir,
+    and make sure the data is usable. ``launcher``: run by `--nproc N`'s launcher, not a rank."""
     cfg = resolve(cfg, world_size)
     if cfg.train.precision == "auto":
         cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
         cfg.train.precision = resolve_precision("auto", torch.device("cuda" if cuda else "cpu"))
     check_precision_and_offload(cfg)
+    if not (launcher and uses_cuda(cfg)):  # a launcher leaves the GPUs to the ranks (no CUDA context here)
+        check_fit(cfg, world_size, launch_env.local_rank(), launch_env.local_world_size() or world_size)
     if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from = {cfg.model.init_from} is not a directory of weights")
     if not cfg.run.dir:
