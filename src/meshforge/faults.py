@@ -8,15 +8,18 @@
   through backward and the gradient reduction every rank's gradients (an overflow's path);
 - ``spike:step=S`` multiplies step S's loss, as every rank sees and logs it, by 20;
 - ``hang:rank=R:step=S`` makes rank R stop before step S's work and never come back;
-- ``slow:rank=R:factor=F`` makes rank R's forward passes F times as slow (every step).
+- ``slow:rank=R:factor=F`` makes rank R's forward passes F times as slow (every step);
+- ``pace:ms=M`` makes every rank sleep M ms after each step, on every attempt (a test whose
+  run must outlast what it does to the run: hosts killed and started again).
 
-Faults fire only on the first attempt (``launch_env.restart_count()`` = 0), so a restarted
+Faults other than pace fire only on the first attempt (``launch_env.restart_count()`` = 0), so a restarted
 group runs clean, and nan / spike only once (a step redone after a rollback runs clean).
 Nothing happens when the variable is unset.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -27,10 +30,11 @@ from meshforge.errors import ConfigError
 # kind -> the fields it takes, in order
 KINDS = {"kill": ("rank", "step|save"), "nan": ("rank", "step"), "spike": ("step",), "hang": ("rank", "step")}
 KINDS["slow"] = ("rank", "factor")
+KINDS["pace"] = ("ms",)
 SPIKE_FACTOR = 20.0
 USAGE = (
     "expected one of kill:rank=R:step=S, kill:rank=R:save=S, nan:rank=R:step=S, spike:step=S, "
-    "hang:rank=R:step=S, slow:rank=R:factor=F"
+    "hang:rank=R:step=S, slow:rank=R:factor=F, pace:ms=M"
 )
 
 
@@ -110,3 +114,18 @@ def slow_factor(rank: int) -> float:
     """How much slower this rank's forward passes are made (1.0: not at all)."""
     f = active("slow")
     return float(f["factor"]) if f is not None and f["rank"] == rank else 1.0
+
+
+@functools.cache
+def _pace_s(spec: str) -> float:
+    for one in spec.split(","):
+        if one.startswith("pace:"):
+            return parse(one)[1]["ms"] / 1000
+    return 0.0
+
+
+def pace() -> None:
+    """Sleep after a step when ``pace:ms=M`` is configured (on every attempt, every rank)."""
+    s = _pace_s(os.environ.get("MESHFORGE_FAULT", ""))
+    if s:
+        time.sleep(s)

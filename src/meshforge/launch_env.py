@@ -38,6 +38,21 @@ def restart_count() -> int:
     return max(0, _int("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+def attempt_scope() -> str:
+    """A store-key scope that every rank of this attempt shares and no earlier attempt used.
+
+    The agents' own store (torchrun's default) outlives an attempt, so keys are scoped by the
+    restart count, which all agents share as long as none joined later. Where each round gets
+    a fresh store hosted by rank 0 (``TORCHELASTIC_USE_AGENT_STORE=False``, e.g. under
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), restart counts differ between a surviving host
+    and one that joined later (it starts at 0; pytorch/pytorch#135712), and the fresh store
+    needs no such scope.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "false":
+        return f"store-{os.environ.get('MASTER_PORT', '')}"
+    return f"attempt-{restart_count()}"
+
+
 def run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "run")
 

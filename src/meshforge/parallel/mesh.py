@@ -128,10 +128,11 @@ def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
 
     After a failure the elastic agent restarts the ranks against the same store, which still
     holds the dead attempt's addresses; without a fresh prefix the new ranks try to connect
-    to them and time out ("connectFullMesh failed ... Connection refused").
+    to them and time out ("connectFullMesh failed ... Connection refused"). The scope is the
+    same on every host, also on one that joined later (``launch_env.attempt_scope``).
     """
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    return dist.PrefixStore(f"meshforge/{launch_env.run_id()}/attempt-{launch_env.restart_count()}", store)
+    return dist.PrefixStore(f"meshforge/{launch_env.run_id()}/{launch_env.attempt_scope()}", store)
 
 
 def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:

@@ -102,8 +102,10 @@ class Trainer:
         self.checkpoints = RunCheckpoints(
             cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event, self.diloco
         )
+        where = {"world_size": mesh.world_size, "resume_from": str(resume) if resume else None}
         if launch_env.restart_count():
-            self.event("restart", attempt=launch_env.restart_count(), resume_from=str(resume) if resume else None)
+            self.event("restart", attempt=launch_env.restart_count(), **where)
+        self.event("world", attempt=launch_env.restart_count(), **where)  # each (re)start: elastic change points
         if resume:
             self.say(self.checkpoints.resume(resume, meta, dropped))
         self.scheduler = build_scheduler(self.optimizer, cfg, self.state.step)
@@ -186,6 +188,7 @@ class Trainer:
             if self.watch.after_step(n):  # went back to a checkpoint
                 continue
             faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
+            faults.pace()  # tests: a run that lasts (nothing unless MESHFORGE_FAULT has pace:ms=M)
             dt = time.perf_counter() - t0
             self.metrics.add(dt, result)
             with self.phases("logging"):
