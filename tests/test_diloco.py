@@ -217,3 +217,20 @@ def test_planner_compares_ddp_and_diloco_on_the_link(capsys):
     s = json.loads(capsys.readouterr().out)["islands"]
     assert s["diloco_peak_bytes_per_sync"] == pytest.approx(c["diloco_peak_bytes_per_sync"] / 4)  # / F / 2 bytes
     assert s["diloco_step_s"] <= c["diloco_step_s"]
+
+
+@pytest.mark.slow
+def test_warmup_is_ddp_over_all_islands(tmp_path, corpus):
+    """diloco.warmup_steps: the first steps are data parallelism over every island (gradients
+    averaged across islands), so 2 islands warmed up for all 8 steps end with DDP's weights
+    (2 ranks); with a 4-step warm-up and one round after it they do not. (The logged loss is
+    island 0's, so losses are not compared.)"""
+    ddp = tiny_overrides(tmp_path / "ddp", corpus, **COMMON)
+    warm = {**COMMON, "diloco.islands": 2, "diloco.warmup_steps": 8}
+    half = {**warm, "diloco.warmup_steps": 4}
+    for name, o in (("ddp", {}), ("warm", warm), ("half", half)):
+        r = run_cli("train", "--nproc", "2", *cli_args({**ddp, **o, "run.dir": str(tmp_path / name)}))
+        assert r.returncode == 0, r.stderr[-4000:]
+    a, b, c = (load_weights(tmp_path / n / "final").state_dict() for n in ("ddp", "warm", "half"))
+    assert all(torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6) for n in a)
+    assert not all(torch.allclose(a[n], c[n], rtol=1e-5, atol=1e-6) for n in a)

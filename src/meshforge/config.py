@@ -190,6 +190,7 @@ class DiLoCoConfig:
     fragments: int = 1  # Streaming DiLoCo: contiguous block groups synced at staggered steps
     delay: int = 0  # tau: inner steps a fragment's sync overlaps with compute before it is applied
     sync_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"  # pseudo-gradients on the wire (fp8: error feedback)
+    warmup_steps: int = 0  # plain data parallelism over all islands first (the paper starts from a trained model)
 
 
 @dataclass

@@ -108,10 +108,12 @@ class DiLoCo:
         fragments: int = 1,
         delay: int = 0,
         sync_dtype: str = "fp32",
+        warmup: int = 0,
     ):
-        self.group, self.islands, self.island = group, islands, island
+        self.group, self.islands, self.island, self.warmup = group, islands, island, warmup
         self.h, self.delay, self.sync_dtype = inner_steps, delay, sync_dtype
         named = list(model.named_parameters())
+        self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.outer = [local(p).detach().to(OUTER_DTYPE, copy=True) for _, p in named]
         self.outer_opt = torch.optim.SGD(
@@ -132,9 +134,29 @@ class DiLoCo:
 
     # -- the schedule ---------------------------------------------------------------------
 
+    def in_warmup(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is one of the warm-up's data-parallel steps."""
+        return step <= self.warmup
+
+    @torch.no_grad()
+    def average_grads(self) -> None:
+        """Warm-up: average the gradients over the islands before the update (DDP over all of them)."""
+        for p in self.params:
+            if p.grad is not None:
+                g = local(p.grad)
+                dist.all_reduce(g, group=self.group)
+                g.div_(self.islands)
+
     def after_step(self, step: int) -> None:
-        """Send and apply the fragments due after inner step ``step`` (1-based, counted over the run)."""
-        pos = (step - 1) % self.h + 1
+        """Send and apply the fragments due after inner step ``step`` (1-based, counted over the run);
+        the last warm-up step makes the (equal) weights the outer weights, and rounds start after it."""
+        if step <= self.warmup:
+            if step == self.warmup:
+                with torch.no_grad():
+                    for o, p in zip(self.outer, self.params, strict=True):
+                        o.copy_(local(p))
+            return
+        pos = (step - self.warmup - 1) % self.h + 1
         for frag in self.fragments:
             if pos == frag.send_at:
                 self._send(frag)
@@ -263,4 +285,5 @@ def build_diloco(cfg: Any, mesh: Any, model: nn.Module, optimizer: torch.optim.O
         d.fragments,
         d.delay,
         d.sync_dtype,
+        d.warmup_steps,
     )

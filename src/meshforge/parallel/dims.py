@@ -555,6 +555,11 @@ def diloco_problems(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]
             f"diloco.fragments = {f} must be between 1 and model.layers = {model.layers} (a fragment is a "
             "contiguous group of blocks); lower diloco.fragments",
         ),
+        (
+            getattr(c, "warmup_steps", 0) >= 0,
+            "diloco.warmup_steps",
+            f"diloco.warmup_steps = {getattr(c, 'warmup_steps', 0)} must be >= 0 (0: the first round starts at step 1)",
+        ),
     )
     for ok, key, message in checks:
         if not ok:

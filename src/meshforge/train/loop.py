@@ -139,6 +139,9 @@ class Trainer:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
         idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.dims.data_ranks)
         batch = self.data.train.get(idx).to(self.device, non_blocking=True)
+        if self.diloco:
+            warm = self.diloco.in_warmup(self.state.step + 1)
+            self.runner.pre_update = self.diloco.average_grads if warm else None
         with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
             result = self.runner.run(batch, measure)
             if self.diloco:  # the outer sync (counted on the "island" axis)

@@ -67,6 +67,7 @@ class StepRunner:
     ):
         self.model, self.optimizer, self.scheduler, self.loss = model, optimizer, scheduler, loss
         self.mesh, self.sharded = mesh, sharded
+        self.pre_update: Callable[[], None] | None = None
         self.max_norm = cfg.train.grad_clip or float("inf")
         self.offload = cfg.parallel.offload == "cpu"
         self.match_layouts = mesh.degrees["tp"] > 1 and not sharded
@@ -90,6 +91,8 @@ class StepRunner:
             out.global_loss = float(self.reduce_loss(loss))
         if self.match_layouts:
             match_grad_layouts(self.model)
+        if self.pre_update is not None:  # DiLoCo's warm-up: gradients averaged over the islands
+            self.pre_update()
         own_clip = getattr(self.optimizer, "clip_grad_norm", None)  # bf16 ZeRO-1 clips its reduced shard
         if own_clip is not None:
             out.grad_norm = own_clip(self.max_norm)
