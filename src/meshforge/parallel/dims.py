@@ -72,6 +72,7 @@ class DiLoCoRules:
     sync_dtype: str = "fp32"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    warmup_steps: int = 0
 
 
 def resolve_degrees(layout: Layout, world_size: int) -> Layout:
@@ -556,9 +557,9 @@ def diloco_problems(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]
             "contiguous group of blocks); lower diloco.fragments",
         ),
         (
-            getattr(c, "warmup_steps", 0) >= 0,
+            c.warmup_steps >= 0,
             "diloco.warmup_steps",
-            f"diloco.warmup_steps = {getattr(c, 'warmup_steps', 0)} must be >= 0 (0: the first round starts at step 1)",
+            f"diloco.warmup_steps = {c.warmup_steps} must be >= 0 (0: the first round starts at step 1)",
         ),
     )
     for ok, key, message in checks:
