@@ -98,8 +98,8 @@ def test_disk_errors_are_found_inside_a_checkpoint_exception(tmp_path, monkeypat
 
 
 def test_a_report_that_cannot_be_written_leaves_no_file(tmp_path, corpus, monkeypatch, capsys):
+    from meshforge.cli import write_run_report
     from meshforge.report import run_report
-    from meshforge.train.run_dir import write_run_report
 
     cfg = tiny_config(tmp_path / "run", corpus)
     (tmp_path / "run").mkdir()

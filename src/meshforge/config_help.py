@@ -276,4 +276,8 @@ HELP: dict[str, str] = {
     "diloco.sync_dtype": (
         "pseudo-gradients on the wire: fp32, bf16, or fp8 (e4m3, a scale per 256 values, error feedback)"
     ),
+    "diloco.warmup_steps": (
+        "steps of plain DDP over all islands (gradients averaged across islands) before the first "
+        "round; the paper starts DiLoCo from a data-parallel-trained model"
+    ),
 }

@@ -119,8 +119,6 @@ def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
         cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
         cfg.train.precision = resolve_precision("auto", torch.device("cuda" if cuda else "cpu"))
     check_precision_and_offload(cfg)
-    if not (launcher and uses_cuda(cfg)):  # a launcher leaves the GPUs to the ranks (no CUDA context here)
-        check_fit(cfg, world_size, launch_env.local_rank(), launch_env.local_world_size() or world_size)
     if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from = {cfg.model.init_from} is not a directory of weights")
     if not cfg.run.dir:
@@ -128,7 +126,9 @@ def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
     check_run_dir(cfg)
     refuse_binary(cfg.data.path, cfg.data.allow_binary)
     check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
-    open_data(cfg)
+    open_data(cfg)  # (input errors first: a config or data mistake is named before the memory verdict)
+    if not (launcher and uses_cuda(cfg)):  # a launcher leaves the GPUs to the ranks (no CUDA context here)
+        check_fit(cfg, world_size, launch_env.local_rank(), launch_env.local_world_size() or world_size)
     return cfg
 
 
