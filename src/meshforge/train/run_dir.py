@@ -30,7 +30,7 @@ from meshforge.disk import check_disk
 from meshforge.errors import ConfigError, DataError
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import model_fp8_plan
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import resolve_precision
@@ -82,7 +82,7 @@ def open_data(cfg: Config) -> TokenDataset:
             f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{cfg.data.tokenizer}' "
             f"('{tok.name}'); set data.tokenizer to the tokenizer the data was prepared with"
         )
-    vocab = model_args_from_config(cfg.model).vocab_size
+    vocab = model_shape(cfg.model).vocab_size
     if ds.vocab_size > vocab:
         raise ConfigError(
             f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
@@ -101,7 +101,7 @@ def check_precision_and_offload(cfg: Config) -> None:
     """Before launch: fp8 needs torchao and a boundary that leaves some linear in fp8; CPU
     offload needs a GPU to offload from."""
     if cfg.train.precision == "fp8":
-        model_fp8_plan(model_args_from_config(cfg.model), cfg.train.fp8_exclude)
+        model_fp8_plan(model_shape(cfg.model), cfg.train.fp8_exclude)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cfg.parallel.offload == "cpu" and not cuda:
         raise ConfigError(
