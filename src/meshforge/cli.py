@@ -195,6 +195,7 @@ def dry_run(cfg: Any, world: int) -> int:
     import torch
 
     from meshforge.config import to_toml
+    from meshforge.models.presets import model_shape
     from meshforge.planner.hardware import preset_for_device
     from meshforge.planner.plan import parse_plan_args, plan_from_args
     from meshforge.resolve import resolve
@@ -206,7 +207,7 @@ def dry_run(cfg: Any, world: int) -> int:
     text = to_toml(cfg)
     print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{text}")
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
-        check_precision_and_offload(cfg)
+        check_precision_and_offload(cfg, model_shape(cfg.model))
     except MeshforgeError as e:
         print(f"on this machine meshforge train refuses it: {e}")
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())

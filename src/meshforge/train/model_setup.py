@@ -17,7 +17,6 @@ from meshforge.config import Config
 from meshforge.errors import ConfigError
 from meshforge.models.llama import build_model
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.parallelize import parallelize, parallelize_pipeline
@@ -32,9 +31,9 @@ class RankModel:
     pipeline: Pipeline | None  # pp > 1: the schedule over this rank's chunks
 
 
-def build_rank_model(cfg: Config, mesh: Mesh, loss: LanguageModelLoss) -> RankModel:
-    """This rank's part of the model, parallelized, initialised from train.seed or model.init_from."""
-    args = model_shape(cfg.model)
+def build_rank_model(cfg: Config, mesh: Mesh, loss: LanguageModelLoss, args: ModelShape) -> RankModel:
+    """This rank's part of the model (of shape ``args``, the launch's resolved ModelShape),
+    parallelized, initialised from train.seed or model.init_from."""
     model = build_model(args, device="meta")
     pipeline = None
     if mesh.degrees["pp"] > 1:  # model: this rank's chunks, under the whole model's names
