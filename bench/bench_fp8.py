@@ -119,7 +119,7 @@ def module_errors(args: argparse.Namespace, device: torch.device) -> list[tuple[
     cfg = load_config(None, overrides(args, "bf16", "tensorwise", tempfile.mkdtemp()))
     model_args = model_shape(cfg.model)
     model = build_model(model_args, device=str(device), seed=0)
-    data = open_data(cfg)
+    data = open_data(cfg, model_args)
     tokens = data.train.get(list(range(args.batch))).to(device)
     recorded = record_linears(model, tokens, device)
     plan = fp8_plan(model, [])  # every linear whose shape fp8 takes, the head included

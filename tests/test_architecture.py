@@ -80,7 +80,7 @@ SHARED_CORE = {
     "meshforge.models.shape",  # ModelShape: the one model-shape type
     "meshforge.models.flops",  # the one FLOP/parameter counter
     "meshforge.models.presets",
-    "meshforge.models.llama",  # ModelArgs, as a type
+    "meshforge.models.llama",  # the model, as a type
     "meshforge.models.moe",  # is_moe_layer, expert_ffn: which blocks are MoE, an expert's size
     "meshforge.parallel.expert_parallel",  # a2a_bytes_formula: the planner prices what training sends
     "meshforge.parallel.context_parallel_cost",  # ring attention's cost formulas

@@ -14,8 +14,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from meshforge.config import fill, load_config
 from meshforge.errors import ConfigError
 from meshforge.models.chunked_loss import IGNORE_INDEX, chunked_cross_entropy
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import build_model
 from meshforge.models.loss import LanguageModelLoss
+from meshforge.models.shape import ModelShape
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,7 +60,7 @@ def test_upstream_gradient_scales_and_no_grad_gives_the_value():
 
 
 def tiny_model(tied: bool):
-    args = ModelArgs(
+    args = ModelShape(
         hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, vocab_size=101, max_seq_len=64, tie_embeddings=tied
     )
     return build_model(args, seed=3)

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from meshforge.models.llama import ModelArgs, build_model, rope_cos_sin
+from meshforge.models.llama import build_model, rope_cos_sin
 from meshforge.models.loss import LanguageModelLoss
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import MOE_REASON, compile_loss, compile_plan_event, fullgraph_reason
 
@@ -16,7 +17,7 @@ MOE = {"num_experts": 4, "experts_per_token": 2}
 
 
 def tiny(dtype=torch.float32, ac="none", **kw):
-    model = build_model(ModelArgs(64, 2, 4, 2, 128, 256, 64, **kw), device="cpu").to(dtype)
+    model = build_model(ModelShape(64, 2, 4, 2, 128, 256, 64, **kw), device="cpu").to(dtype)
     apply_activation_checkpoint(list(model.layers.values()), ac)
     return model
 

@@ -70,10 +70,11 @@ def test_activation_checkpointing_matches(mode, tmp_path, corpus):
 def saved_activation_bytes(mode: str, device: str = "cuda") -> int:
     """Bytes autograd saves for backward in one forward of a model whose activations dominate
     (seq 512, hidden 64), with activation checkpointing ``mode`` ("none", "full", "selective")."""
-    from meshforge.models.llama import ModelArgs, Transformer
+    from meshforge.models.llama import Transformer
+    from meshforge.models.shape import ModelShape
     from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 
-    args = ModelArgs(hidden=64, layers=4, heads=4, kv_heads=2, ffn_hidden=256, vocab_size=256, max_seq_len=512)
+    args = ModelShape(hidden=64, layers=4, heads=4, kv_heads=2, ffn_hidden=256, vocab_size=256, max_seq_len=512)
     torch.manual_seed(0)
     model = Transformer(args).to(device)
     if mode != "none":

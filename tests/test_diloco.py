@@ -141,9 +141,9 @@ def assert_island_bytes(run: Path, cfg, inner_ranks: int) -> None:
     """The island axis carries 2(M-1)/M x the local shard's pseudo-gradient bytes per sync
     (all-reduce), one fragment's at a time: per round, the whole local model once."""
     from meshforge.models.flops import num_params
-    from meshforge.models.presets import model_args_from_config
+    from meshforge.models.presets import model_shape
 
-    args = model_args_from_config(cfg.model)
+    args = model_shape(cfg.model)
     local = num_params(args) * (1 if cfg.parallel.zero_stage == 0 else 1 / inner_ranks)
     width = {"fp32": 4, "bf16": 2}[cfg.diloco.sync_dtype]
     m = cfg.diloco.islands

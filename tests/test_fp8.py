@@ -11,6 +11,7 @@ from conftest import cli_args, run_cli, tiny_config
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.llama import ModelShape, build_model
+from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import fp8_plan, model_fp8_plan, require_torchao, unmatched_warnings
 from meshforge.resolve import resolve
 from meshforge.train import train
@@ -72,12 +73,12 @@ def test_refusals_name_the_key(tmp_path, corpus, monkeypatch):
     fp8 = {"train.precision": "fp8", "train.fp8_exclude": ["layers.*", "output"]}
     cfg = resolve(tiny_config(tmp_path, corpus, **fp8))
     with pytest.raises(ConfigError, match=r"train.fp8_exclude leaves no linear layer in fp8"):
-        check_precision_and_offload(cfg)
+        check_precision_and_offload(cfg, model_shape(cfg.model))
     with pytest.raises(ConfigError, match=r"train.fp8_recipe = 'rowwsie'.*did you mean 'rowwise'"):
         load_config(None, {"train.fp8_recipe": "rowwsie"})
     cfg = resolve(tiny_config(tmp_path, corpus, **{"parallel.offload": "cpu", "parallel.zero_stage": 3}), 2)
     with pytest.raises(ConfigError, match=r"parallel.offload = 'cpu' on a CPU run: the state already lives in host"):
-        check_precision_and_offload(cfg)
+        check_precision_and_offload(cfg, model_shape(cfg.model))
     with pytest.raises(ConfigError, match=r"parallel.offload = 'cpu' needs FSDP2's sharded state"):
         resolve(tiny_config(tmp_path, corpus, **{"parallel.offload": "cpu", "parallel.zero_stage": 1}), 2)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)

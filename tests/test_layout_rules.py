@@ -14,7 +14,7 @@ from meshforge.errors import ConfigError
 from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
-from meshforge.planner import output as report
+from meshforge.planner import output
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.search import candidates, judge
@@ -29,7 +29,7 @@ def _verdicts(shape: ModelShape, seq: int, fixed: Layout):
     for lay in candidates(shape, GPUS, BATCH, seq, fixed, PER_NODE):
         exists, reason = judge(lay, shape, seq, BATCH, PER_NODE)
         e = estimate(shape, lay, seq, BATCH, "bf16", hw, PER_NODE)
-        yield lay, exists, reason, report.train_config(e, shape, seq, BATCH, "bf16", None)
+        yield lay, exists, reason, output.train_config(e, shape, seq, BATCH, "bf16", None)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def metrics(d):
 
 @pytest.fixture
 def cpu_offload_allowed(monkeypatch):
-    monkeypatch.setattr(run_dir, "check_precision_and_offload", lambda cfg: None)
+    monkeypatch.setattr(run_dir, "check_precision_and_offload", lambda cfg, shape: None)
 
 
 def test_world_of_one_offload_equals_plain_run_and_resumes(tmp_path, corpus, cpu_offload_allowed):

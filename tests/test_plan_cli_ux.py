@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from meshforge.cli import build_parser
-from meshforge.planner import output as report
+from meshforge.planner import output
 from meshforge.planner.plan import parse_plan_args, plan_from_args
 
 BASE = ["--model", "debug", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2"]
@@ -74,7 +74,7 @@ def test_table_columns_stay_aligned_with_long_schedules():
         ["--model", "llama3.2-1b", "--gpus", "8", "--pp", "4", "--schedule", "interleaved_1f1b", "--seq-len", "512"]
     )
     pl = plan_from_args(args)
-    out = report.table(pl.results, 5, pl.results.refused).splitlines()
+    out = output.table(pl.results, 5, pl.results.refused).splitlines()
     head, rows = out[0], [r for r in out[2:] if r[:3].strip().isdigit()]
     assert rows and any("interleaved_1f1b v=" in r for r in rows)
     for col in ("schedule", "mem GiB", "tok/s/gpu", "HFU"):
@@ -91,7 +91,7 @@ def test_faster_list_holds_only_faster_layouts():
     faster = type(best)(
         **{**best.__dict__, "not_runnable": "a rule", "tokens_per_s_per_gpu": best.tokens_per_s_per_gpu + 10}
     )
-    out = report.table(pl.results, 3, [faster, tie])
+    out = output.table(pl.results, 3, [faster, tie])
     listed = [line for line in out.splitlines() if line.startswith("  tp ")]
     assert len(listed) == 1 and f"{faster.tokens_per_s_per_gpu:,.0f} tok/s/gpu" in listed[0]
-    assert "faster layouts" not in report.table(pl.results, 3, [tie])
+    assert "faster layouts" not in output.table(pl.results, 3, [tie])

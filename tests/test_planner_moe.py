@@ -13,8 +13,7 @@ from meshforge.models import flops
 from meshforge.models.presets import PRESETS
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.expert_parallel import a2a_bytes_formula
-from meshforge.planner import kernel_costs, moe_costs
-from meshforge.planner import output as report
+from meshforge.planner import kernel_costs, moe_costs, output
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run
@@ -71,7 +70,7 @@ def test_mixtral_on_64_gpus_answers_with_ep_layouts():
     assert any(e.layout.ep > 1 for e in pl.results[:5])
     assert {e.layout.ep for e in pl.results} > {1, 2}  # ep is searched, not fixed
     best = pl.results[0]
-    assert "ep_a2a" in report.explain(best, 80) and " ep " in report.table(pl.results, 5)
+    assert "ep_a2a" in output.explain(best, 80) and " ep " in output.table(pl.results, 5)
 
 
 def test_moe_flags_describe_an_explicit_shape_and_are_checked():

@@ -192,13 +192,14 @@ def dry_run(cfg: Any, world: int) -> int:
     start nothing and write nothing (run.dir is not touched)."""
     from meshforge.config import to_toml
     from meshforge.fit import device_memory, estimate_run, uses_cuda
+    from meshforge.models.presets import model_shape
     from meshforge.resolve import resolve
     from meshforge.train.run_dir import check_precision_and_offload
 
     cfg = resolve(cfg, world)
     print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{to_toml(cfg)}")
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
-        check_precision_and_offload(cfg)
+        check_precision_and_offload(cfg, model_shape(cfg.model))
     except MeshforgeError as e:
         print(f"on this machine meshforge train refuses it: {e}")
     cuda = uses_cuda(cfg)

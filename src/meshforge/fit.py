@@ -208,10 +208,10 @@ def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
 
 def plan_command(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> str:
     """The exact ``meshforge plan`` command for this model, batch and precision."""
-    from meshforge.models.presets import PRESETS, model_args_from_config
+    from meshforge.models.presets import PRESETS, model_shape
     from meshforge.planner.hardware import preset_for_device
 
-    a = model_args_from_config(cfg.model)
+    a = model_shape(cfg.model)
     if cfg.model.preset in PRESETS and a == PRESETS[cfg.model.preset]:
         model = f"--model {cfg.model.preset}"
     else:  # a shape of its own: the plan flags that give it

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshforge.models.llama import Block, ModelArgs, rope_cos_sin, rope_inv_freq
+from meshforge.models.llama import Block, rope_cos_sin, rope_inv_freq
+from meshforge.models.shape import ModelShape
 
 
 def timed(fn, repeat: int, min_s: float = 0.0, calls: int = 0) -> float:
@@ -125,7 +126,7 @@ def block_elementwise(
     predicts for it - the rest of the block as the planner counts it."""
     cuda = device.type == "cuda"
     h, heads, kv, f, b, s = (2048, 16, 8, 5632, 4, 2048) if cuda else (256, 4, 2, 768, 8, 256)
-    args = ModelArgs(hidden=h, layers=1, heads=heads, kv_heads=kv, ffn_hidden=f, vocab_size=256, max_seq_len=s)
+    args = ModelShape(hidden=h, layers=1, heads=heads, kv_heads=kv, ffn_hidden=f, vocab_size=256, max_seq_len=s)
     block = Block(args, 0).to(device, dtype)
     for prm in block.parameters():
         torch.nn.init.normal_(prm, std=0.02)
@@ -149,7 +150,7 @@ def block_fixed_costs(device: torch.device, dtype: torch.dtype, repeat: int) -> 
     (foreach) step on a few tokens of a tiny block, where the work is nothing and per-op
     dispatch (Python, autograd, the dispatcher, allocation) is everything. On a CPU these
     per-step costs dominate small models; a GPU hides them behind asynchronous launches."""
-    args = ModelArgs(hidden=64, layers=1, heads=2, kv_heads=1, ffn_hidden=128, vocab_size=256, max_seq_len=8)
+    args = ModelShape(hidden=64, layers=1, heads=2, kv_heads=1, ffn_hidden=128, vocab_size=256, max_seq_len=8)
     block = Block(args, 0).to(device, dtype)
     x = torch.randn(1, 4, 64, device=device, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(rope_inv_freq(args, device), torch.arange(4, device=device))

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from meshforge.config import load_config
+from meshforge.models.presets import model_shape
 from meshforge.parallel.mesh import build_mesh
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
 from meshforge.resolve import layout, resolve
@@ -59,7 +60,7 @@ def _tiny_runner(kind: str, layers: int, world: int) -> PlainStep:
     cfg = resolve(load_config(overrides=over), world)
     mesh = build_mesh(layout(cfg, world), "cpu")
     loss = build_loss(cfg, mesh)
-    built = build_rank_model(cfg, mesh, loss)
+    built = build_rank_model(cfg, mesh, loss, model_shape(cfg.model))
     opt = build_optimizer(built.model, cfg, mesh)
     install_step_hook(opt, built.model, loss, mesh)
     common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, cfg, 0), "loss": loss}

@@ -31,7 +31,7 @@ from meshforge.config import Config, to_toml
 from meshforge.launch_env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
-from meshforge.models.llama import ModelArgs
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.diloco import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
@@ -57,7 +57,7 @@ class RunCheckpoints:
         self,
         cfg: Config,
         mesh: Mesh,
-        args: ModelArgs,
+        args: ModelShape,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         state: TrainState,
@@ -131,7 +131,7 @@ class RunCheckpoints:
     def resume(self, path: Path, meta: dict[str, Any], dropped: int) -> str:
         """Load model, optimizer and train state from ``path`` (any layout: DCP reshards);
         returns the line to print."""
-        diff = shape_mismatch(ModelArgs(**meta["model"]), self.args)
+        diff = shape_mismatch(ModelShape(**meta["model"]), self.args)
         if diff:
             raise CheckpointError(
                 f"checkpoint {path / 'meta.json'} was written for another model shape ({'; '.join(diff)}); set [model] "

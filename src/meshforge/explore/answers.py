@@ -16,7 +16,7 @@ from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.models.shape import ModelShape
 from meshforge.parallel import dims
 from meshforge.parallel.dims import Batch, Problem, resolve_degrees
-from meshforge.planner import output as report
+from meshforge.planner import output
 from meshforge.planner.estimate import Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
@@ -214,7 +214,7 @@ def train_config(v: dict[str, Any]) -> str:
     if not e.fits:
         raise BadRequest(f"this layout does not fit: it {e.overflow} per GPU; pick one that fits")
     preset = None if v["model"] == "custom" else v["model"]
-    return report.train_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
+    return output.train_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
 
 
 def _shape_fields(shape: ModelShape) -> dict[str, Any]:

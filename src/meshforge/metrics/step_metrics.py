@@ -22,7 +22,7 @@ from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
-from meshforge.models.llama import ModelArgs
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.fp8 import fp8_emulated
 
 if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
@@ -34,7 +34,7 @@ SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 class StepMetrics:
     """Turns measured steps into records; keeps step times and loss handles in between."""
 
-    def __init__(self, cfg: Config, args: ModelArgs, world_size: int, peak: float, device: torch.device):
+    def __init__(self, cfg: Config, args: ModelShape, world_size: int, peak: float, device: torch.device):
         t = cfg.train
         self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
         self.flops_per_token = model_flops_per_token(args, t.seq_len)

@@ -31,10 +31,8 @@ from torch import nn
 from meshforge.models.moe import build_moe, is_moe_layer
 from meshforge.models.shape import ModelShape
 
-ModelArgs = ModelShape  # the old name, kept until train/checkpointing.py and train/metrics.py move (issue 26)
 
-
-def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+def rope_inv_freq(args: ModelShape, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies per rotated pair, with the Llama 3.1 long-context scaling when asked.
 
     Llama 3.1 scaling leaves high frequencies (wavelength shorter than
@@ -97,7 +95,7 @@ class Attention(nn.Module):
     """Projections (wq, wk, wv, wo: the names checkpoints, HF export and the TP plan key
     on), optional QK-norm, RoPE, and the replaceable core between them."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelShape):
         super().__init__()
         hd = args.head_dim
         self.head_dim = hd
@@ -125,7 +123,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelShape):
         super().__init__()
         self.w1 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
         self.w3 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
@@ -135,7 +133,7 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def build_feed_forward(args: ModelArgs, layer_id: int) -> nn.Module:
+def build_feed_forward(args: ModelShape, layer_id: int) -> nn.Module:
     """The feed-forward layer of block ``layer_id``: the one place that chooses it, so a
     mixture-of-experts layer can replace the dense SwiGLU on chosen layers."""
     if is_moe_layer(args, layer_id):
@@ -144,7 +142,7 @@ def build_feed_forward(args: ModelArgs, layer_id: int) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelShape, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.hidden, args.norm_eps)
@@ -169,7 +167,7 @@ class Head(nn.Linear):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelShape):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden)
@@ -246,7 +244,7 @@ def _init_buffers(model: nn.Module) -> None:
             m.init_buffers()
 
 
-def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
+def build_model(args: ModelShape, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
     """Build on the meta device, then materialise on ``device`` and initialise from ``seed``.
 
     ``device="meta"`` gives a model with shapes but no memory (for counting the large

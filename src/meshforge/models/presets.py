@@ -135,9 +135,6 @@ def model_shape(model_cfg: Any) -> ModelShape:
     return args
 
 
-model_args_from_config = model_shape  # the old name, kept until train/ and planner/calibrate* move (issue 26)
-
-
 def check_model_args(a: ModelShape) -> None:
     for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
         if getattr(a, k) <= 0:

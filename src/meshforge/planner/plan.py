@@ -16,8 +16,7 @@ from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
-from meshforge.planner import diloco_costs
-from meshforge.planner import output as report
+from meshforge.planner import diloco_costs, output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Ranked, search
@@ -371,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     islands = diloco_costs.island_costs(shape.num_params(), results[0].step_time_s, args) if args.islands > 1 else None
     if args.json:
-        text = report.as_json(results, args.top, shape, considered, results.refused)
+        text = output.as_json(results, args.top, shape, considered, results.refused)
         print(text if islands is None else json.dumps({**json.loads(text), "islands": asdict(islands)}, indent=1))
     else:
         active = shape.active_params()
@@ -384,21 +383,21 @@ def run(args: argparse.Namespace) -> int:
         )
         if results.fits_nothing:
             print("fits: false -- the fixed layout does not fit; what it would need:\n")
-        print(report.table(results, args.top, results.refused))
+        print(output.table(results, args.top, results.refused))
         print("\nthe fixed layout, explained:" if results.fits_nothing else "\nbest layout, explained:")
-        print(report.explain(results[0], hw.hbm_gib))
+        print(output.explain(results[0], hw.hbm_gib))
         if islands is not None:
             print(diloco_costs.describe(islands, args))
     if args.emit_config and results.fits_nothing:
         raise ConfigError(f"--emit-config: the fixed layout does not fit ({results[0].overflow})")
     if args.emit_config:
-        chosen = next((e for e in results if report.runnable(e)), None)
+        chosen = next((e for e in results if output.runnable(e)), None)
         if chosen is None:
             raise ConfigError(
                 "no fitting layout is runnable by this version of meshforge train: "
                 f"{results[0].not_runnable}; change the fixed choices or use more GPUs"
             )
-        Path(args.emit_config).write_text(report.train_config(chosen, shape, seq, gb, precision, preset))
+        Path(args.emit_config).write_text(output.train_config(chosen, shape, seq, gb, precision, preset))
         if not args.json:
             rank = results.index(chosen) + 1
             print(f"\nwrote {args.emit_config}: layout #{rank}" + (" (the best runnable one)" if rank > 1 else ""))

@@ -33,6 +33,8 @@ from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
 from meshforge.models.flops import num_params
+from meshforge.models.presets import model_shape
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.diloco import build_diloco
@@ -58,8 +60,18 @@ DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 class Trainer:
     """One rank's training run: the parts, and the loop over them."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, stream: TextIO | None = None, resume: Path | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        stream: TextIO | None = None,
+        resume: Path | None = None,
+        shape: ModelShape | None = None,
+    ):
+        """``mesh.dims`` is the run's Layout and ``shape`` its ModelShape, both resolved once per
+        launch by ``train`` (``shape`` from ``cfg.model`` when a test builds a Trainer directly)."""
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
+        self.args = shape or model_shape(cfg.model)
         t = cfg.train
         self.precision = resolve_precision(t.precision, self.device)
         if t.deterministic:
@@ -67,12 +79,12 @@ class Trainer:
         torch.manual_seed(t.seed)
         if mesh.distributed and not mesh.is_main:
             dist.barrier()  # let rank 0 build the data cache first
-        self.data = open_data(cfg)
+        self.data = open_data(cfg, self.args)
         if mesh.distributed and mesh.is_main:
             dist.barrier()
         self.loss = build_loss(cfg, mesh)
-        built = build_rank_model(cfg, mesh, self.loss)
-        self.args, self.model, self.pipeline = built.args, built.model, built.pipeline
+        built = build_rank_model(cfg, mesh, self.loss, self.args)
+        self.model, self.pipeline = built.model, built.pipeline
         self.optimizer = build_optimizer(self.model, cfg, mesh)
         install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
         self.diloco = build_diloco(cfg, mesh, self.model, self.optimizer)  # None unless diloco.islands > 1
@@ -295,11 +307,12 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
             check_fit(cfg, world, launch_env.local_rank())
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
-    mesh = build_mesh(layout(cfg, world), cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")
+    lay, shape = layout(cfg, world), model_shape(cfg.model)  # the config resolved once into the two types
+    mesh = build_mesh(lay, cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")
     try:
         cfg, resume = agree_on_start(cfg, mesh)
         try:
-            result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None).fit()
+            result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None, shape=shape).fit()
             clean = True
             return result
         except BaseException as e:  # DCP's CheckpointException is a BaseException

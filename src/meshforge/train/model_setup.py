@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from meshforge.checkpoint.weights import load_pretrained, shape_mismatch
 from meshforge.config import Config
 from meshforge.errors import ConfigError
-from meshforge.models.llama import ModelArgs, build_model
+from meshforge.models.llama import build_model
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.parallelize import parallelize, parallelize_pipeline
 from meshforge.parallel.pipeline import Pipeline
@@ -25,15 +25,15 @@ from meshforge.parallel.pipeline import Pipeline
 
 @dataclass
 class RankModel:
-    args: ModelArgs
+    args: ModelShape
     model: nn.Module  # the parameters this rank holds, under the whole model's names
     train_model: nn.Module  # what the step calls (model itself, or its DDP wrapper)
     pipeline: Pipeline | None  # pp > 1: the schedule over this rank's chunks
 
 
-def build_rank_model(cfg: Config, mesh: Mesh, loss: LanguageModelLoss) -> RankModel:
-    """This rank's part of the model, parallelized, initialised from train.seed or model.init_from."""
-    args = model_args_from_config(cfg.model)
+def build_rank_model(cfg: Config, mesh: Mesh, loss: LanguageModelLoss, args: ModelShape) -> RankModel:
+    """This rank's part of the model (of shape ``args``, the launch's resolved ModelShape),
+    parallelized, initialised from train.seed or model.init_from."""
     model = build_model(args, device="meta")
     pipeline = None
     if mesh.degrees["pp"] > 1:  # model: this rank's chunks, under the whole model's names
@@ -46,7 +46,7 @@ def build_rank_model(cfg: Config, mesh: Mesh, loss: LanguageModelLoss) -> RankMo
     return RankModel(args, model, train_model, pipeline)
 
 
-def load_init_from(model: nn.Module, args: ModelArgs, path: str) -> None:
+def load_init_from(model: nn.Module, args: ModelShape, path: str) -> None:
     """Overwrite ``model``'s parameters with pretrained weights of the same shape."""
     pre = load_pretrained(path, device="cpu")
     diff = shape_mismatch(pre.args, args)

@@ -31,7 +31,8 @@ from meshforge.errors import ConfigError, DataError
 from meshforge.fit import check_fit, uses_cuda
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
-from meshforge.models.presets import model_args_from_config
+from meshforge.models.presets import model_shape
+from meshforge.models.shape import ModelShape
 from meshforge.parallel.fp8 import model_fp8_plan
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import resolve_precision
@@ -73,7 +74,7 @@ def dataset_root(cfg: Config) -> Path:
     return prepared_dir_for(cfg.data.path, tok, cfg.data.val_fraction, cfg.data.cache_dir)
 
 
-def open_data(cfg: Config) -> TokenDataset:
+def open_data(cfg: Config, shape: ModelShape) -> TokenDataset:
     """Prepare (or reuse) the token shards for cfg.data and check they fit the model and batch."""
     tok = load_tokenizer(cfg.data.tokenizer)
     root = dataset_root(cfg)
@@ -83,7 +84,7 @@ def open_data(cfg: Config) -> TokenDataset:
             f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{cfg.data.tokenizer}' "
             f"('{tok.name}'); set data.tokenizer to the tokenizer the data was prepared with"
         )
-    vocab = model_args_from_config(cfg.model).vocab_size
+    vocab = shape.vocab_size
     if ds.vocab_size > vocab:
         raise ConfigError(
             f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
@@ -98,11 +99,11 @@ def open_data(cfg: Config) -> TokenDataset:
     return ds
 
 
-def check_precision_and_offload(cfg: Config) -> None:
+def check_precision_and_offload(cfg: Config, shape: ModelShape) -> None:
     """Before launch: fp8 needs torchao and a boundary that leaves some linear in fp8; CPU
     offload needs a GPU to offload from."""
     if cfg.train.precision == "fp8":
-        model_fp8_plan(model_args_from_config(cfg.model), cfg.train.fp8_exclude)
+        model_fp8_plan(shape, cfg.train.fp8_exclude)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cfg.parallel.offload == "cpu" and not cuda:
         raise ConfigError(
@@ -118,7 +119,8 @@ def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
     if cfg.train.precision == "auto":
         cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
         cfg.train.precision = resolve_precision("auto", torch.device("cuda" if cuda else "cpu"))
-    check_precision_and_offload(cfg)
+    shape = model_shape(cfg.model)
+    check_precision_and_offload(cfg, shape)
     if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(f"model.init_from = {cfg.model.init_from} is not a directory of weights")
     if not cfg.run.dir:
@@ -126,7 +128,7 @@ def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
     check_run_dir(cfg)
     refuse_binary(cfg.data.path, cfg.data.allow_binary)
     check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
-    open_data(cfg)  # (input errors first: a config or data mistake is named before the memory verdict)
+    open_data(cfg, shape)  # (input errors first: a config or data mistake is named before the memory verdict)
     if not (launcher and uses_cuda(cfg)):  # a launcher leaves the GPUs to the ranks (no CUDA context here)
         check_fit(cfg, world_size, launch_env.local_rank(), launch_env.local_world_size() or world_size)
     return cfg
