@@ -5,7 +5,7 @@ fp32 and the bf16 cast-once path) and a 2-rank DDP-layout step is covered by the
 
 import pytest
 import torch
-from meshforge.train.step_watch import StepWatch
+from meshforge.health.step_watch import StepWatch
 
 from conftest import tiny_config
 from meshforge.train import loop
