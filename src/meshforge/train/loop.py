@@ -1,18 +1,15 @@
 """The training loop: one rank's Trainer ties the parts together, ``train`` runs it.
 
-Parts: the train state (state.py), optimizer and LR schedule (optimizer.py), the step
-runner (step.py), the evaluator (evaluate.py), checkpoint cadence, resume and final save
-(checkpointing.py), the step records (metrics.py, pipeline_stats.py), the run directory
-(run_dir.py). Measurement is off the hot path: a step is *measured* (device syncs,
-collectives for the figures, communication counting) only when it is logged, is the last
-one, or is the pipeline step drawn as a Gantt chart; see docs/metrics.md.
+Parts: train state (state.py), optimizer and LR schedule (optimizer.py), the step runner
+(step.py), the evaluator (evaluate.py), checkpoints (checkpoint/run_checkpoints.py), step
+records and the run's announcements (metrics/), the run directory (run_dir.py). A step is
+*measured* (syncs, collectives, comm counting) only when logged, last, or the pipeline
+step drawn as a Gantt chart; see docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,37 +21,31 @@ from meshforge import faults, launch_env, run_lock
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.config import Config
 from meshforge.data.sampler import GlobalBatchSampler
-from meshforge.fit import check_fit, uses_cuda
-from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.step_watch import StepWatch
 from meshforge.metrics.mfu import peak_flops
-from meshforge.metrics.progress import is_logged, slow_step_line
+from meshforge.metrics.progress import is_logged
+from meshforge.metrics.run_records import announce, finish_run, log_step
 from meshforge.metrics.sinks import MetricsLogger
-from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
-from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
-from meshforge.models.flops import num_params
+from meshforge.metrics.step_metrics import StepMetrics
+from meshforge.metrics.time_breakdown import PhaseTimer
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.comm_stats import CommCounter
-from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.diloco import build_diloco
-from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
 from meshforge.parallel.precision import resolve_precision
-from meshforge.resolve import layout, resolve
+from meshforge.resolve import layout
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.failure import on_failure
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
-from meshforge.train.run_dir import agree_on_start, open_data, preflight
+from meshforge.train.run_dir import agree_on_start, launch_config, open_data
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
 from meshforge.train.stop import StopRequest
-
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 class Trainer:
@@ -193,7 +184,7 @@ class Trainer:
             self.event("nothing_to_do", step=st.step, steps=t.steps)
             self.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
             return {"steps": st.step, "interrupted": False, "tokens": st.tokens_seen, "already_done": True}
-        self._announce()
+        announce(self)
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
             n = st.step + 1
@@ -208,7 +199,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             self.metrics.add(dt, result)
             with self.phases("logging"):
-                self._log_step(n, result, logged or last, dt)
+                log_step(self, n, result, logged or last, dt)
             with self.phases("checkpoint"):
                 self.checkpoints.checkpointer.poll()
                 self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
@@ -222,36 +213,7 @@ class Trainer:
         with self.phases("checkpoint"):
             self.checkpoints.checkpointer.wait()
         val_loss = self._evaluate_and_log() if t.eval_batches else None
-        wall = time.perf_counter() - t_start
-        summary = self.metrics.summary(
-            self.runner.reduce_loss,
-            steps=st.step,
-            interrupted=interrupted,
-            tokens=st.tokens_seen,
-            wall_time_s=wall,
-            val_loss=val_loss,
-        )
-        parts = self.metrics.breakdown_sum
-        summary["time_breakdown"] = run_breakdown(wall, sum(self.metrics.times), parts, self.phases.totals)
-        if self.mesh.is_main:
-            (Path(self.cfg.run.dir) / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.checkpoints.export_final(pipelined=self.pipeline is not None)
-        self.event("run_end", **summary)
-        self.say(end_line(summary, self.cfg.run.dir))
-        self.say(resume_hint(self.cfg, self.mesh.world_size, finished=not interrupted))
-        return summary
-
-    def _log_step(self, n: int, result: StepResult, logged: bool, dt: float) -> None:
-        """Record and write logged step ``n``; a word on an unlogged step that was slow."""
-        if not logged:
-            slow = slow_step_line(n, self.cfg.train.steps, dt, self.cfg.metrics.log_interval)
-            if slow:
-                self.say(slow)
-            return
-        extra = {"comm_bytes_by_kind": self.comm_bytes, "pp_stats": self.pp_stats, "moe": self.moe_stats}
-        rec = self.metrics.record(n, self.state.tokens_seen, result, extra)
-        if self.logger:
-            self.logger.log_step(rec)
+        return finish_run(self, interrupted, time.perf_counter() - t_start, val_loss)
 
     def _evaluate_and_log(self) -> float | None:
         with self.phases("eval"):
@@ -260,51 +222,11 @@ class Trainer:
             self.logger.log_eval(self.state.step, v)
         return v
 
-    def _announce(self) -> None:
-        params = num_params(self.args)
-        self.event(
-            "run_start",
-            world_size=self.mesh.world_size,
-            device=str(self.device),
-            device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            precision=self.precision,
-            params=params,
-            peak_flops=self.peak,
-        )
-        self.say(
-            start_line(
-                self.cfg, params, self.mesh.world_size, self.device, self.precision, self.accum, self.micro, self.data
-            )
-        )
-        if self.precision == "fp8":
-            self._announce_fp8()
-        if self.cfg.train.compile:  # which blocks compile whole, and why the others do not
-            self.event("compile", **compile_plan_event(list(getattr(self.model, "layers", {}).values())))
-
-    def _announce_fp8(self) -> None:
-        """The fp8 boundary as an event (every converted and excluded module, and why), and
-        exclude patterns that match nothing as warnings."""
-        plan = model_fp8_plan(self.args, self.cfg.train.fp8_exclude)
-        emulated = fp8_emulated(self.device)
-        self.event("fp8_modules", recipe=self.cfg.train.fp8_recipe, emulated=emulated, **plan.as_event())
-        for line in unmatched_warnings(plan):
-            self.event("warning", key="train.fp8_exclude", message=line)
-            self.say(f"warning: {line}")
-
 
 def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
     """Run training on this rank. ``cfg`` is resolved here (again) with the process group's world size."""
-    for k, v in DETERMINISTIC_ENV.items():
-        if cfg.train.deterministic:
-            os.environ.setdefault(k, v)
-    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
     world = launch_env.world_size()
-    if world == 1 or launch_env.rank() == 0:
-        cfg = preflight(cfg, world)
-    else:
-        cfg = resolve(cfg, world)
-        if uses_cuda(cfg):  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
-            check_fit(cfg, world, launch_env.local_rank())
+    cfg = launch_config(cfg, world)
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
     lay, shape = layout(cfg, world), model_shape(cfg.model)  # the config resolved once into the two types

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
@@ -29,6 +30,7 @@ from meshforge.data.tokenizer import load_tokenizer
 from meshforge.disk import check_disk
 from meshforge.errors import ConfigError, DataError
 from meshforge.fit import check_fit, uses_cuda
+from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
 from meshforge.models.presets import model_shape
@@ -182,3 +184,21 @@ def agree_on_start(cfg: Config, mesh: Mesh) -> tuple[Config, str | None]:
     dist.broadcast_object_list(obj, src=0)
     run = dataclasses.replace(cfg.run, dir=obj[0])
     return dataclasses.replace(cfg, run=run, train=dataclasses.replace(cfg.train, precision=obj[1])), obj[2]
+
+
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def launch_config(cfg: Config, world: int) -> Config:
+    """This rank's resolved config (rank 0 also runs ``preflight``), with the environment that
+    must be set before the process group starts."""
+    for k, v in DETERMINISTIC_ENV.items():
+        if cfg.train.deterministic:
+            os.environ.setdefault(k, v)
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
+    if world == 1 or launch_env.rank() == 0:
+        return preflight(cfg, world)
+    cfg = resolve(cfg, world)
+    if uses_cuda(cfg):  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
+        check_fit(cfg, world, launch_env.local_rank())
+    return cfg
