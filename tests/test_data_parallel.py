@@ -28,6 +28,10 @@ def common(global_batch):
         "train.micro_batch_size": 2,
         "train.grad_clip": 0.5,
         "train.eval_batches": 1,
+        # the ZeRO memory/byte formulas below describe FSDP2 resharding every unit; the chunked loss
+        # keeps a tied head's root unit gathered from forward to backward (tested on its own in
+        # test_chunked_loss_parallel.py), so these layouts run the full-logits loss
+        "train.loss_chunk_size": 0,
     }
 
 
