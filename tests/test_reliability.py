@@ -143,6 +143,7 @@ def test_a_rank_whose_peer_went_away_says_one_line(monkeypatch, capsys):
     assert say_peer_lost(e) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("meshforge: rank 1 stopped: another rank of the run went away")
+    assert "pair.cc" not in err and "Connection closed" not in err  # named, not quoted
 
 
 # -- end to end (2 gloo ranks) ----------------------------------------------------------------------------

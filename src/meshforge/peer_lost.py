@@ -40,10 +40,10 @@ def say_peer_lost(exc: BaseException) -> int:
     """Print the one line and return the exit code (the hang's, when this rank's watchdog fired)."""
     from meshforge.health import watchdog
 
-    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    what = f"{type(exc).__name__} in a collective"  # the transport's own text is the noise this line replaces
     rank = launch_env.rank()
     print(
-        f"meshforge: rank {rank} stopped: another rank of the run went away ({first}); its own message above says why",
+        f"meshforge: rank {rank} stopped: another rank of the run went away ({what}); its own message above says why",
         file=sys.stderr,
         flush=True,
     )

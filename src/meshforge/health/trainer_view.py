@@ -15,8 +15,11 @@ if TYPE_CHECKING:
 
     from meshforge.checkpoint.run_checkpoints import RunCheckpoints
     from meshforge.config import Config
+    from meshforge.data.dataset import TokenDataset
     from meshforge.metrics.sinks import MetricsLogger
     from meshforge.metrics.step_metrics import StepMetrics
+    from meshforge.metrics.time_breakdown import PhaseTimer
+    from meshforge.models.shape import ModelShape
     from meshforge.parallel.comm_stats import CommCounter
     from meshforge.parallel.mesh import Mesh
     from meshforge.parallel.pipeline import Pipeline
@@ -38,6 +41,17 @@ class TrainerView(Protocol):
     metrics: StepMetrics
     logger: MetricsLogger | None
     comm: CommCounter | None
+    # read by train/run_records.py (the run's announcement, step records and summary)
+    args: ModelShape
+    precision: str
+    peak: float
+    data: TokenDataset
+    micro: int
+    accum: int
+    phases: PhaseTimer
+    comm_bytes: dict[str, dict[str, float]]
+    pp_stats: dict[str, Any]
+    moe_stats: dict[str, Any]
 
     def event(self, name: str, **fields: Any) -> None: ...
 

@@ -114,7 +114,8 @@ def run_breakdown(wall_s: float, steps_s: float, step_parts: dict[str, float], p
         out[k] = steps_s * step_parts.get(k, 0.0) / measured if measured > 0 else 0.0
     for k in ("checkpoint", "eval", "logging"):
         out[f"{k}_s"] = phases.get(k, 0.0)
-    out["other_s"] = max(0.0, wall_s - sum(out.values()))
-    out = {k: round(v, 4) for k, v in out.items()}
-    out["wall_s"] = round(wall_s, 4)
+    out = {k: round(v, 6) for k, v in out.items()}
+    wall = round(wall_s, 6)
+    out["other_s"] = round(max(0.0, wall - sum(out.values())), 6)  # after rounding: the parts add up
+    out["wall_s"] = wall
     return out

@@ -24,7 +24,6 @@ from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.step_watch import StepWatch
 from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.progress import is_logged
-from meshforge.metrics.run_records import announce, finish_run, log_step
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics
 from meshforge.metrics.time_breakdown import PhaseTimer
@@ -43,6 +42,7 @@ from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
 from meshforge.train.run_dir import agree_on_start, launch_config, open_data
+from meshforge.train.run_records import announce, finish_run, log_step
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
 from meshforge.train.stop import StopRequest

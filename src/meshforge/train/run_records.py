@@ -1,6 +1,6 @@
 """What one rank's run says about itself, outside the step: the run_start announcement
 (with the fp8 boundary and the compile plan), each step's record or slow-step note, and
-the end-of-run summary. Split out of train/loop.py, which calls them with its Trainer."""
+the end-of-run summary. Split out of train/loop.py, which calls them with itself."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from meshforge.models.flops import num_params
 from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 
-if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
-    from meshforge.train.loop import Trainer
+if TYPE_CHECKING:  # the Trainer's view, so this module types it without importing train/loop.py
+    from meshforge.health.trainer_view import TrainerView as Trainer
     from meshforge.train.step import StepResult
 
 
