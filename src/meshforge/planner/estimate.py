@@ -70,7 +70,6 @@ from meshforge.planner.memory import (
 # the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
 V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per rank
-RECOMPUTE = ("none", "selective", "full")
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # parallel.grad_reduce_dtype: what ZeRO-1 reduce-scatters
 
 

@@ -46,23 +46,29 @@ from .data import _batch, _data_parallel, _offload, casts_once, offload_problem
 from .degrees import rank_layout, resolve_degrees
 from .diloco import diloco_problems
 from .experts import _experts
+from .partial import CONFIG, OFFLOAD, RECOMPUTE, Spelling, partial_problems
 from .pipeline import _pipeline
 from .tensor import _async_tp, _context_parallel, _tensor_parallel, tp_divides_heads
 
 __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
+    "CONFIG",
     "DIMS",
     "EXPERT_DIMS",
     "FLATTENED",
     "ISLAND",
+    "OFFLOAD",
+    "RECOMPUTE",
     "SYNC_DTYPES",
     "Batch",
     "DiLoCoRules",
     "Layout",
     "Problem",
+    "Spelling",
     "casts_once",
     "check",
     "diloco_problems",
     "offload_problem",
+    "partial_problems",
     "problems",
     "rank_layout",
     "resolve_degrees",
