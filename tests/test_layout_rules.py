@@ -1,4 +1,4 @@
-"""Layout rules live in one place (parallel/dims.py): the planner and `meshforge train`'s
+"""Layout rules live in one place (parallel/dims/): the planner and `meshforge train`'s
 config check give the same verdict on every layout, and the import graph has no cycles."""
 
 import ast

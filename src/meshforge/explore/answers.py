@@ -63,7 +63,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
 
 
 def _refuse_ep(found: list[Problem]) -> None:
-    """An invalid ep is answered 400 with the expert rule's own message (parallel/dims.py)."""
+    """An invalid ep is answered 400 with the expert rule's own message (parallel/dims/)."""
     refused = [p.message for p in found if p.key == "parallel.ep" and p.kind == "invalid"]
     if refused:
         raise BadRequest("; and ".join(refused))

@@ -1,7 +1,7 @@
 """Enumerate the layouts a cluster allows, estimate each, keep what fits, rank by speed.
 
 Whether a layout can exist and whether ``meshforge train`` runs it is not decided here:
-every candidate is put to the layout rules in ``parallel/dims.py``. A candidate they call
+every candidate is put to the layout rules in ``parallel/dims/``. A candidate they call
 invalid is skipped; one they call unsupported is estimated and ranked after the runnable
 ones, marked with the reason, so the planner never recommends a layout training refuses.
 """
