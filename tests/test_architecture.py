@@ -21,8 +21,8 @@ ALLOWED: dict[str, set[str]] = {
     "faults": {"errors", "launch_env"},
     "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
     "models": {"errors"},
-    "config": {"config_checks", "config_help", "errors", "layout", "models"},
-    "config_checks": {"errors", "models"},  # the config's value checks (config.fill runs them)
+    "config_values": {"errors"},  # a value against its key's type (config.py's helper)
+    "config": {"config_help", "config_values", "errors", "layout", "models"},
     "data": {"errors", "manifest"},
     "parallel": {"compat", "config", "errors", "launch_env", "layout", "models"},
     "resolve": {"config", "launch_env", "layout", "models", "parallel"},
@@ -55,12 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 # imports under ``if TYPE_CHECKING:`` (names of types, never run) may also point up
-TYPE_ONLY: dict[str, set[str]] = {
-    "config_checks": {"config"},
-    "metrics": {"train"},
-    "checkpoint": {"train"},
-    "health": {"models", "train"},
-}
+TYPE_ONLY: dict[str, set[str]] = {"metrics": {"train"}, "checkpoint": {"train"}, "health": {"models", "train"}}
 
 ANALYSING = ("planner", "explore", "report")
 RUNNING = (

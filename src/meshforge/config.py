@@ -1,31 +1,32 @@
 """Typed run configuration: TOML files plus ``--section.key=value`` overrides.
 
-This file is the schema and parsing, with the value checks in ``config_checks.py``: it knows
-every key, its type and its allowed values, and refuses a bad one with a message naming the
-key and the fix (fail loudly and early). Whether a *layout* can run (degrees, divisibility,
-schedules) is decided by ``parallel/dims/``; ``meshforge/resolve.py`` puts the two together for a
-world size. The resolved config (every default and preset value filled in) is what gets
-written to the run directory, so a run can be reproduced from it alone.
+This file is the schema, parsing and value checks only (a value against its key's type:
+``config_values.py``): it knows every key, its type and its allowed values, and refuses a
+bad one with a message naming the key and the fix (fail loudly and early). Whether a
+*layout* can run (degrees, divisibility, schedules) is decided by ``parallel/dims/``;
+``meshforge/resolve.py`` puts the two together for a world size. The resolved config (every
+default and preset value filled in) is what gets written to the run directory, so a run
+can be reproduced from it alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import fnmatch
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from meshforge.config_checks import check_values
 from meshforge.config_help import HELP
+from meshforge.config_values import coerce, toml_value, type_name
+from meshforge.config_values import parse_value as parse_value  # re-exported: the CLI reads overrides
 from meshforge.errors import ConfigError, suggest
 from meshforge.layout import DILOCO_KEYS, TRAIN_KEYS, Layout
 from meshforge.models.chunked_loss import DEFAULT_CHUNK
@@ -231,56 +232,6 @@ def _fields_by_key(cls: type) -> dict[str, dataclasses.Field]:
     return {_key(f): f for f in dataclasses.fields(cls)}
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints widen to floats, nothing else converts."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(name, value, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices:
-            return value
-        hint = suggest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
-        raise ConfigError(
-            f"{name} = {value!r} is not one of {', '.join(repr(c) for c in choices)}" + (f"; {hint}" if hint else "")
-        )
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{name} must be a list, got {value!r} (e.g. [4, 4])")
-        (item,) = typing.get_args(tp)
-        return [_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{name} must be a string, got {value!r} (quote it in TOML)")
-    raise ConfigError(f"{name}: unsupported config type {tp}")  # pragma: no cover
-
-
 def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section [{section}] in {where}; {suggest(section, SECTIONS)}")
@@ -297,7 +248,7 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
         raise ConfigError(f"unknown key {section}.{key} in {where}; {suggest(key, fields)}")
     f = fields[key]
     hints = typing.get_type_hints(cls)
-    setattr(getattr(cfg, section), f.name, _coerce(f"{section}.{key}", value, hints[f.name]))
+    setattr(getattr(cfg, section), f.name, coerce(f"{section}.{key}", value, hints[f.name]))
 
 
 def key_type(dotted: str) -> Any:
@@ -305,17 +256,6 @@ def key_type(dotted: str) -> Any:
     section, _, key = dotted.partition(".")
     f = _fields_by_key(SECTIONS[section]).get(key) if section in SECTIONS else None
     return typing.get_type_hints(SECTIONS[section])[f.name] if f else None
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "|".join(str(c) for c in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return "|".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    return getattr(tp, "__name__", str(tp))
 
 
 def describe_keys() -> str:
@@ -328,20 +268,12 @@ def describe_keys() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
-                default = "the preset's value" if f.default is None else _toml_value(f.default)
+                default = "the preset's value" if f.default is None else toml_value(f.default)
             else:
-                default = _toml_value(f.default_factory())  # type: ignore[misc]
+                default = toml_value(f.default_factory())  # type: ignore[misc]
             meaning = HELP.get(f"{section}.{_key(f)}", "")
-            lines.append(f"  --{section}.{_key(f):<28} {_type_name(hints[f.name]):<24} default {default}  {meaning}")
+            lines.append(f"  --{section}.{_key(f):<28} {type_name(hints[f.name]):<24} default {default}  {meaning}")
     return "\n".join(lines)
-
-
-def parse_value(text: str) -> Any:
-    """Read an override value as a TOML literal (numbers, booleans, lists); else a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -384,20 +316,6 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} to TOML")
-
-
 def to_toml(cfg: Config) -> str:
     """TOML text of the config; keys whose value is None (unset) are left out."""
     lines = []
@@ -405,7 +323,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section}]")
         for k, v in body.items():
             if v is not None:
-                lines.append(f"{k} = {_toml_value(v)}")
+                lines.append(f"{k} = {toml_value(v)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -423,3 +341,91 @@ def fill(cfg: Config) -> Config:
         cfg.optim.warmup_steps = min(100, cfg.train.steps // 10)
     check_values(cfg)
     return cfg
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check_values(cfg: Config) -> None:
+    """Refuse values that are wrong whatever the layout, naming the key and the fix."""
+    _check_train(cfg)
+    _check_optim(cfg)
+    d, c, p = cfg.data, cfg.checkpoint, cfg.parallel
+    _need(0 <= d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in [0, 1)")
+    _need(cfg.metrics.log_interval > 0, f"metrics.log_interval = {cfg.metrics.log_interval} must be > 0")
+    _need(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
+    _need(
+        c.interval == "auto" or (isinstance(c.interval, int) and c.interval >= 0),
+        f'checkpoint.interval = {c.interval!r} must be a number of steps >= 0 (0: no checkpoints) or "auto"',
+    )
+    _need(c.mtbf_hours > 0, f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
+    _need(p.ep >= 1 and p.pp_virtual_stages >= 1, "parallel.ep and parallel.pp_virtual_stages must be >= 1")
+    _need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
+    _need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
+    _need(p.num_microbatches >= 0, f"parallel.num_microbatches = {p.num_microbatches} must be >= 0 (0: automatic)")
+    _check_health(cfg)
+
+
+def _check_health(cfg: Config) -> None:
+    h, pr = cfg.health, cfg.profile
+    _need(h.max_skipped >= 0, f"health.max_skipped = {h.max_skipped} must be >= 0")
+    _need(h.spike_threshold >= 0, f"health.spike_threshold = {h.spike_threshold} must be >= 0 (0: off)")
+    _need(h.spike_window >= 5, f"health.spike_window = {h.spike_window} must be >= 5 steps")
+    _need(h.hang_timeout_s >= 0, f"health.hang_timeout_s = {h.hang_timeout_s} must be >= 0 (0: off)")
+    _need(
+        h.straggler_factor == 0 or h.straggler_factor > 1,
+        f"health.straggler_factor = {h.straggler_factor} must be > 1 (e.g. 1.5) or 0 (off)",
+    )
+    _need(0 < h.text_warn_fraction <= 1, f"health.text_warn_fraction = {h.text_warn_fraction} must be in (0, 1]")
+    for key in ("on_nonfinite", "on_spike"):
+        _need(
+            getattr(h, key) != "rollback" or cfg.checkpoint.interval != 0,
+            f"health.{key} = 'rollback' needs checkpoints to go back to; set checkpoint.interval > 0 (or 'auto')",
+        )
+    _need(pr.start_step >= 0 and pr.steps >= 0, "profile.start_step and profile.steps must be >= 0")
+
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
+    max_seq = cfg.model.max_seq_len or model_shape(cfg.model).max_seq_len
+    _need(t.steps > 0, f"train.steps = {t.steps} must be > 0")
+    _need(t.seq_len > 0, f"train.seq_len = {t.seq_len} must be > 0")
+    _need(
+        t.seq_len <= max_seq,
+        f"train.seq_len = {t.seq_len} is above the model's max positions (model.max_seq_len = "
+        f"{max_seq}); lower train.seq_len or raise model.max_seq_len",
+    )
+    _need(t.global_batch_size > 0, f"train.global_batch_size = {t.global_batch_size} must be > 0")
+    _need(
+        t.micro_batch_size >= 0,
+        f"train.micro_batch_size = {t.micro_batch_size} must be >= 0 (0: no accumulation)",
+    )
+    _need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 turns clipping off)")
+    _need(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0: only at the end)")
+    _need(t.eval_batches >= 0, f"train.eval_batches = {t.eval_batches} must be >= 0")
+    _need(
+        t.loss_chunk_size >= 0,
+        f"train.loss_chunk_size = {t.loss_chunk_size} must be >= 0 (tokens per loss chunk; 0: full logits)",
+    )
+    _need(
+        not t.loss_chunk_size or t.precision != "fp8" or any(fnmatch.fnmatch("output", p) for p in t.fp8_exclude),
+        f'train.loss_chunk_size = {t.loss_chunk_size} needs the head out of fp8: add "output" to '
+        "train.fp8_exclude or set train.loss_chunk_size = 0",
+    )
+
+
+def _check_optim(cfg: Config) -> None:
+    o, steps = cfg.optim, cfg.train.steps
+    _need(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
+    _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
+    _need(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
+    _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _need(o.eps > 0, f"optim.eps = {o.eps} must be > 0")
+    _need(o.warmup_steps >= -1, f"optim.warmup_steps = {o.warmup_steps} must be >= 0 (or -1 for automatic)")
+    _need(
+        o.warmup_steps <= steps,
+        f"optim.warmup_steps = {o.warmup_steps} is more than train.steps = {steps}; lower it",
+    )
+    _need(o.decay_steps >= 0, f"optim.decay_steps = {o.decay_steps} must be >= 0 (0: the whole run)")
