@@ -1,5 +1,5 @@
 """parallel.offload = "cpu" on a world of one: FSDP2's CPUOffloadPolicy on a one-rank mesh
-(parallel/dims.py offload_problem, Mesh.solo_mesh). A CPU run refuses offload before launch
+(parallel/dims/ offload_problem, Mesh.solo_mesh). A CPU run refuses offload before launch
 (nothing to offload from), so the check is lifted here to run FSDP2's offload path on CPU:
 it must equal the plain one-rank run in fp32 to 1e-6, also after a checkpoint resume."""
 

@@ -38,7 +38,7 @@ def test_offload_is_picked_only_when_nothing_fits_without_it():
         plan(SMALL, offload="none")
     ranked, _ = plan(SMALL)  # auto
     assert ranked and all(e.fits and e.layout.offload == "cpu" for e in ranked)
-    for e in ranked:  # the layout rule's verdict (parallel/dims.py), not the planner's own
+    for e in ranked:  # the layout rule's verdict (parallel/dims/), not the planner's own
         L = e.layout
         assert L.zero_stage >= 2 and offload_problem(L) is None
         assert e.memory["total"] <= SMALL.hbm_gib < sum(stage_state_bytes(SHAPE, L, "bf16").values()) / GIB

@@ -1,24 +1,23 @@
 """Typed run configuration: TOML files plus ``--section.key=value`` overrides.
 
-This file is the schema, parsing and value checks only: it knows every key, its type
-and its allowed values, and refuses a bad one with a message naming the key and the fix
-(fail loudly and early). Whether a *layout* can run (degrees, divisibility, schedules)
-is decided by ``parallel/dims.py``; ``meshforge/resolve.py`` puts the two together for a
-world size. The resolved config (every default and preset value filled in) is what gets
-written to the run directory, so a run can be reproduced from it alone.
+This file is the schema, parsing and value checks only (a value against its key's type:
+``config_values.py``): it knows every key, its type and its allowed values, and refuses a
+bad one with a message naming the key and the fix (fail loudly and early). Whether a
+*layout* can run (degrees, divisibility, schedules) is decided by ``parallel/dims/``;
+``meshforge/resolve.py`` puts the two together for a world size. The resolved config (every
+default and preset value filled in) is what gets written to the run directory, so a run
+can be reproduced from it alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,6 +25,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from meshforge.config_help import HELP
+from meshforge.config_values import coerce, toml_value, type_name
+from meshforge.config_values import parse_value as parse_value  # re-exported: the CLI reads overrides
 from meshforge.errors import ConfigError, suggest
 from meshforge.layout import DILOCO_KEYS, TRAIN_KEYS, Layout
 from meshforge.models.chunked_loss import DEFAULT_CHUNK
@@ -180,7 +181,7 @@ class RunConfig:
 
 @dataclass
 class DiLoCoConfig:
-    """DiLoCo across islands of ranks (its layout rules live in parallel/dims.py)."""
+    """DiLoCo across islands of ranks (its layout rules live in parallel/dims/)."""
 
     islands: int = 1  # islands (outermost mesh dimension); 1 = off
     inner_steps: int = 50  # H: inner (AdamW) steps per round
@@ -231,56 +232,6 @@ def _fields_by_key(cls: type) -> dict[str, dataclasses.Field]:
     return {_key(f): f for f in dataclasses.fields(cls)}
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints widen to floats, nothing else converts."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(name, value, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices:
-            return value
-        hint = suggest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
-        raise ConfigError(
-            f"{name} = {value!r} is not one of {', '.join(repr(c) for c in choices)}" + (f"; {hint}" if hint else "")
-        )
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{name} must be a list, got {value!r} (e.g. [4, 4])")
-        (item,) = typing.get_args(tp)
-        return [_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{name} must be a string, got {value!r} (quote it in TOML)")
-    raise ConfigError(f"{name}: unsupported config type {tp}")  # pragma: no cover
-
-
 def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section [{section}] in {where}; {suggest(section, SECTIONS)}")
@@ -297,7 +248,7 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
         raise ConfigError(f"unknown key {section}.{key} in {where}; {suggest(key, fields)}")
     f = fields[key]
     hints = typing.get_type_hints(cls)
-    setattr(getattr(cfg, section), f.name, _coerce(f"{section}.{key}", value, hints[f.name]))
+    setattr(getattr(cfg, section), f.name, coerce(f"{section}.{key}", value, hints[f.name]))
 
 
 def key_type(dotted: str) -> Any:
@@ -305,17 +256,6 @@ def key_type(dotted: str) -> Any:
     section, _, key = dotted.partition(".")
     f = _fields_by_key(SECTIONS[section]).get(key) if section in SECTIONS else None
     return typing.get_type_hints(SECTIONS[section])[f.name] if f else None
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "|".join(str(c) for c in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return "|".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    return getattr(tp, "__name__", str(tp))
 
 
 def describe_keys() -> str:
@@ -328,20 +268,12 @@ def describe_keys() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
-                default = "the preset's value" if f.default is None else _toml_value(f.default)
+                default = "the preset's value" if f.default is None else toml_value(f.default)
             else:
-                default = _toml_value(f.default_factory())  # type: ignore[misc]
+                default = toml_value(f.default_factory())  # type: ignore[misc]
             meaning = HELP.get(f"{section}.{_key(f)}", "")
-            lines.append(f"  --{section}.{_key(f):<28} {_type_name(hints[f.name]):<24} default {default}  {meaning}")
+            lines.append(f"  --{section}.{_key(f):<28} {type_name(hints[f.name]):<24} default {default}  {meaning}")
     return "\n".join(lines)
-
-
-def parse_value(text: str) -> Any:
-    """Read an override value as a TOML literal (numbers, booleans, lists); else a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -384,20 +316,6 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} to TOML")
-
-
 def to_toml(cfg: Config) -> str:
     """TOML text of the config; keys whose value is None (unset) are left out."""
     lines = []
@@ -405,7 +323,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section}]")
         for k, v in body.items():
             if v is not None:
-                lines.append(f"{k} = {_toml_value(v)}")
+                lines.append(f"{k} = {toml_value(v)}")
         lines.append("")
     return "\n".join(lines)
 

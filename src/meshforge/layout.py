@@ -6,7 +6,7 @@ A config resolves once into a ``Layout`` (``meshforge/resolve.py``); the mesh, `
 the planner, the explorer and ``--emit-config`` read it. The [parallel] config section is
 derived from these fields (config.py), so a new layout setting is one field here, one row
 in docs/configuration.md and the code that applies it. Whether a layout runs is decided by
-``parallel/dims.py``; this file holds no rules, only the data and its derived quantities.
+``parallel/dims/``; this file holds no rules, only the data and its derived quantities.
 
 A *partial* layout (``open_layout``) holds None for what is not decided yet (the planner's
 search, the explorer's cross-checks); the rules judge what is set.
@@ -21,7 +21,7 @@ from typing import Any, Literal
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when islands > 1
 DEGREES = (*DIMS, "ep")
-EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/dims.py)
+EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/dims/)
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -57,7 +57,7 @@ class Layout:
     sequence_parallel: bool = True
     # Under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the
     # GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap). Planned; training refuses it on
-    # a non-CUDA device (parallel/dims.py) and does not run it yet.
+    # a non-CUDA device (parallel/dims/) and does not run it yet.
     async_tp: bool = False
     # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev (parallel/pipeline.py)
     pp_schedule: str = "1f1b"
@@ -116,7 +116,7 @@ class Layout:
         return {ISLAND: self.islands, **inner} if self.islands > 1 else inner
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
-        """The flattened sub-meshes this layout builds (see parallel/dims.py)."""
+        """The flattened sub-meshes this layout builds (see parallel/dims/)."""
         return dict(FLATTENED)
 
     def uses_fsdp(self) -> bool:

@@ -1,5 +1,5 @@
 """A config made ready for a world size, once: presets and automatic values filled in, values
-checked (``config.fill``), the layout checked by ``parallel/dims.py``, and the automatic
+checked (``config.fill``), the layout checked by ``parallel/dims/``, and the automatic
 layout values (inferred degrees, pipeline micro-batches) written back, so the run
 directory's ``config.toml`` says exactly what ran.
 

@@ -5,7 +5,6 @@ Nothing here models memory or time itself."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -64,18 +63,16 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
 
 
 def _refuse_ep(found: list[Problem]) -> None:
-    """An invalid ep is answered 400 with the expert rule's own message (parallel/dims.py)."""
+    """An invalid ep is answered 400 with the expert rule's own message (parallel/dims/)."""
     refused = [p.message for p in found if p.key == "parallel.ep" and p.kind == "invalid"]
     if refused:
         raise BadRequest("; and ".join(refused))
 
 
 def _check_best_ep(shape: ModelShape, v: dict[str, Any]) -> None:
-    """A fixed ep for the search, put to the same expert rules on a layout whose dp_shard every
-    candidate divides (so the rule's suggestion is any divisor of the experts): what is left to
-    refuse is a dense model or ep not dividing the experts."""
-    lay = Layout(dp_shard=math.lcm(v["ep"], max(1, shape.num_experts)), ep=v["ep"])
-    _refuse_ep(dims.problems(lay, shape, Batch(v["seq_len"], v["global_batch"])))
+    """A fixed ep for the search, put to the layout rules' judge of a partial layout: a dense
+    model, or an ep that does not divide the experts, is refused in the rule's words."""
+    _refuse_ep(dims.partial_problems(open_layout(ep=v["ep"]), shape, v["gpus"], v["gpus_per_node"]))
 
 
 def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The one model-shape type: ``ModelShape``, spelled as the [model] config keys.
 
-The model (models/llama.py), the layout rules (parallel/dims.py), FLOP counting
+The model (models/llama.py), the layout rules (parallel/dims/), FLOP counting
 (models/flops.py), the planner and the explorer all read this one type; the [model]
 config section is derived from its fields (config.py), less ``ANALYSIS_ONLY``.
 """

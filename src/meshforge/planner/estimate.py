@@ -67,10 +67,9 @@ from meshforge.planner.memory import (
     stage_state_bytes,
 )
 
-# the pipeline schedules and their bubble are the layout rules' (parallel/dims.py)
+# the pipeline schedules and their bubble are the layout rules' (parallel/dims/)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
 V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per rank
-RECOMPUTE = ("none", "selective", "full")
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # parallel.grad_reduce_dtype: what ZeRO-1 reduce-scatters
 
 
@@ -114,7 +113,7 @@ class Estimate:
     mfu: float
     hfu: float
     budget: dict[str, float] = field(default_factory=dict)  # fractions of the step
-    not_runnable: str = ""  # why `meshforge train` refuses this layout (parallel/dims.py); "" if it runs
+    not_runnable: str = ""  # why `meshforge train` refuses this layout (parallel/dims/); "" if it runs
     host_memory: dict[str, float] = field(default_factory=dict)  # GiB under CPU offload (per GPU, per_node)
 
     def as_json(self) -> dict[str, Any]:

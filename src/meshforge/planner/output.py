@@ -198,7 +198,7 @@ def train_config(
         micro = 0
     else:
         pipe, micro = "", L.micro_batch_size
-    off = f'offload = "{L.offload}"\n' if L.offload == "cpu" else ""  # FSDP2's CPU offload (parallel/dims.py)
+    off = f'offload = "{L.offload}"\n' if L.offload == "cpu" else ""  # FSDP2's CPU offload (parallel/dims/)
     return (
         f"# written by meshforge plan: predicted {e.step_time_s:.3f} s/step, "
         f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"

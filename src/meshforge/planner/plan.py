@@ -16,10 +16,11 @@ from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
 from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
+from meshforge.parallel.dims import OFFLOAD
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
-from meshforge.planner.search import OFFLOAD, Ranked, search
+from meshforge.planner.search import Ranked, search
 from meshforge.planner.shape import check_flags, from_preset, named
 
 

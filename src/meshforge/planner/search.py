@@ -1,7 +1,7 @@
 """Enumerate the layouts a cluster allows, estimate each, keep what fits, rank by speed.
 
 Whether a layout can exist and whether ``meshforge train`` runs it is not decided here:
-every candidate is put to the layout rules in ``parallel/dims.py``. A candidate they call
+every candidate is put to the layout rules in ``parallel/dims/``. A candidate they call
 invalid is skipped; one they call unsupported is estimated and ranked after the runnable
 ones, marked with the reason, so the planner never recommends a layout training refuses.
 """
@@ -16,66 +16,33 @@ from meshforge.errors import ConfigError
 from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel import dims
-from meshforge.parallel.dims import Batch, offload_problem, tp_divides_heads
-from meshforge.planner.estimate import RECOMPUTE, SCHEDULES, V_SCHEDULES, Estimate, estimate, plan_layout, run_layout
+from meshforge.parallel.dims import RECOMPUTE, Batch, Spelling, tp_divides_heads
+from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES, Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
-
-OFFLOAD = ("auto", "none", "cpu")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# the planner's flags for the layout rules' keys (dims.partial_problems speaks them)
+PLAN_FLAGS = Spelling(
+    {
+        **{f"parallel.{k}": f"--{k}" for k in ("tp", "pp", "cp", "ep", "offload")},
+        **{"parallel.dp_shard": "--dp", "parallel.zero_stage": "--zero", "parallel.pp_schedule": "--schedule"},
+        **{"train.activation_checkpoint": "--recompute", "model.num_experts": "--experts"},
+        **{"model.heads": "heads", "model.kv_heads": "kv_heads", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node"},
+    },
+    sep=" ",
+)
+
+
 def check_fixed(shape: ModelShape, gpus: int, f: Layout, gpus_per_node: int) -> None:
-    """Refuse impossible fixed choices with the reason and a fix."""
-    if f.ep not in (None, 1) and shape.num_experts <= 0:
-        raise ConfigError(f"--ep {f.ep}: this model has no experts (MoE); expert parallelism needs --experts")
-    if f.ep is not None and (f.ep < 1 or (shape.num_experts and shape.num_experts % f.ep)):
-        ok = _divisors(max(1, shape.num_experts))
-        raise ConfigError(
-            f"--ep {f.ep} must divide --experts {shape.num_experts} (whole experts per rank); one of {ok}"
-        )
-    if f.tp is not None:
-        if f.tp > gpus_per_node:
-            raise ConfigError(
-                f"--tp {f.tp} is more than --gpus-per-node {gpus_per_node}: tp stays inside a node (its collectives "
-                "are on the critical path and need NVLink-class bandwidth); use pp or dp across nodes"
-            )
-        if not tp_divides_heads(shape, f.tp):
-            ok = [d for d in _divisors(gpus_per_node) if tp_divides_heads(shape, d)]
-            raise ConfigError(
-                f"--tp {f.tp} does not divide heads {shape.heads} / kv_heads {shape.kv_heads}; use one of {ok}"
-            )
-    if f.pp is not None and f.pp > shape.layers:
-        raise ConfigError(f"--pp {f.pp} is more than the {shape.layers} layers; every stage needs at least one")
-    fixed = [x for x in (f.tp, f.pp, f.dp_shard, f.cp) if x is not None]
-    prod = 1
-    for x in fixed:
-        prod *= x
-    if gpus % prod:
-        raise ConfigError(f"fixed degrees multiply to {prod}, which does not divide --gpus {gpus}")
-    if all(x is not None for x in (f.tp, f.pp, f.dp_shard, f.cp)) and prod != gpus:
-        raise ConfigError(f"--tp x --pp x --dp x --cp multiply to {prod}, not --gpus {gpus}; leave one out to infer it")
-    if f.pp_schedule is not None and f.pp_schedule not in SCHEDULES + V_SCHEDULES:
-        raise ConfigError(f"--schedule {f.pp_schedule!r}: one of {', '.join(SCHEDULES + V_SCHEDULES)}")
-    if f.activation_checkpoint is not None and f.activation_checkpoint not in RECOMPUTE:
-        raise ConfigError(f"--recompute {f.activation_checkpoint!r}: one of {', '.join(RECOMPUTE)}")
-    if f.zero_stage is not None and f.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero {f.zero_stage}: one of 0, 1, 2, 3")
-    _check_fixed_offload(f)
-
-
-def _check_fixed_offload(f: Layout) -> None:
-    """An unknown --offload, or --offload cpu with a fixed ZeRO stage the layout rule refuses."""
-    if f.offload is not None and f.offload not in OFFLOAD:
-        raise ConfigError(f"--offload {f.offload!r}: one of {', '.join(OFFLOAD)}")
-    if f.offload == "cpu" and f.zero_stage is not None:
-        lay = Layout(pp=f.pp or 1, dp_shard=f.dp_shard or 2, cp=f.cp or 1, tp=f.tp or 1, ep=f.ep or 1)
-        problem = offload_problem(lay.replace(zero_stage=f.zero_stage, offload="cpu"))
-        if problem is not None and problem.kind == "invalid":
-            raise ConfigError(f"--offload cpu --zero {f.zero_stage}: {problem.message}")
+    """Refuse impossible fixed choices with the layout rules' reason and fix (``dims.partial_problems``)."""
+    for problem in dims.partial_problems(f, shape, gpus, gpus_per_node, PLAN_FLAGS):
+        if problem.kind == "invalid":
+            raise ConfigError(problem.message)
 
 
 def offload_modes(f: Layout, hw: Hardware) -> list[str]:
