@@ -1,7 +1,6 @@
 """Layout rules live in one place (parallel/dims/): the planner and `meshforge train`'s
 config check give the same verdict on every layout, and the import graph has no cycles."""
 
-import ast
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.search import candidates, judge
 from meshforge.resolve import resolve
+from test_architecture import import_graph
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 GPUS, PER_NODE, BATCH = 8, 8, 16
@@ -92,30 +92,11 @@ def test_dims_infers_one_degree_and_names_the_fix():
 # ----------------------------------------------------------------------------- imports
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def _import_graph() -> dict[str, set[str]]:
     """meshforge module -> the meshforge modules it imports (anywhere in the file, also
-    function-local and TYPE_CHECKING imports: a cycle hidden behind them is still a cycle)."""
-    files = {_module_name(p): p for p in SRC.rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in files}
-    for mod, path in files.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            else:
-                continue
-            graph[mod] |= {t for t in targets if t in files and t != mod and t != "meshforge"}
-    return graph
+    function-local and TYPE_CHECKING imports: a cycle hidden behind them is still a cycle).
+    The walker is the wall test's (tests/test_architecture.py), without its typing-only flags."""
+    return {m: set(targets) for m, targets in import_graph().items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
