@@ -18,7 +18,7 @@ from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
-from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
+from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS, Hardware, get_hardware
 from meshforge.planner.search import OFFLOAD, Ranked, search
 from meshforge.planner.shape import check_flags, from_preset, named
 
@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["flash", "materialized"],
         default="flash",
         help="attention kernel: fused (flash, meshforge's) or scores written out (Megatron-LM 2021/22)",
+    )
+    m.add_argument(
+        "--attention-kernel",
+        choices=sorted(ATTENTION_KERNELS),
+        help="the fused attention kernel's published rates (planner/hardware.py; default: the preset's, "
+        "on Hopper cuDNN as torch picks it; fa2-h100 for runs on flash-attn 2)",
     )
     add_moe_arguments(m)
     _add_training_arguments(p)
@@ -336,6 +342,8 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
+    if args.attention_kernel:
+        hw.attention_kernel = ATTENTION_KERNELS[args.attention_kernel]
     if args.gpus is None:
         raise ConfigError("--gpus N (the cluster size, a positive integer) is required")
     seq = args.seq_len if args.seq_len is not None else dflt.get("seq_len") or 4096
