@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.metrics.mfu import PEAK_TFLOPS
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 
 GIB = 2**30
 
@@ -79,6 +80,8 @@ class Hardware:
     # the run is not compiled (train.compile = false): element-wise chains run op by op
     # (planner/kernel_costs.py: eager_extra_bytes, loss_seconds); False: fused, as compiled
     eager: bool = False
+    # the run's train.loss_chunk_size (0: the full logits), for the memory model like ``eager``
+    loss_chunk: int = DEFAULT_CHUNK
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 

@@ -262,6 +262,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     par, tr = raw.get("parallel", {}), raw.get("train", {})
     p, t = cfg.parallel, cfg.train
     from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
+    from_cfg["loss_chunk"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
@@ -340,6 +341,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
+    hw.loss_chunk = dflt.get("loss_chunk", hw.loss_chunk)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
     if args.attention_kernel:
