@@ -18,6 +18,15 @@ def gemm_rate(hw: Hardware, flop: float, precision: str) -> float:
     return hw.peak(precision) * hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
 
 
+def gemm_rate_dims(hw: Hardware, m: float, n: float, k: float, precision: str) -> float:
+    """FLOP/s of one (m, k) x (k, n) GEMM: by its smallest dimension where the preset prices
+    GEMMs so (``hw.gemm_half_dim``, see dense_gemm_rate), else by its size 2mnk (gemm_rate)."""
+    if not hw.gemm_half_dim:
+        return gemm_rate(hw, 2 * m * n * k, precision)
+    d = min(m, n, k)
+    return hw.peak(precision) * hw.gemm_efficiency * d / (d + hw.gemm_half_dim)
+
+
 def dense_gemm_rate(shape: ModelShape, hw: Hardware, tokens: float, tp: int, precision: str) -> float:
     """FLOP/s of a step's dense GEMMs (each block matrix and the head over ``tokens`` rows, on one
     tp rank), weighted by their FLOPs. With ``hw.gemm_half_dim`` each GEMM runs at the best share
