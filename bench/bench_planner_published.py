@@ -77,7 +77,8 @@ def mpt(size: str, seq: int, gpus: int, micro: int, accum: int, checkpoint: bool
     batch = gpus * micro * accum
     degrees = ["--tp", "1", "--pp", "1", "--dp", str(gpus), "--zero", "3", "--micro-batch", str(micro)]
     degrees += ["--recompute", "full" if checkpoint else "none"]
-    return shape + ["--gpu", gpu, "--gpus", str(gpus), "--global-batch", str(batch)] + degrees
+    kernel = ["--attention-kernel", "fa2-h100"] if gpu.startswith("h100") else []  # 2023: flash-attn 2
+    return shape + kernel + ["--gpu", gpu, "--gpus", str(gpus), "--global-batch", str(batch)] + degrees
 
 
 def llama405b(gpus: int, tp: int, cp: int, pp: int, dp: int, seq: int) -> list[str]:

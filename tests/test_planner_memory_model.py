@@ -107,3 +107,22 @@ def test_fixed_layout_is_not_swapped_for_an_offloaded_one():
     assert asked.results.fits_nothing and {e.layout.offload for e in asked.results} == {"none"}
     offloaded = _plan([*argv, "--offload", "cpu"])
     assert {e.layout.offload for e in offloaded.results} == {"cpu"}
+
+
+@pytest.mark.parametrize("compile_,chunk", [(False, 0), (True, 0), (False, 512)])
+def test_plan_from_config_prices_the_runs_compile_and_loss_chunk(tmp_path, compile_, chunk):
+    """`meshforge plan --config` describes the run's own memory: train.compile (an eager block
+    keeps fp32 norm outputs) and train.loss_chunk_size (0: the full logits) reach the memory
+    model, as the H100 calibration rows above pass them by hand."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        '[model]\npreset = "llama3.2-1b"\n[train]\nseq_len = 4096\nglobal_batch_size = 2\nmicro_batch_size = 2\n'
+        f'precision = "bf16"\nactivation_checkpoint = "none"\ncompile = {str(compile_).lower()}\n'
+        f"loss_chunk_size = {chunk}\n"
+    )
+    argv = ["--config", str(cfg), "--gpus", "1", "--gpu", "h100-sxm", "--tp", "1", "--pp", "1", "--zero", "0"]
+    e = plan_from_args(parse_plan_args(argv)).results[0]
+    want = memory(from_preset("llama3.2-1b"), e.layout, 4096, "bf16", H100, compiled=compile_, loss_chunk=chunk)
+    assert e.memory == pytest.approx(want)
+    default = memory(from_preset("llama3.2-1b"), e.layout, 4096, "bf16", H100)  # compiled, 1024-row chunks
+    assert e.memory["total"] > default["total"]  # each of these runs holds more than the default

@@ -177,7 +177,7 @@ def test_dense_compute_time_is_the_dense_formula():
     assert moe_costs.routed_flops_per_token(s, "full") == 0.0
     lay = plan_layout(2, 1, 32, zero_stage=1, micro_batch_size=2, num_microbatches=1, activation_checkpoint="selective")
     e = estimate(s, lay, 4096, 64, "bf16", _H100, 8)
-    rate = kernel_costs.gemm_rate(_H100, 2 * 2 * 4096 * s.hidden * s.ffn_hidden / 2, "bf16")
+    rate = kernel_costs.dense_gemm_rate(s, _H100, 2 * 4096, 2, "bf16")
     tokens = 64 * 4096 / 64
     attn = 3.0 * flops.attention_flops_per_token(s, 4096) * tokens * 4 / 3
     attn_s = kernel_costs.attention_seconds(s, _H100, 4096, tokens, s.layers, "selective", "bf16", rate)

@@ -40,9 +40,41 @@ def test_materialized_scores_cost_traffic_that_grows_with_the_sequence():
 
 
 def test_fused_attention_is_slower_per_flop_on_short_sequences():
-    short = kernel_costs.flash_attention_rate(H100, 512, "bf16")
-    long = kernel_costs.flash_attention_rate(H100, 16384, "bf16")
-    assert short < 0.5 * long < long <= H100.peak("bf16") * H100.attention_efficiency
+    short = kernel_costs.flash_attention_rate(A100, 512, "bf16")
+    long = kernel_costs.flash_attention_rate(A100, 16384, "bf16")
+    assert short < 0.5 * long < long <= A100.peak("bf16") * A100.attention_efficiency
+    # a preset with a published kernel: seconds per token and key grow as the sequence shrinks
+    per_key = [kernel_costs.attention_seconds(GPT, H100, s, 1e6, 24, "none", "bf16", 1.0) / s for s in (512, 16384)]
+    assert per_key[0] > 1.3 * per_key[1]
+
+
+def test_kernel_attention_is_the_causal_half_with_a_backward_of_two_and_a_half_forwards():
+    """The kernel does half the score square (the MFU count takes all of it) and its backward
+    five matmuls to the forward's two, each at its published rate; recomputation adds a forward."""
+    seq, tokens = 4096, 1e6
+    fwd, bwd = kernel_costs.kernel_shares(H100, 128)
+    assert (fwd, bwd) == (H100.attention_kernel["128"][0], H100.attention_kernel["128"][1])
+    rate = H100.peak("bf16") * seq / (seq + H100.attention_half_seq)
+    half = 2.0 * seq * GPT.heads * GPT.head_dim * tokens * GPT.layers  # GPT: head_dim 96, between 64 and 128
+    f, b = kernel_costs.kernel_shares(H100, GPT.head_dim)
+    assert H100.attention_kernel["64"][0] < f < fwd
+    got = kernel_costs.attention_seconds(GPT, H100, seq, tokens, GPT.layers, "none", "bf16", 1.0)
+    assert got == pytest.approx(half / (rate * f) + 2.5 * half / (rate * b))
+    again = kernel_costs.attention_seconds(GPT, H100, seq, tokens, GPT.layers, "full", "bf16", 1.0)
+    assert again - got == pytest.approx(half / (rate * f))
+
+
+def test_hopper_gemms_are_faster_the_larger_their_smallest_dimension():
+    """Hopper's GEMMs by their smallest dimension: a 3B block (hidden 3072) runs its GEMMs faster
+    than a 1B block (2048) on the same tokens, and more tokens per micro-batch help until the
+    weights' dimensions bound them."""
+    from meshforge.models.presets import PRESETS as MODELS
+
+    one, three = MODELS["llama3.2-1b"], MODELS["llama3.2-3b"]
+    r1 = kernel_costs.dense_gemm_rate(one, H100, 8192, 1, "bf16")
+    r3 = kernel_costs.dense_gemm_rate(three, H100, 8192, 1, "bf16")
+    assert r1 < r3 < H100.peak("bf16") * H100.gemm_efficiency
+    assert kernel_costs.dense_gemm_rate(one, H100, 512, 1, "bf16") < r1
 
 
 def test_tp_without_sequence_parallelism_repeats_the_residual_stream_work():

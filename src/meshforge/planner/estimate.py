@@ -188,9 +188,11 @@ def _compute_time(
     attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
     if lay.activation_checkpoint in ("full", "selective"):
         attn_flops *= 4 / 3
-    flops_step = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tokens_gpu
-    typical_gemm = 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp
-    rate = kernel_costs.gemm_rate(hw, typical_gemm, precision)
+    # full recomputation reruns the blocks' forward, not the head's (checkpointing wraps blocks; the
+    # HFU convention of models/flops.py counts the head's too)
+    head_rerun = 2 * flops.head_flops_per_token(shape) / 6 if lay.activation_checkpoint == "full" else 0.0
+    flops_step = (shape.hardware_flops_per_token(seq, lay.activation_checkpoint) - head_rerun) * tokens_gpu
+    rate = kernel_costs.dense_gemm_rate(shape, hw, tokens_mb, lay.tp, precision)
     attn_s = kernel_costs.attention_seconds(
         shape, hw, seq, tokens_gpu, shape.layers, lay.activation_checkpoint, precision, rate
     )
@@ -202,9 +204,7 @@ def _compute_time(
     other_s = imbalance * kernel_costs.elementwise_seconds(
         shape, hw, tokens_gpu, shape.layers, lay.activation_checkpoint, bpe, 1 if lay.sequence_parallel else lay.tp
     )
-    recompute_flops = (
-        shape.hardware_flops_per_token(seq, lay.activation_checkpoint) - shape.model_flops_per_token(seq)
-    ) * tokens_gpu
+    recompute_flops = flops_step - shape.model_flops_per_token(seq) * tokens_gpu
     routed_recompute = routed_flops / 4 if lay.activation_checkpoint == "full" else 0.0
     recompute_s = (recompute_flops - routed_recompute) / rate + expert_recompute_s
     other_s += _dispatch_time(shape, lay, hw)
@@ -439,7 +439,7 @@ def estimate(
     """Memory and step time of one layout, each as a breakdown (see the module doc)."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     hw = hw.for_ranks(min(n_gpus, gpus_per_node))  # a CPU rank's threads: cores / local ranks
-    mem = memory(shape, lay, seq, precision, hw)
+    mem = memory(shape, lay, seq, precision, hw, compiled=not hw.eager, loss_chunk=hw.loss_chunk)
     host: dict[str, float] = {}
     if lay.offload == "cpu":
         host = offload_costs.host_memory_gib(stage_state_bytes(shape, lay, precision), min(gpus_per_node, n_gpus))

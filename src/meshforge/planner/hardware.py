@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.metrics.mfu import PEAK_TFLOPS
+from meshforge.models.chunked_loss import DEFAULT_CHUNK
 
 GIB = 2**30
 
@@ -31,12 +32,19 @@ class Hardware:
     inter_latency: float = 20e-6
     gemm_efficiency: float = 0.72  # fraction of peak a large GEMM reaches (cuBLAS bf16 on H100: ~700 of 989)
     gemm_half_flop: float = 2e9  # GEMM size (2mnk) reaching half of that
+    # > 0: the model's GEMMs are priced by their smallest dimension d instead, at d/(d + gemm_half_dim)
+    # of the best share (planner/kernel_costs.py dense_gemm_rate)
+    gemm_half_dim: float = 0.0
     # fraction of peak a fused attention core reaches at long sequences, fwd + bwd (kernel_costs.py
     # lowers it for short ones)
     attention_efficiency: float = 0.50
     # sequence length at which a fused attention kernel reaches half that (0: no dependence, as
     # for a calibrated profile, which measures the attention core at one length; GPU presets: 1024)
     attention_half_seq: float = 0.0
+    # the fused causal kernel's measured rates where published (planner/kernel_costs.py): head dim
+    # (str) -> [forward, backward] share of peak at long sequences on the FLOPs it does (causal:
+    # half the square; backward 2.5x the forward's); empty: attention_efficiency's one share
+    attention_kernel: dict = field(default_factory=dict)
     # bytes/(hidden x element size) that norms, residual adds, RoPE and activations read and write
     # per token and layer in one pass, as measured by `meshforge calibrate`; 0: from the block
     # type's arithmetic (planner/kernel_costs.py)
@@ -72,6 +80,8 @@ class Hardware:
     # the run is not compiled (train.compile = false): element-wise chains run op by op
     # (planner/kernel_costs.py: eager_extra_bytes, loss_seconds); False: fused, as compiled
     eager: bool = False
+    # the run's train.loss_chunk_size (0: the full logits), for the memory model like ``eager``
+    loss_chunk: int = DEFAULT_CHUNK
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
@@ -119,6 +129,11 @@ def _tf(kind: str) -> dict[str, float]:
 
 
 AMPERE_GEMM, HOPPER_GEMM = 0.78, 0.55
+# Hopper's GEMMs by their smallest dimension (kernel_costs.dense_gemm_rate): the best share 0.66
+# (653 TFLOP/s) and half of it at d = 400 give 2048^3 ~550, 4096^3 ~595, 8192^3 ~620 TFLOP/s, at the
+# low end of the 600-750 that cuBLAS bf16 reaches on H100 SXM for large GEMMs (sustained training
+# clocks); it is the one figure the issue-28 H100 rows calibrate (tests/test_planner_h100_table.py)
+HOPPER_GEMM_BEST, HOPPER_HALF_DIM = 0.66, 400.0
 
 PRESETS: dict[str, Hardware] = {
     # achievable GEMM shares of peak in published training runs (bench/bench_planner_published.py):
@@ -152,6 +167,28 @@ PRESETS: dict[str, Hardware] = {
 GPU_ATTENTION_HALF_SEQ = 1024.0  # FlashAttention-2 reaches half its rate around 1K-token sequences
 for _name in [k for k in PRESETS if k != "cpu"]:
     PRESETS[_name] = replace(PRESETS[_name], attention_half_seq=GPU_ATTENTION_HALF_SEQ)
+
+# Published fused-attention rates on H100 SXM5, bf16, at 4K tokens (Shah et al. 2024, FlashAttention-3,
+# arXiv 2407.08608, Figs. 5-6: forward / backward TFLOP/s, FLOPs as the kernels do them, backward
+# 2.5x forward), as shares of the 989 TFLOP/s peak. torch >= 2.9 with cuDNN >= 9.15 runs SDPA on
+# sm90 with cuDNN first (aten sdp_utils.cpp, check_prefer_cudnn_attention): meshforge's kernel on
+# Hopper. The FlashAttention-2 rows are what runs before that (flash-attn 2, e.g. llm-foundry 2023).
+ATTENTION_KERNELS = {
+    "cudnn-h100": {"64": [408 / 989, 417 / 989], "128": [609 / 989, 499 / 989]},
+    "fa2-h100": {"64": [321 / 989, 279 / 989], "128": [368 / 989, 310 / 989]},
+}
+# A causal kernel on tiles of 128 keys does 1 + 128/s of its useful work (the diagonal tiles), and
+# the non-causal kernels themselves reach ~3/4 of their 4K rate at 512 tokens (same figures): both
+# together are a half-rate length of ~256 tokens.
+KERNEL_HALF_SEQ = 256.0
+for _name in ("h100-sxm", "h100-pcie", "h200"):
+    PRESETS[_name] = replace(
+        PRESETS[_name],
+        attention_kernel=ATTENTION_KERNELS["cudnn-h100"],
+        attention_half_seq=KERNEL_HALF_SEQ,
+        gemm_efficiency=HOPPER_GEMM_BEST,
+        gemm_half_dim=HOPPER_HALF_DIM,
+    )
 
 # The host side of CPU offload, per preset: (host link bytes/s per GPU and direction, host memory
 # bytes/s per GPU, host GiB per node). Host link: PCIe 5.0 x16 is 32 GT/s x 16 lanes x 128/130 =

@@ -6,6 +6,8 @@ block arithmetic is here; nothing is fitted to a particular run."""
 
 from __future__ import annotations
 
+import math
+
 from meshforge.models import flops
 from meshforge.models.shape import ModelShape
 from meshforge.planner.hardware import Hardware
@@ -16,11 +18,65 @@ def gemm_rate(hw: Hardware, flop: float, precision: str) -> float:
     return hw.peak(precision) * hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
 
 
+def gemm_rate_dims(hw: Hardware, m: float, n: float, k: float, precision: str) -> float:
+    """FLOP/s of one (m, k) x (k, n) GEMM: by its smallest dimension where the preset prices
+    GEMMs so (``hw.gemm_half_dim``, see dense_gemm_rate), else by its size 2mnk (gemm_rate)."""
+    if not hw.gemm_half_dim:
+        return gemm_rate(hw, 2 * m * n * k, precision)
+    d = min(m, n, k)
+    return hw.peak(precision) * hw.gemm_efficiency * d / (d + hw.gemm_half_dim)
+
+
+def dense_gemm_rate(shape: ModelShape, hw: Hardware, tokens: float, tp: int, precision: str) -> float:
+    """FLOP/s of a step's dense GEMMs (each block matrix and the head over ``tokens`` rows, on one
+    tp rank), weighted by their FLOPs. With ``hw.gemm_half_dim`` each GEMM runs at the best share
+    times d/(d + half_dim) for its smallest dimension d (a tile's prologue, epilogue and the last
+    wave are paid per output tile, the K loop amortises them: a skinny GEMM, k/v projections of
+    grouped-query attention, is slower); else all at the rate of one typical GEMM's size."""
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
+    if not hw.gemm_half_dim:
+        return gemm_rate(hw, 2 * tokens * h * max(f, h) / tp, precision)
+    mats = [(h, h / tp), (h, kv / tp), (h, kv / tp), (h / tp, h), (h, f / tp), (f / tp, h)]
+    mats = mats if shape.mlp == "swiglu" else mats[:2] + mats[3:]  # GeLU: no gate (k/v as one)
+    weights = [a * b * shape.layers for a, b in mats] + [h * shape.vocab_size / tp]
+    dims = [min(tokens, a, b) for a, b in mats] + [min(tokens, h)]
+    best = hw.peak(precision) * hw.gemm_efficiency
+    return sum(weights) / sum(w * (d + hw.gemm_half_dim) / (best * d) for w, d in zip(weights, dims, strict=True))
+
+
 def flash_attention_rate(hw: Hardware, seq: int, precision: str) -> float:
     """FLOP/s of a fused (FlashAttention-style) attention core, forward and backward; a GPU
     kernel reaches half of its best rate at ``hw.attention_half_seq`` (short sequences give
     each thread block too little work along the keys)."""
     return hw.peak(precision) * hw.attention_efficiency * seq / (seq + hw.attention_half_seq)
+
+
+def kernel_shares(hw: Hardware, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) share of peak of the preset's fused attention kernel at ``head_dim``
+    (log-linear between the published head dims, the nearest one beyond them): a smaller head
+    dim does fewer matmul FLOPs per softmax element (exp throughput, not the tensor cores, bounds it)."""
+    dims = sorted((int(d), v) for d, v in hw.attention_kernel.items())
+    if head_dim <= dims[0][0]:
+        return tuple(dims[0][1])
+    for (d0, v0), (d1, v1) in zip(dims, dims[1:], strict=False):
+        if head_dim <= d1:
+            w = math.log(head_dim / d0) / math.log(d1 / d0)
+            return v0[0] + w * (v1[0] - v0[0]), v0[1] + w * (v1[1] - v0[1])
+    return tuple(dims[-1][1])
+
+
+def kernel_attention_seconds(
+    shape: ModelShape, hw: Hardware, seq: int, tokens: float, layers: float, recompute: str, precision: str
+) -> float:
+    """A fused causal kernel's own work at its published rates: the forward computes half the
+    score square (2·s·heads·head_dim FLOPs per token and layer: the MFU convention counts the
+    whole square, 4·s·...), the backward 2.5x the forward's FLOPs (FlashAttention's five
+    matmuls to the forward's two) at its own rate, recomputation one more forward."""
+    fwd, bwd = kernel_shares(hw, shape.head_dim)
+    rate = hw.peak(precision) * seq / (seq + hw.attention_half_seq)
+    flop = 0.5 * flops.attention_flops_per_token(shape, seq) / shape.layers * tokens * layers
+    forwards = 2 if recompute in ("full", "selective") else 1
+    return flop * forwards / (rate * fwd) + 2.5 * flop / (rate * bwd)
 
 
 def scores_bytes_per_element(recompute: str) -> float:
@@ -94,6 +150,8 @@ def attention_seconds(
     tokens, forward + backward (+ the recomputed forward): a fused kernel at its rate for this
     sequence length; written-out scores as batched GEMMs at ``gemm`` FLOP/s plus their memory
     traffic."""
+    if shape.attention == "flash" and hw.attention_kernel:
+        return kernel_attention_seconds(shape, hw, seq, tokens, layers, recompute, precision)
     per_token = 3.0 * flops.attention_flops_per_token(shape, seq) / shape.layers
     if recompute in ("full", "selective"):
         per_token *= 4 / 3

@@ -176,8 +176,9 @@ def expert_gemm_seconds(
     GEMM (``rows_per_expert`` x hidden x expert ffn), times ``expert_imbalance``."""
     if shape.num_experts <= 0:
         return 0.0, 0.0
-    flop = 2 * rows_per_expert(shape, lay, tokens_mb) * shape.hidden * expert_ffn(shape)
-    rate = kernel_costs.gemm_rate(hw, flop, precision)
+    rate = kernel_costs.gemm_rate_dims(
+        hw, rows_per_expert(shape, lay, tokens_mb), shape.hidden, expert_ffn(shape), precision
+    )
     stage = moe_layers_on_stage(shape, lay.pp) * lay.pp / max(1, moe_layers_on_stage(shape, 1))
     total = (
         routed_flops_per_token(shape, lay.activation_checkpoint)

@@ -19,7 +19,7 @@ from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import OFFLOAD
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
-from meshforge.planner.hardware import PRESETS, Hardware, get_hardware
+from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS, Hardware, get_hardware
 from meshforge.planner.search import Ranked, search
 from meshforge.planner.shape import check_flags, from_preset, named
 
@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["flash", "materialized"],
         default="flash",
         help="attention kernel: fused (flash, meshforge's) or scores written out (Megatron-LM 2021/22)",
+    )
+    m.add_argument(
+        "--attention-kernel",
+        choices=sorted(ATTENTION_KERNELS),
+        help="the fused attention kernel's published rates (planner/hardware.py; default: the preset's, "
+        "on Hopper cuDNN as torch picks it; fa2-h100 for runs on flash-attn 2)",
     )
     add_moe_arguments(m)
     _add_training_arguments(p)
@@ -257,6 +263,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     par, tr = raw.get("parallel", {}), raw.get("train", {})
     p, t = cfg.parallel, cfg.train
     from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
+    from_cfg["loss_chunk"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
@@ -335,8 +342,11 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
+    hw.loss_chunk = dflt.get("loss_chunk", hw.loss_chunk)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
+    if args.attention_kernel:
+        hw.attention_kernel = ATTENTION_KERNELS[args.attention_kernel]
     if args.gpus is None:
         raise ConfigError("--gpus N (the cluster size, a positive integer) is required")
     seq = args.seq_len if args.seq_len is not None else dflt.get("seq_len") or 4096
