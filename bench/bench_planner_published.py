@@ -20,8 +20,8 @@ from meshforge.planner.plan import parse_plan_args, plan_from_args
 NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, Table 1"
 KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, abstract"
 LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
-MPT_H100 = "MosaicML llm-foundry, scripts/train/benchmarking/README.md, table 'H100 80GB BF16'"
-MPT_A100 = "MosaicML llm-foundry, scripts/train/benchmarking/README.md, table 'A100 80GB'"
+MPT_H100 = "MosaicML llm-foundry b2a43a147, scripts/train/benchmarking/README.md, table 'H100 80GB BF16'"
+MPT_A100 = "MosaicML llm-foundry b2a43a147, scripts/train/benchmarking/README.md, table 'A100 80GB'"
 
 
 def megatron(layers: int, hidden: int, heads: int, gpus: int, batch: int, tp: int, pp: int) -> list[str]:
@@ -63,21 +63,26 @@ def korthikanti_530b(recompute: str) -> list[str]:
 
 
 def mpt(size: str, seq: int, gpus: int, micro: int, accum: int, checkpoint: bool, gpu: str) -> list[str]:
-    """An MPT model (GPT-style: 4h GeLU MLP, no biases, ALiBi, tied embeddings, vocab 50368,
-    FlashAttention) under FSDP FULL_SHARD (ZeRO-3 over every GPU), as benchmarked."""
+    """An MPT model as the sweep ran it (llm-foundry b2a43a147, sweep.sh and submit_benchmarks.py;
+    yamls/pretrain/mpt-*.yaml): GPT-style 4h GeLU MLP, learned positions (no ALiBi), tied
+    embeddings, vocab 50368, the yaml's head counts (30B: 56 heads of 128); Composer FSDP
+    FULL_SHARD (ZeRO-3 over every GPU) with mixed_precision DEFAULT (parameters gathered in bf16,
+    gradients reduce-scattered in fp32) after every micro-batch (Composer 0.16 enters no no_sync
+    under FSDP); attn_impl triton (a 2022 Triton FlashAttention kernel of no published H100 rate:
+    priced as FlashAttention-2, the nearest published, an upper bound)."""
     layers, hidden, heads = {
         "3b": (32, 2560, 20),
         "7b": (32, 4096, 32),
         "13b": (40, 5120, 40),
-        "30b": (48, 7168, 64),
+        "30b": (48, 7168, 56),
         "70b": (80, 8192, 64),
     }[size]
     shape = ["--layers", str(layers), "--hidden", str(hidden), "--heads", str(heads), "--mlp", "gelu"]
     shape += ["--vocab", "50368", "--tie-embeddings", "--seq-len", str(seq)]
     batch = gpus * micro * accum
     degrees = ["--tp", "1", "--pp", "1", "--dp", str(gpus), "--zero", "3", "--micro-batch", str(micro)]
-    degrees += ["--recompute", "full" if checkpoint else "none"]
-    kernel = ["--attention-kernel", "fa2-h100"] if gpu.startswith("h100") else []  # 2023: flash-attn 2
+    degrees += ["--recompute", "full" if checkpoint else "none", "--reduce-every-microbatch"]
+    kernel = ["--attention-kernel", "fa2-h100"] if gpu.startswith("h100") else []
     return shape + kernel + ["--gpu", gpu, "--gpus", str(gpus), "--global-batch", str(batch)] + degrees
 
 

@@ -341,7 +341,8 @@ def _dp_time(
     def unit_coll(kind: str, payload: float) -> float:
         return collective_time(hw, kind, payload / units, stride, dp_n, gpus_per_node, latency)
 
-    return gathers * units * unit_coll("fsdp_all_gather", psi * w) + units * unit_coll(
+    reduces = lay.num_microbatches if hw.reduce_every_microbatch else 1
+    return gathers * units * unit_coll("fsdp_all_gather", psi * w) + reduces * units * unit_coll(
         "fsdp_reduce_scatter", grad_bytes
     )
 

@@ -82,6 +82,9 @@ class Hardware:
     eager: bool = False
     # the run's train.loss_chunk_size (0: the full logits), for the memory model like ``eager``
     loss_chunk: int = DEFAULT_CHUNK
+    # ZeRO-2/3 gradients reduce-scattered after every micro-batch's backward (a framework that does not
+    # skip the reduction under accumulation, e.g. Composer's FSDP); False: once per step, as meshforge
+    reduce_every_microbatch: bool = False
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 

@@ -138,6 +138,12 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="share (0..1) of data-parallel traffic that hides under compute (default: the hardware's; 0 for a "
         "framework that reduces gradients only after backward, e.g. Megatron-LM before 2023)",
     )
+    c.add_argument(
+        "--reduce-every-microbatch",
+        action="store_true",
+        help="ZeRO-2/3 gradients are reduce-scattered after every micro-batch, not once per step (a framework "
+        "that does not skip the reduction under accumulation, e.g. Composer's FSDP)",
+    )
     c = p.add_mutually_exclusive_group()  # (the compile flags: see estimate's eager terms)
     c.add_argument(
         "--eager",
@@ -345,6 +351,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     hw.loss_chunk = dflt.get("loss_chunk", hw.loss_chunk)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
+    hw.reduce_every_microbatch = bool(args.reduce_every_microbatch)
     if args.attention_kernel:
         hw.attention_kernel = ATTENTION_KERNELS[args.attention_kernel]
     if args.gpus is None:
