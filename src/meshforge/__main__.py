@@ -1,3 +1,3 @@
-from meshforge.cli import main
+from meshforge.cli import entry
 
-raise SystemExit(main())
+entry()

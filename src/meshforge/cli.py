@@ -376,6 +376,19 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def entry() -> None:
+    """The console script and ``python -m meshforge``. A rank of a multi-rank run that failed
+    leaves with os._exit: torch's process-group teardown at interpreter exit can abort it
+    (SIGABRT, "terminate called without an active exception") once its peers are gone, and
+    the launcher would then report -6 instead of the documented exit code (docs/health.md)."""
+    code = main()
+    if code and launch_env.under_launcher() and launch_env.world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 def _pipe_closed() -> int:
     """The reader of stdout went away (``meshforge ... | head``): stop quietly, as ``cat`` does.
     Stdout goes to /dev/null so the interpreter's last flush does not raise again."""
