@@ -25,6 +25,7 @@ a rank executes (F, B, W) is timed, which gives the measured bubble and the Gant
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from meshforge.compat import pipeline_stage_fixups
 from meshforge.models import flops
@@ -51,9 +50,15 @@ if TYPE_CHECKING:
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # activations sent between stages in eval
 
 
+def _pipelining() -> Any:
+    """torch.distributed.pipelining, imported on first use: it pulls in torch._dynamo (~0.5 s
+    of every rank's start), and most runs have no pipeline."""
+    return importlib.import_module("torch.distributed.pipelining")
+
+
 def schedule_class(name: str) -> type | None:
     """The installed PyTorch's class for a schedule, or None where it lacks it."""
-    return getattr(pipelining, SCHEDULES[name][0], None)
+    return getattr(_pipelining(), SCHEDULES[name][0], None)
 
 
 # ----------------------------------------------------------------------------- splitting
@@ -213,7 +218,7 @@ class Pipeline:
                 self.stage_aux.attach(part)
         self.m = p.num_microbatches  # resolved (meshforge.resolve) before any rank starts
         self.stages = [
-            PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
+            _pipelining().PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
             for part, c in zip(parts, chunks, strict=True)
         ]
         cls = schedule_class(self.name)
