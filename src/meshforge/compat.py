@@ -52,6 +52,13 @@ def pipeline_stage_fixups(stage: Any) -> None:
     stage._get_init_p2p_neighbors_ops = ops
 
 
+def split_backward_through_custom_functions() -> bool:
+    """Whether the zero-bubble schedules' weight pass (``stage_backward_weight``) can take the
+    gradient through a custom ``autograd.Function`` node, such as the chunked loss's. On 2.11 it
+    reads ``node._input_metadata``, which such a node refuses; 2.13 can (2.12 untested)."""
+    return torch_at_least(2, 13)
+
+
 def dcp_stager_reusable() -> bool:
     """Whether one DCP ``DefaultStager`` serves many saves (seen on 2.13; 2.12 untested, treated as
     2.11); else make one per save."""

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from meshforge.compat import split_backward_through_custom_functions
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
@@ -58,7 +59,7 @@ from meshforge.parallel.pipeline import (
     split_model,
 )
 from meshforge.parallel.precision import autocast, resolve_mixed_precision, resolve_precision
-from meshforge.parallel.schedules import chunks_per_rank, schedule_name
+from meshforge.parallel.schedules import SPLIT_BACKWARD, chunks_per_rank, schedule_name
 from meshforge.parallel.tensor_parallel import apply_tp, loss_context
 from meshforge.parallel.zero1 import uses_flat_zero1
 
@@ -86,9 +87,16 @@ def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
     train.loss_chunk_size the head runs in the loss, in bf16 where the layout autocasts."""
     return LanguageModelLoss(
         context=functools.partial(loss_context, mesh.degrees["tp"] > 1),
-        chunk_size=cfg.train.loss_chunk_size,
+        chunk_size=loss_chunk_size(cfg),
         compute_dtype=torch.bfloat16 if uses_autocast(cfg, mesh) else None,  # else: the hidden states' dtype
     )
+
+
+def loss_chunk_size(cfg: Config) -> int:
+    """train.loss_chunk_size, or 0 (the full-logits loss) for a zero-bubble schedule on a torch
+    whose weight pass cannot cross the chunked loss's autograd.Function (compat.py)."""
+    split = cfg.parallel.pp > 1 and schedule_name(cfg.parallel.pp_schedule) in SPLIT_BACKWARD
+    return 0 if split and not split_backward_through_custom_functions() else cfg.train.loss_chunk_size
 
 
 def forward_context(cfg: Config, mesh: Mesh) -> Callable[[], contextlib.AbstractContextManager]:
@@ -102,7 +110,7 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     """fp8 -> TP/SP -> CP -> AC -> compile -> FSDP on one (whole or pipeline-stage) model, then
     materialise and initialise it. Returns whether it is FSDP-sharded."""
     blocks = list(model.layers.values())
-    model.hidden_out = cfg.train.loss_chunk_size > 0  # the loss applies the head (build_loss)
+    model.hidden_out = loss_chunk_size(cfg) > 0  # the loss applies the head (build_loss)
     if cfg.train.precision == "fp8":
         apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
     if mesh.degrees["tp"] > 1:

@@ -19,6 +19,7 @@ SCHEDULES = {
 }
 SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b", "zb": "zero_bubble"}
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank placed in a V
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients in separate passes
 
 
 def schedule_name(name: str) -> str:
@@ -45,6 +46,6 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     b = (p - 1) / (m + p - 1)
     if schedule == "interleaved_1f1b":
         return b / v
-    if schedule in ("zero_bubble", "zbv", "dualpipev"):
+    if schedule in SPLIT_BACKWARD:
         return b / 3
     return b
