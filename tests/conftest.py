@@ -156,6 +156,25 @@ def layout_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict):
     return get
 
 
+def reference_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict, **extra):
+    """``get(name)``: the single-process run for layout ``name``'s model variant (its model.*
+    overrides) on top of ``common`` and ``extra``, trained once per variant per module."""
+    from meshforge.train import train
+
+    runs: dict[tuple, Path] = {}
+
+    def get(name: str) -> Path:
+        model = {k: v for k, v in layouts[name][1].items() if k.startswith("model.")}
+        key = tuple(sorted(model.items()))
+        if key not in runs:
+            d = tmp_path_factory.mktemp("ref") / "run"
+            train(tiny_config(d, corpus, **common, **model, **extra))
+            runs[key] = d
+        return runs[key]
+
+    return get
+
+
 def assert_convert_both_ways(hf, hf_cls, tmp_path: Path, vocab: int) -> None:
     """``meshforge convert --from-hf`` then ``--to-hf`` on a saved transformers model: both
     conversions give the original logits to 1e-4 (fp32)."""

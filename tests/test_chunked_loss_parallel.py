@@ -7,8 +7,7 @@ assert_run_matches as in test_tensor_parallel.py / test_pipeline.py."""
 
 import pytest
 
-from conftest import assert_run_matches, layout_runner, tiny_config
-from meshforge.train import train
+from conftest import assert_run_matches, layout_runner, reference_runner
 
 pytestmark = pytest.mark.slow
 
@@ -48,18 +47,7 @@ LAYOUTS = {  # name: (ranks, overrides)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
     """Single-process runs with the plain loss (train.loss_chunk_size = 0), per model variant."""
-    runs = {}
-
-    def get(name):
-        model = {k: v for k, v in LAYOUTS[name][1].items() if k.startswith("model.")}
-        key = tuple(sorted(model.items()))
-        if key not in runs:
-            d = tmp_path_factory.mktemp("plain") / "run"
-            train(tiny_config(d, corpus, **COMMON, **model, **{"train.loss_chunk_size": 0}))
-            runs[key] = d
-        return runs[key]
-
-    return get
+    return reference_runner(tmp_path_factory, corpus, LAYOUTS, COMMON, **{"train.loss_chunk_size": 0})
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,8 @@ import json
 
 import pytest
 
-from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
+from conftest import assert_run_matches, layout_runner, reference_runner, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
-from meshforge.train import train
 
 pytestmark = pytest.mark.slow
 
@@ -72,18 +71,7 @@ def metrics(run_dir):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus):
     """Single-process runs, one per model variant (keyed by the layout's model.* overrides)."""
-    runs = {}
-
-    def get(name):
-        model = {k: v for k, v in LAYOUTS[name][1].items() if k.startswith("model.")}
-        key = tuple(sorted(model.items()))
-        if key not in runs:
-            d = tmp_path_factory.mktemp("ref") / "run"
-            train(tiny_config(d, corpus, **COMMON, **model))
-            runs[key] = d
-        return runs[key]
-
-    return get
+    return reference_runner(tmp_path_factory, corpus, LAYOUTS, COMMON)
 
 
 @pytest.fixture(scope="module")
