@@ -64,7 +64,7 @@ def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Itera
         )
         return
     sizes = d.pp_layers
-    if sizes and (len(sizes) != chunks or sum(sizes) != model.layers or not _sizes_ok(sizes)):
+    if sizes and (len(sizes) != chunks or sum(sizes) != model.layers or not sizes_ok(sizes)):
         even = [model.layers // chunks + (1 if i < model.layers % chunks else 0) for i in range(chunks)]
         yield Problem(
             "parallel.pp_layers",
@@ -81,7 +81,7 @@ def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Itera
         )
 
 
-def _sizes_ok(sizes: tuple[int, ...]) -> bool:
+def sizes_ok(sizes: tuple[int, ...]) -> bool:
     """Every chunk holds a block, except that the first may hold only the embedding and the last
     only the head (Llama 3's balancing of the stages that carry them)."""
     return min(sizes) >= 0 and min(sizes[1:-1], default=1) >= 1 and sum(sizes) > 0
