@@ -56,6 +56,8 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2-zero_bubble": (2, sched(2, "zero_bubble", 2)),
     "pp2-zbv": (2, sched(2, "zbv", 2)),
     "pp2-dualpipev": (2, sched(2, "dualpipev", 2)),
+    # Llama 3's balancing: the first chunk holds only the embedding, the last only the head
+    "pp2-interleaved-ends": (2, sched(2, "interleaved_1f1b", 2, **{"parallel.pp_layers": [0, 4, 4, 0]})),
     "pp4-1f1b": (4, sched(4, "1f1b", **{"parallel.num_microbatches": 8})),
     "pp4-interleaved": (4, sched(4, "interleaved_1f1b", 2)),
     "pp2-dp_shard2": (4, sched(2, "1f1b", **{"parallel.dp_shard": 2, "parallel.zero_stage": 3})),
@@ -202,6 +204,7 @@ def _cfg(world, **over):
         ({"parallel.num_microbatches": 1}, "needs at least 2"),
         ({"train.micro_batch_size": 8}, "needs at least 2"),
         ({"parallel.pp_layers": [3, 2]}, "summing to model.layers = 4"),
+        (sched(2, "interleaved_1f1b", 2, **{"parallel.pp_layers": [2, 0, 2, 0]}), "the first and the last may be 0"),
         ({"model.tie_embeddings": True}, "set model.tie_embeddings = false"),
         ({"parallel.zero_stage": 1, "parallel.dp_shard": 2}, "parallel.zero_stage = 1 with parallel.pp > 1"),
     ],

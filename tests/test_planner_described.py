@@ -43,3 +43,50 @@ def test_reduce_every_microbatch_is_a_plan_flag_and_leaves_other_runs_alone():
         for z in (zero1, [*zero1, "--reduce-every-microbatch"])
     ]
     assert t[0] == pytest.approx(t[1])
+
+
+L3_CHUNKS = ",".join(["0"] + ["1"] * 126 + ["0"])  # Llama 3: the first chunk only the embedding, the last the head
+L3_8K = ["--model", "llama3.1-405b", "--gpus", "8192", "--seq-len", "8192", "--global-batch", "2048", "--tp", "8"]
+L3_8K += ["--pp", "16", "--dp", "64", "--zero", "1", "--recompute", "none", "--micro-batch", "1"]
+L3_8K += ["--schedule", "interleaved_1f1b", "--virtual-stages", "8"]
+
+
+def test_pp_layers_fixes_the_stage_split_as_published():
+    """Llama 3 405B at 8K as the paper ran it (126 blocks in 16 x 8 chunks, the end chunks without a
+    block, no recompute) fits; the layout with the blocks spread evenly is not what it ran."""
+    e = plan_from_args(parse_plan_args([*L3_8K, "--pp-layers", L3_CHUNKS])).results[0]
+    assert e.layout.pp_layers == (0,) + (1,) * 126 + (0,)
+    assert e.fits and e.memory["total"] < 80, e.memory
+
+
+def test_pp_layers_refused_when_it_does_not_match_the_chunks():
+    with pytest.raises(SystemExit):
+        parse_plan_args([*L3_8K, "--pp-layers", "1,x"])
+    with pytest.raises(SystemExit):
+        parse_plan_args([*L3_8K, "--pp-layers", "1,-1"])
+    from meshforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--pp-layers must list 16 x 8 chunk sizes summing to the 126"):
+        plan_from_args(parse_plan_args([*L3_8K, "--pp-layers", "0,8,8,0"]))  # 4 chunks, not 16 x 8
+
+
+def test_pp_layers_comes_from_a_config(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        '[model]\npreset = "llama3.1-8b"\n[parallel]\npp = 2\npp_schedule = "interleaved_1f1b"\n'
+        "pp_virtual_stages = 2\npp_layers = [0, 16, 16, 0]\n[train]\nseq_len = 4096\n"
+    )
+    pl = plan_from_args(parse_plan_args(["--config", str(cfg), "--gpus", "8", "--gpu", "h100-sxm"]))
+    assert all(e.layout.pp_layers == (0, 16, 16, 0) for e in pl.results)
+
+
+def test_triton_attention_kernel_is_slower_than_flashattention2():
+    """llm-foundry's attn_impl = "triton": FlashAttention-2 is ~1.4x faster forward, ~2x backward."""
+    argv = ["--model", "llama3.1-8b", "--gpus", "8", "--tp", "1", "--pp", "1", "--dp", "8", "--zero", "3"]
+    argv += ["--micro-batch", "1", "--global-batch", "8", "--seq-len", "8192", "--recompute", "none"]
+    fa2, tri = (
+        plan_from_args(parse_plan_args([*argv, "--attention-kernel", k])).results[0]
+        for k in ("fa2-h100", "triton-h100")
+    )
+    assert tri.step_time_s > fa2.step_time_s
+    assert tri.mfu < fa2.mfu

@@ -107,8 +107,9 @@ HELP: dict[str, str] = {
     ),
     "parallel.pp_layers": (
         "blocks per chunk in pipeline order (pp x pp_virtual_stages numbers summing to "
-        "model.layers), e.g. [9, 10, 10, 3]; empty: balanced by cost (the embedding and head count "
-        "as work)"
+        "model.layers), e.g. [9, 10, 10, 3]; the first and the last may be 0 (a chunk of only the "
+        "embedding or only the head, as Llama 3 balanced its stages); empty: balanced by cost (the "
+        "embedding and head count as work)"
     ),
     "parallel.cp_balance": (
         "how sequences split over cp ranks: zigzag (2 x cp chunks, rank r holds r and 2cp-1-r: "

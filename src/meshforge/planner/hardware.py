@@ -180,6 +180,10 @@ ATTENTION_KERNELS = {
     "cudnn-h100": {"64": [408 / 989, 417 / 989], "128": [609 / 989, 499 / 989]},
     "fa2-h100": {"64": [321 / 989, 279 / 989], "128": [368 / 989, 310 / 989]},
 }
+# FlashAttention in Triton (the 2022 kernel llm-foundry's attn_impl = "triton" ran): Dao 2023
+# (FlashAttention-2, arXiv 2307.08691, section 4.1) measures FlashAttention-2 "around 1.3-1.5x
+# faster ... in the forward pass and around 2x faster in the backward pass".
+ATTENTION_KERNELS["triton-h100"] = {d: [f / 1.4, b / 2.0] for d, (f, b) in ATTENTION_KERNELS["fa2-h100"].items()}
 # A causal kernel on tiles of 128 keys does 1 + 128/s of its useful work (the diagonal tiles), and
 # the non-causal kernels themselves reach ~3/4 of their 4K rate at 512 tokens (same figures): both
 # together are a half-rate length of ~256 tokens.

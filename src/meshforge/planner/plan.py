@@ -59,6 +59,17 @@ def real(lo: float = 0.0, hi: float | None = None, lo_open: bool = True) -> Call
     return check
 
 
+def sizes(raw: str) -> tuple[int, ...]:
+    """An argparse ``type=``: comma-separated whole numbers (blocks per pipeline chunk)."""
+    try:
+        out = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, e.g. 0,8,8,0; got {raw!r}") from None
+    if any(x < 0 for x in out):
+        raise argparse.ArgumentTypeError(f"must not be negative, got {raw!r}")
+    return out
+
+
 SHAPE_FLAGS = {  # flag -> help
     "layers": "transformer blocks (explicit shape)",
     "hidden": "hidden size (explicit shape)",
@@ -170,6 +181,13 @@ def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     for k, h in FIXED_HELP.items():
         f.add_argument(f"--{k}", type=whole(), metavar="N", help=f"{h} (searched when left out)")
     f.add_argument(
+        "--pp-layers",
+        type=sizes,
+        metavar="N,N,...",
+        help="blocks per pipeline chunk in pipeline order, pp x virtual stages of them (parallel.pp_layers); the "
+        "first and last may be 0 (embedding-only, head-only chunk); default: balanced",
+    )
+    f.add_argument(
         "--zero", type=whole(0, 3), metavar="STAGE", help="ZeRO stage 0..3 (0: DDP, 3: FSDP; searched when left out)"
     )
     f.add_argument(
@@ -278,6 +296,8 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
         from_cfg["dp_shard"] = p.dp_shard * p.dp_replicate
     if "pp_schedule" in par and p.pp > 1:
         from_cfg["pp_schedule"] = {"interleaved": "interleaved_1f1b"}.get(p.pp_schedule, p.pp_schedule)
+    if "pp_layers" in par and p.pp > 1 and p.pp_layers:
+        from_cfg["pp_layers"] = tuple(p.pp_layers)
     if "pp_virtual_stages" in par and p.pp > 1 and p.pp_virtual_stages > 1:
         from_cfg["pp_virtual_stages"] = p.pp_virtual_stages
     dp = from_cfg.get("dp_shard")
@@ -368,6 +388,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
         sequence_parallel=not args.no_sequence_parallel,
         async_tp=bool(args.tp_overlap or dflt.get("async_tp")),
+        pp_layers=tuple(args.pp_layers or dflt.get("pp_layers") or ()),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)

@@ -31,6 +31,7 @@ PLAN_FLAGS = Spelling(
     {
         **{f"parallel.{k}": f"--{k}" for k in ("tp", "pp", "cp", "ep", "offload")},
         **{"parallel.dp_shard": "--dp", "parallel.zero_stage": "--zero", "parallel.pp_schedule": "--schedule"},
+        **{"parallel.pp_layers": "--pp-layers", "parallel.pp_virtual_stages": "--virtual-stages"},
         **{"train.activation_checkpoint": "--recompute", "model.num_experts": "--experts"},
         **{"model.heads": "heads", "model.kv_heads": "kv_heads", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node"},
     },
@@ -130,6 +131,7 @@ def _per_rank_choices(
                         sequence_parallel=f.sequence_parallel,
                         async_tp=f.async_tp,
                         offload=offload,
+                        pp_layers=f.pp_layers,
                     )
 
 

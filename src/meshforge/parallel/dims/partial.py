@@ -16,6 +16,7 @@ from meshforge.parallel.schedules import SCHEDULES, V_SHAPED
 
 from .core import Problem, product
 from .data import offload_problem
+from .pipeline import sizes_ok
 from .tensor import tp_divides_heads
 
 RECOMPUTE = ("none", "selective", "full")  # train.activation_checkpoint, in the planner's search order
@@ -94,10 +95,26 @@ def _fixed_tensor(d: Layout, model: ModelShape, gpus: int, node: int, s: Spellin
 
 
 def _fixed_pipeline(d: Layout, model: ModelShape, gpus: int, node: int, s: Spelling) -> Iterator[Problem]:
-    if d.pp is not None and d.pp > model.layers:
+    if d.pp is not None and d.pp > model.layers and not d.pp_layers:
         yield Problem(
             "parallel.pp",
             f"{s.say('parallel.pp', d.pp)} is more than the {model.layers} layers; every stage needs at least one",
+        )
+    if d.pp_layers:
+        yield from _fixed_split(d, model, s)
+
+
+def _fixed_split(d: Layout, model: ModelShape, s: Spelling) -> Iterator[Problem]:
+    """A fixed stage split needs pp fixed, pp x chunks per rank entries, and model.layers blocks."""
+    sizes, v = d.pp_layers, d.pp_virtual_stages
+    if d.pp is None or d.pp < 2:
+        yield Problem("parallel.pp_layers", f"{s.name('parallel.pp_layers')} needs {s.name('parallel.pp')} >= 2")
+    elif len(sizes) % d.pp or (v and len(sizes) != d.pp * v) or sum(sizes) != model.layers or not sizes_ok(sizes):
+        chunks = f"{d.pp} x {v}" if v else f"a multiple of {s.say('parallel.pp', d.pp)}"
+        yield Problem(
+            "parallel.pp_layers",
+            f"{s.name('parallel.pp_layers')} must list {chunks} chunk sizes summing to the {model.layers} layers, "
+            f"each >= 1 but the first and last (which may be 0); got {len(sizes)} summing to {sum(sizes)}",
         )
 
 

@@ -56,7 +56,7 @@ def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Itera
         )
         return
     chunks = d.pp * v
-    if model.layers < chunks:
+    if model.layers < chunks and not d.pp_layers:
         yield Problem(
             "parallel.pp",
             f"model.layers = {model.layers} is fewer than parallel.pp x parallel.pp_virtual_stages = {d.pp} x {v} = "
@@ -64,12 +64,13 @@ def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Itera
         )
         return
     sizes = d.pp_layers
-    if sizes and (len(sizes) != chunks or sum(sizes) != model.layers or min(sizes) < 1):
+    if sizes and (len(sizes) != chunks or sum(sizes) != model.layers or not sizes_ok(sizes)):
         even = [model.layers // chunks + (1 if i < model.layers % chunks else 0) for i in range(chunks)]
         yield Problem(
             "parallel.pp_layers",
             f"parallel.pp_layers = {list(sizes)} must list {chunks} chunk sizes (pp x pp_virtual_stages), each "
-            f">= 1, summing to model.layers = {model.layers}; e.g. {even}",
+            f">= 1 (the first and the last may be 0: a chunk of only the embedding or only the head), summing to "
+            f"model.layers = {model.layers}; e.g. {even}",
         )
     if model.tie_embeddings:
         yield Problem(
@@ -78,6 +79,12 @@ def _pipeline_chunks(d: Layout, model: ModelShape, t: Batch, name: str) -> Itera
             "stage) would share one weight across ranks; set model.tie_embeddings = false or parallel.pp = 1",
             "unsupported",
         )
+
+
+def sizes_ok(sizes: tuple[int, ...]) -> bool:
+    """Every chunk holds a block, except that the first may hold only the embedding and the last
+    only the head (Llama 3's balancing of the stages that carry them)."""
+    return min(sizes) >= 0 and min(sizes[1:-1], default=1) >= 1 and sum(sizes) > 0
 
 
 def _pipeline_microbatches(d: Layout, t: Batch, name: str) -> Iterator[Problem]:
