@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--warmup-steps", type=int, default=0, help="diloco.warmup_steps: DDP over all islands first")
+    p.add_argument("--inner-lr", type=float, default=None, help="optim.lr of the DiLoCo runs (default: DDP's, 3e-3)")
     p.add_argument("--only", default="", help="comma-separated subset of ddp,diloco,streaming-fp32,streaming-bf16")
     args = p.parse_args()
     h = args.inner_steps
@@ -77,6 +78,8 @@ def main() -> None:
         "diloco.warmup_steps": args.warmup_steps,
     }
     diloco = {"diloco.islands": 4, "diloco.inner_steps": h, **outer}
+    if args.inner_lr is not None:
+        diloco["optim.lr"] = args.inner_lr
     streaming = {**diloco, "diloco.fragments": 2, "diloco.delay": 5}
     runs = {
         "ddp": {},
