@@ -58,6 +58,23 @@ def test_a_second_run_into_a_locked_run_dir_is_refused_naming_the_holder(tmp_pat
     assert not (d / run_lock.LOCK_NAME).exists()
 
 
+def test_a_symlink_in_place_of_the_lock_is_refused_and_nothing_it_points_at_is_touched(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / run_lock.LOCK_NAME).symlink_to(victim)
+    with pytest.raises(run_lock.RunDirLocked, match=r"run.lock is a symbolic link .*remove the link"):
+        run_lock.acquire(d)
+    assert victim.read_text() == "precious\n"  # not truncated, not written, not removed
+    (d / run_lock.LOCK_NAME).unlink()
+    lock = run_lock.acquire(d)
+    (d / run_lock.LOCK_NAME).unlink()
+    (d / run_lock.LOCK_NAME).symlink_to(victim)  # put in its place while held
+    lock.release()
+    assert victim.read_text() == "precious\n" and (d / run_lock.LOCK_NAME).is_symlink()  # not ours: left alone
+
+
 def test_ranks_of_the_launcher_skip_the_lock_it_holds(tmp_path, monkeypatch):
     monkeypatch.setenv(run_lock.HELD_ENV, str(tmp_path))
     assert run_lock.held_by_launcher(tmp_path) and run_lock.acquire(tmp_path) is None
