@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +64,16 @@ def probe_run_dir(run_dir: Path) -> Path:
     try:
         if not where.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(where))
-        probe = where / f".meshforge-write-probe-{os.getpid()}"
+        fd, probe = tempfile.mkstemp(prefix=".meshforge-write-probe-", dir=where)  # O_EXCL: follows no link
         try:
-            with probe.open("wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(b"meshforge write probe\n")
                 f.flush()
                 os.fsync(f.fileno())
         finally:
-            probe.unlink(missing_ok=True)
+            Path(probe).unlink(missing_ok=True)
     except OSError as e:
-        e.filename = e.filename if where == run_dir else str(where)
+        e.filename = str(where)  # the directory, not the probe's random name
         raise DiskError(describe(run_dir, e, "write run.dir at")) from None
     return where
 
