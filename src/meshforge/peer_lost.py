@@ -64,6 +64,7 @@ def leave_it_to_local_rank0(exc: BaseException) -> int:
     rank 0 not finish within GRACE_S, this rank says the error itself."""
 
     def leave(signum: int, frame: object) -> None:
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
 
