@@ -325,3 +325,60 @@ def test_client_gone_is_seen_on_a_closed_socket():
     h._checked = 0.0
     assert h._client_gone()
     a.close()
+
+
+def test_a_search_budget_counts_from_arrival_and_searches_never_take_the_quick_pool(port, monkeypatch):
+    """A search that waited for a worker has that much less budget (a queue of searches drains in
+    about one budget), and /api/best in absolute form or with a fragment is still a search."""
+    import time
+
+    from meshforge.explore import pool
+
+    monkeypatch.setattr(pool.PoolServer, "arrival", lambda self, sock: time.monotonic() - 1e4)  # queued long ago
+    status, b = api(port, "best", model="llama3.1-8b", gpus=8)  # 600 s of budget would rank them all
+    assert status == 200 and b["partial"] is True
+    head = b"GET http://127.0.0.1:1/api/best?gpus=8 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    assert pool.is_search(head) and pool.is_search(b"GET /api/best#x HTTP/1.1\r\n\r\n")
+    assert not pool.is_search(b"GET /api/estimate?x=/api/best HTTP/1.1\r\n\r\n") and not pool.is_search(b"\r\n\r\n")
+
+
+SMALL_FD_SERVER = """
+import resource, sys, threading, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+from meshforge.explore import make_server, pool
+pool.READ_S = 120.0
+srv = make_server("127.0.0.1", 0, quiet=True)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+print(srv.server_address[1], getattr(srv, "max_open", 150), flush=True)
+time.sleep(600)
+"""
+
+
+def test_more_connections_than_open_files_are_refused_503_not_left_in_the_backlog():
+    """Under a low open-file limit the server refuses what it cannot hold (503 at once) instead of
+    failing accept (EMFILE) and spinning on it, and serves again once the connections go."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SMALL_FD_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port, cap = (int(x) for x in proc.stdout.readline().split())
+        assert 8 <= cap < 200
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 20)]
+        over = held[-1]
+        over.settimeout(60)
+        assert over.recv(100).startswith(b"HTTP/1.0 503")
+        for s in held:
+            s.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(100):  # the server sees the closes as it reads; until then it may still say busy
+            conn.request("GET", "/api/estimate?gpus=8")
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            if r.status == 200:
+                break
+        assert r.status == 200
+    finally:
+        proc.kill()
+        proc.wait()

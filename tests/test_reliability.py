@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,23 @@ def test_a_second_run_into_a_locked_run_dir_is_refused_naming_the_holder(tmp_pat
     assert not (d / run_lock.LOCK_NAME).exists()
 
 
+def test_a_symlink_in_place_of_the_lock_is_refused_and_nothing_it_points_at_is_touched(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / run_lock.LOCK_NAME).symlink_to(victim)
+    with pytest.raises(run_lock.RunDirLocked, match=r"run.lock is a symbolic link .*remove the link"):
+        run_lock.acquire(d)
+    assert victim.read_text() == "precious\n"  # not truncated, not written, not removed
+    (d / run_lock.LOCK_NAME).unlink()
+    lock = run_lock.acquire(d)
+    (d / run_lock.LOCK_NAME).unlink()
+    (d / run_lock.LOCK_NAME).symlink_to(victim)  # put in its place while held
+    lock.release()
+    assert victim.read_text() == "precious\n" and (d / run_lock.LOCK_NAME).is_symlink()  # not ours: left alone
+
+
 def test_ranks_of_the_launcher_skip_the_lock_it_holds(tmp_path, monkeypatch):
     monkeypatch.setenv(run_lock.HELD_ENV, str(tmp_path))
     assert run_lock.held_by_launcher(tmp_path) and run_lock.acquire(tmp_path) is None
@@ -92,9 +110,44 @@ def test_disk_errors_are_found_inside_a_checkpoint_exception(tmp_path, monkeypat
     wrapped = CheckpointException("save failed", {1: (full, traceback.StackSummary())})
     assert "No space left on device (ENOSPC)" in str(disk.disk_error(wrapped, tmp_path))
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    monkeypatch.setattr(disk, "_nearly_full", lambda d: True)
+    monkeypatch.setattr(disk, "_nearly_full", lambda d, need=0: True)
     assert "(ENOSPC)" in str(disk.disk_error(short, tmp_path))
     assert disk.disk_error(ValueError("a bug"), tmp_path) is None
+
+
+def test_a_short_write_with_less_room_than_a_checkpoint_is_a_full_disk(tmp_path, monkeypatch):
+    """Rank 0 frees its partial save before another rank judges the same gathered failure: the
+    room left is then more than zero but less than a checkpoint, which still says ENOSPC."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    usage = type(shutil.disk_usage(tmp_path))
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: usage(30 * 2**20, 22 * 2**20, 8 * 2**20))
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    gathered = CheckpointException("save failed", {0: (short, traceback.StackSummary())})
+    assert "(EIO)" in str(disk.disk_error(gathered, tmp_path))  # no size known: 8 MiB free is not full
+    found = disk.disk_error(gathered, tmp_path, need=11 * 2**20)
+    assert "No space left on device (ENOSPC)" in str(found) and found.every_rank  # DCP gave it to every rank
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "x/rank-00001.json")
+    assert not disk.disk_error(full, tmp_path).every_rank  # this rank's own write: it says it itself
+
+
+@pytest.mark.parametrize("local_rank,said", [("0", True), ("1", False)])
+def test_an_every_rank_error_is_said_once_per_node(monkeypatch, capsys, local_rank, said):
+    from meshforge import cli, peer_lost
+    from meshforge.health.keeper import HealthStop
+
+    def stop(argv):
+        raise HealthStop("non-finite loss at step 3 on rank(s) [1]; stopping the run")
+
+    monkeypatch.setattr(cli, "cmd_train", stop)
+    monkeypatch.setattr(peer_lost, "GRACE_S", 0.0)
+    monkeypatch.setattr(peer_lost.signal, "signal", lambda *a: None)  # the test process keeps its handlers
+    monkeypatch.setattr(peer_lost.time, "sleep", lambda s: print("waited", file=sys.stderr))
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert cli.main(["train"]) == 2  # the documented code on every rank
+    err = capsys.readouterr().err
+    assert err.startswith("waited") != said  # local rank 0 says it at once; the others wait for it to
+    assert err.count("meshforge: error: non-finite loss") == 1  # said by a quiet rank only if rank 0 never did
 
 
 def test_a_report_that_cannot_be_written_leaves_no_file(tmp_path, corpus, monkeypatch, capsys):
@@ -200,7 +253,7 @@ def test_a_full_disk_mid_run_stops_cleanly_and_a_read_only_one_is_refused(tmpfs,
     r = run_cli("train", "--nproc", "2", *cli_args(tiny_overrides(d, corpus, **extra)), timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "meshforge: error: cannot write" in r.stderr and "No space left on device (ENOSPC)" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("meshforge: error:") == 1, r.stderr[-3000:]
     events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "failure" and "ENOSPC" in e["error"] for e in events)
     ckpts = d / "checkpoints"
@@ -233,3 +286,4 @@ def test_exit_codes_as_documented_and_no_transport_traceback(tmp_path, corpus, f
     r = run_cli("train", "--nproc", "2", *cli_args(over), env={"MESHFORGE_FAULT": fault}, timeout=300)
     assert r.returncode == code, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "Connection closed by peer" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("meshforge: error:") == (code == 2), r.stderr[-3000:]  # a health stop: said once

@@ -361,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     except MeshforgeError as e:
+        if e.every_rank and launch_env.under_launcher() and launch_env.local_rank() != 0:
+            from meshforge.peer_lost import leave_it_to_local_rank0
+
+            return leave_it_to_local_rank0(e)  # said once per node
         print(f"meshforge: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

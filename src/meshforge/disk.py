@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +64,16 @@ def probe_run_dir(run_dir: Path) -> Path:
     try:
         if not where.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(where))
-        probe = where / f".meshforge-write-probe-{os.getpid()}"
+        fd, probe = tempfile.mkstemp(prefix=".meshforge-write-probe-", dir=where)  # O_EXCL: follows no link
         try:
-            with probe.open("wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(b"meshforge write probe\n")
                 f.flush()
                 os.fsync(f.fileno())
         finally:
-            probe.unlink(missing_ok=True)
+            Path(probe).unlink(missing_ok=True)
     except OSError as e:
-        e.filename = e.filename if where == run_dir else str(where)
+        e.filename = str(where)  # the directory, not the probe's random name
         raise DiskError(describe(run_dir, e, "write run.dir at")) from None
     return where
 
@@ -116,16 +117,26 @@ def check_free_space(run_dir: Path, need: int, what: str) -> None:
         )
 
 
-def disk_error(exc: BaseException, run_dir: Path) -> DiskError | None:
-    """The DiskError an exception stands for (a user-fixable errno somewhere inside), else None."""
-    for e in _chain(exc):
+def disk_error(exc: BaseException, run_dir: Path, need: int = 0) -> DiskError | None:
+    """The DiskError an exception stands for (a user-fixable errno somewhere inside), else None.
+    ``need``: the bytes the failed write wanted (one checkpoint): a short write with less room
+    than that left is a full disk, even once another rank has freed its partial save."""
+    chain = _chain(exc)
+    found = _found(chain, run_dir, need)
+    if found is not None:
+        found.every_rank = any(isinstance(getattr(e, "failures", None), dict) for e in chain)  # DCP gathered it
+    return found
+
+
+def _found(chain: list[BaseException], run_dir: Path, need: int) -> DiskError | None:
+    for e in chain:
         if isinstance(e, OSError) and e.errno in USER_ERRNOS:
             return DiskError(describe(run_dir, e, "write"))
-    text = " ".join(str(x) for x in _chain(exc))
+    text = " ".join(str(x) for x in chain)
     m = re.search(r"\[Errno (\d+)\]", text)  # an error flattened to text by a thread or a gather
     code = int(m.group(1)) if m and int(m.group(1)) in USER_ERRNOS else None
     if code is None and SHORT_WRITE.search(text):  # torch.save's zip writer: a short write, no errno
-        code = errno.ENOSPC if _nearly_full(run_dir) else errno.EIO
+        code = errno.ENOSPC if _nearly_full(run_dir, need) else errno.EIO
     if code is None:
         return None
     return DiskError(describe(run_dir, OSError(code, os.strerror(code), str(run_dir)), "write"))
@@ -150,10 +161,10 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
     return out
 
 
-def _nearly_full(run_dir: Path) -> bool:
-    """Whether run.dir's filesystem is (all but) full: under 1 MiB or 0.1% left."""
+def _nearly_full(run_dir: Path, need: int = 0) -> bool:
+    """Whether run.dir's filesystem is (all but) full: under 1 MiB, 0.1% or ``need`` bytes left."""
     try:
         u = shutil.disk_usage(existing_ancestor(run_dir))
     except OSError:
         return False
-    return u.free < max(2**20, u.total // 1000)
+    return u.free < max(2**20, u.total // 1000, need)

@@ -4,7 +4,12 @@ import difflib
 
 
 class MeshforgeError(Exception):
-    """Bad input a user can fix (config, data, checkpoint, command line)."""
+    """Bad input a user can fix (config, data, checkpoint, command line).
+
+    ``every_rank``: every rank of the run raises this same error together (a health stop, a
+    checkpoint save whose failure DCP gathered to all ranks); only local rank 0 prints it."""
+
+    every_rank = False
 
 
 class ConfigError(MeshforgeError):

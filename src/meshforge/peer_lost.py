@@ -9,7 +9,9 @@ watchdog has fired, it is about to exit with the hang's code (3): let it finish 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
 import time
 
@@ -21,6 +23,7 @@ PATTERN = re.compile(
     re.IGNORECASE,
 )
 PEER_LOST_EXIT = 1
+GRACE_S = 5.0  # how long a quiet rank waits for its node's local rank 0 to say an every-rank error
 
 
 def is_peer_lost(exc: BaseException) -> bool:
@@ -51,3 +54,21 @@ def say_peer_lost(exc: BaseException) -> int:
         time.sleep(60)
         return watchdog.HANG_EXIT
     return PEER_LOST_EXIT
+
+
+def leave_it_to_local_rank0(exc: BaseException) -> int:
+    """An error every rank raised together (``MeshforgeError.every_rank``: a health stop, a gathered
+    checkpoint failure), on a rank other than its node's local rank 0: stay quiet and let that rank
+    say it. This rank lives until it has (the launcher then stops this one with SIGTERM: exit 2 at
+    once), so the launcher cannot stop rank 0 mid-message because a quiet rank left first. Should
+    rank 0 not finish within GRACE_S, this rank says the error itself."""
+
+    def leave(signum: int, frame: object) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+    signal.signal(signal.SIGTERM, leave)
+    time.sleep(GRACE_S)
+    print(f"meshforge: error: {exc}", file=sys.stderr, flush=True)
+    return 2

@@ -42,7 +42,8 @@ class RunLock:
             return
         _HELD.pop(str(self.path), None)
         try:
-            self.path.unlink(missing_ok=True)  # unlink first: a waiter then sees a new file, not ours
+            if os.lstat(self.path).st_ino == os.fstat(self.fd).st_ino:  # ours still, not a file put in its place
+                self.path.unlink()  # unlink first: a waiter then sees a new file, not ours
         except OSError:
             pass
         os.close(self.fd)  # drops the flock
@@ -73,14 +74,33 @@ def _read(fd: int) -> dict[str, Any] | None:
         return None
 
 
+def lock_path(run_dir: Path) -> Path:
+    """run.dir's lock file: the directory resolved, the file itself not (it is never followed)."""
+    return Path(run_dir).resolve() / LOCK_NAME
+
+
+def _open(path: Path) -> int:
+    """Open (create) the lock file, refusing a symbolic link there: written to and removed, a link
+    would truncate and delete whatever file it points at."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise RunDirLocked(
+            f"{path} is a symbolic link (to {os.readlink(path)}), not meshforge's lock file; meshforge does not "
+            "follow it (it would overwrite and remove what it points at): remove the link, or choose another run.dir"
+        ) from None
+
+
 def acquire(run_dir: Path) -> RunLock | None:
     """Lock ``run_dir`` (which must exist) for this process. None when this process (or, for a
     rank, its launcher) holds it already. Raises RunDirLocked naming the holder."""
-    path = (Path(run_dir) / LOCK_NAME).resolve()
+    path = lock_path(run_dir)
     if str(path) in _HELD or held_by_launcher(run_dir):
         return None
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -93,7 +113,7 @@ def acquire(run_dir: Path) -> RunLock | None:
                 "Wait for it to finish (or stop it), or choose another run.dir"
             ) from None
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -121,7 +141,7 @@ def stale_note(lock: RunLock | None) -> str | None:
 
 def release(run_dir: Path) -> None:
     """Let go of this process's lock on ``run_dir`` (if it holds one)."""
-    lock = _HELD.get(str((Path(run_dir) / LOCK_NAME).resolve()))
+    lock = _HELD.get(str(lock_path(run_dir)))
     if lock is not None:
         lock.release()
 

@@ -5,9 +5,11 @@ half-sent connections pile up threads (one each, for ever). Here one reader thre
 connection until its request line and headers are in (``select`` over non-blocking sockets,
 ``READ_S`` to arrive whole, ``MAX_HEAD`` bytes at most), and only then hands it to a fixed pool
 of ``WORKERS`` threads (searches, which run up to their budget, have ``SEARCH_WORKERS`` of
-their own). Connections waiting for their request cost no thread; beyond
-``MAX_CONNECTIONS`` of them, or ``MAX_QUEUED`` complete requests waiting for a worker, a
-connection is answered 503 at once. The listen backlog (``BACKLOG``) holds a page's burst.
+their own; a search's budget counts from when its request was in, so a queue of them drains
+within about one budget). Connections waiting for their request cost no thread; beyond
+``MAX_CONNECTIONS`` of them, more open sockets than the open-file limit allows
+(``open_file_cap``), or ``MAX_QUEUED`` complete requests waiting for a worker, a connection
+is answered 503 at once. The listen backlog (``BACKLOG``) holds a page's burst.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import HTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 WORKERS = 2  # threads for quick requests: the work is CPU-bound Python, more only convoy on the GIL
 SEARCH_WORKERS = 2  # threads for /api/best (up to its budget each), apart: a search never holds a quick worker
@@ -42,6 +45,35 @@ TOO_SLOW = _status(408, "Request Timeout", f"the request did not arrive within {
 TOO_LARGE = _status(431, "Request Header Fields Too Large", f"the request head is over {MAX_HEAD} bytes")
 
 
+def open_file_cap(spare: int = 64) -> int:
+    """How many client sockets may be open at once: the open-file limit (its soft limit raised
+    towards the hard one first, to hold MAX_CONNECTIONS waiting and every queue full) less
+    ``spare`` for the listener and files. Past the limit ``accept`` fails (EMFILE) and the accept
+    loop would spin on the waiting connection instead of answering 503."""
+    want = MAX_CONNECTIONS + 2 * MAX_QUEUED + WORKERS + SEARCH_WORKERS
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return want
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want + spare:
+        new = want + spare if hard == resource.RLIM_INFINITY else min(want + spare, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    return want if soft == resource.RLIM_INFINITY else max(8, min(want, soft - spare))
+
+
+def is_search(head: bytes) -> bool:
+    """Whether a request head asks for /api/best, its target read as the handler reads it
+    (``urlsplit``: absolute-form ``http://host/api/best`` and a ``#fragment`` included), so
+    that no search runs on the quick pool."""
+    parts = head.split(b"\n", 1)[0].split()
+    return len(parts) >= 2 and urlsplit(parts[1].decode("latin-1")).path == "/api/best"
+
+
 class _Pending:
     __slots__ = ("addr", "buf", "deadline")
 
@@ -62,6 +94,9 @@ class PoolServer(HTTPServer):
             True: (ThreadPoolExecutor(SEARCH_WORKERS, "explore-search"), threading.BoundedSemaphore(MAX_QUEUED)),
         }
         self.heads: dict[int, bytes] = {}
+        self.arrived: dict[int, float] = {}
+        self.max_open = open_file_cap()
+        self.open: set[int] = set()  # ids of the client sockets accepted and not yet closed
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._closing = False
@@ -69,7 +104,12 @@ class PoolServer(HTTPServer):
         self._reader.start()
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
-        """From the accept loop: hand the new connection to the reader thread."""
+        """From the accept loop: hand the new connection to the reader thread (or refuse it, the
+        newest, when one more open socket would pass the open-file limit)."""
+        if len(self.open) >= self.max_open:
+            self._refuse(request, BUSY)
+            return
+        self.open.add(id(request))
         self._new.put((request, client_address))
         try:
             self._wake_w.send(b"\0")
@@ -79,6 +119,10 @@ class PoolServer(HTTPServer):
     def take_head(self, sock: socket.socket) -> bytes | None:
         """The request bytes the reader received for ``sock`` (the handler parses them)."""
         return self.heads.pop(sock.fileno(), None)
+
+    def arrival(self, sock: socket.socket) -> float:
+        """When ``sock``'s request was in whole (monotonic; now if unknown)."""
+        return self.arrived.pop(sock.fileno(), time.monotonic())
 
     def _read_loop(self) -> None:
         sel = selectors.DefaultSelector()
@@ -133,11 +177,12 @@ class PoolServer(HTTPServer):
 
     def _dispatch(self, sock: socket.socket, st: _Pending) -> None:
         sock.setblocking(True)
-        pool, queued = self.pools[st.buf.split(b"?", 1)[0].split(b" ")[1:2] == [b"/api/best"]]
+        pool, queued = self.pools[is_search(st.buf)]
         if not queued.acquire(blocking=False):
             self._refuse(sock, BUSY)
             return
         self.heads[sock.fileno()] = st.buf
+        self.arrived[sock.fileno()] = time.monotonic()  # a search's budget counts from here, queueing included
         pool.submit(self._work, sock, st.addr, queued)
 
     def _refuse(self, sock: socket.socket, reply: bytes) -> None:
@@ -156,8 +201,13 @@ class PoolServer(HTTPServer):
             self.handle_error(sock, addr)
         finally:
             self.heads.pop(sock.fileno(), None)
+            self.arrived.pop(sock.fileno(), None)
             self.shutdown_request(sock)
             queued.release()
+
+    def shutdown_request(self, request: Any) -> None:
+        self.open.discard(id(request))
+        super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not getattr(self.RequestHandlerClass, "quiet", False):

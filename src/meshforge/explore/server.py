@@ -98,7 +98,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        head = self.server.take_head(self.connection) if isinstance(self.server, PoolServer) else None
+        pool = isinstance(self.server, PoolServer)
+        self.arrived = self.server.arrival(self.connection) if pool else time.monotonic()
+        head = self.server.take_head(self.connection) if pool else None
         if head is not None:  # the reader thread has the request line and headers already
             self.rfile = io.BytesIO(head)
 
@@ -119,7 +121,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if not self._host_ok():
                 return json_reply(403, {"error": "this server answers requests to the local host only"})
-            return route(self.path, self._client_gone, getattr(self.server, "search_budget_s", SEARCH_BUDGET_S))
+            budget = getattr(self.server, "search_budget_s", SEARCH_BUDGET_S) - (time.monotonic() - self.arrived)
+            return route(self.path, self._client_gone, max(0.0, budget))  # the wait for a worker counts
         except (BadRequest, MeshforgeError, ValueError) as e:
             return json_reply(400, {"error": str(e)})
         except Exception:  # never a traceback to the client; the server's console keeps it

@@ -29,6 +29,8 @@ from meshforge.metrics.sinks import trim_metrics
 class HealthStop(MeshforgeError):
     """The run was stopped by a health check (health.on_nonfinite = stop, or too many bad steps)."""
 
+    every_rank = True  # the guard's verdict is agreed: every rank stops at the same step
+
 
 def describe(v: dict[str, Any]) -> str:
     """The one console line for a health event: what happened and what was done."""

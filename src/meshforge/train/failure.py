@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshforge.checkpoint import store
 from meshforge.config import Config
-from meshforge.disk import disk_error
+from meshforge.disk import checkpoint_bytes, disk_error
 from meshforge.errors import MeshforgeError
 from meshforge.metrics.step_metrics import resume_hint
 from meshforge.train.run_dir import event_writer
@@ -22,7 +22,7 @@ from meshforge.train.run_dir import event_writer
 def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseException | None:
     """Record and clean up after ``exc``; returns the error to raise instead (a DiskError), or None."""
     run_dir = Path(cfg.run.dir)
-    disk = disk_error(exc, run_dir) if not isinstance(exc, MeshforgeError) else None  # before freeing space
+    disk = disk_error(exc, run_dir, _checkpoint_bytes(cfg)) if not isinstance(exc, MeshforgeError) else None
     if rank == 0:  # first: on a full disk this frees the room the event needs
         try:
             store.clean_incomplete(run_dir / "checkpoints")
@@ -36,3 +36,12 @@ def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseEx
     if rank == 0:
         print(f"meshforge: the run failed; {resume_hint(cfg, world, False)}", file=sys.stderr)
     return disk
+
+
+def _checkpoint_bytes(cfg: Config) -> int:
+    """One checkpoint's size (0 if it cannot be told): rank 0 may free its partial save before
+    another rank judges a short write, so the room left is held against this, not against zero."""
+    try:
+        return checkpoint_bytes(cfg.model, cfg.train.precision)
+    except Exception:  # noqa: BLE001 - a failing run's diagnosis must not fail
+        return 0
