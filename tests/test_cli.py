@@ -54,6 +54,13 @@ def test_a_bare_option_that_needs_a_value():
     assert parse_train_args(["--train.compile"])[3] == {"train.compile": True}  # booleans may stand alone
 
 
+def test_a_text_key_takes_the_text_as_written():
+    """A run directory named 1, nan or true is a name, not a number or a boolean."""
+    got = parse_train_args(["--run.dir=1", "--data.path", "true", "--data.cache_dir", "nan", "--optim.lr=1e-3"])[3]
+    assert got == {"run.dir": "1", "data.path": "true", "data.cache_dir": "nan", "optim.lr": 1e-3}
+    assert load_config(None, got).run.dir == "1"
+
+
 @pytest.mark.parametrize("source", ["meta-llama/Llama-3.2-1B", "missing-dir"])
 def test_convert_from_hf_reads_local_directories_only(tmp_path, monkeypatch, capsys, source):
     monkeypatch.chdir(tmp_path)

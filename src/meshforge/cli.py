@@ -72,7 +72,9 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
             else:
                 restarts = n
         elif "." in name:
-            overrides[name] = parse_value(value)
+            parsed = parse_value(value)
+            # a text key takes the text as written: --run.dir=1, --run.dir nan, --data.path true
+            overrides[name] = value if key_type(name) is str and not isinstance(parsed, str) else parsed
         else:
             raise ConfigError(
                 f"unknown option --{name}; {suggest('--' + name, _TRAIN_FLAGS, cutoff=0.6)} "
