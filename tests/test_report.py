@@ -9,7 +9,7 @@ import pytest
 from conftest import cli_args, run_cli, tiny_overrides
 from meshforge.cli import main
 from meshforge.report import write_report
-from meshforge.report.run_report import CHARTS
+from meshforge.report.run_report import CHARTS, load_run, predict
 
 
 class Page(HTMLParser):
@@ -87,6 +87,11 @@ def test_a_finished_run_writes_its_report(finished):
     for kind in ("run_start", "eval", "run_end"):
         assert kind in text
     assert "finished" in text and "1 x cpu" in text  # the planner ran for this layout
+    # the planner's step, term by term: the parts add up to the predicted step time it names
+    pred = predict(load_run(finished))
+    assert "Where the planner says a step goes" in text and "model FLOPs at peak" in text
+    assert f"{pred['step_time_s']:,.4f} s per step predicted" in text
+    assert sum(pred["budget"].values()) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_a_refused_run_leaves_the_old_runs_report_alone(finished, corpus, capsys):

@@ -45,6 +45,45 @@ def breakdown_html(name: str, tb: dict[str, Any]) -> str:
     )
 
 
+# the planner's step terms (planner/estimate.py ``_budget``), in the order it adds them
+PREDICTED = (
+    ("useful_at_peak", "model FLOPs at peak", "#4c9be8"),
+    ("matmul_inefficiency", "matmuls below peak", "#9cc3ee"),
+    ("recompute", "recomputation", "#1f5f99"),
+    ("non_gemm", "element-wise and norms", "#6cc36c"),
+    ("tp_exposed", "exposed tp communication", "#e8894c"),
+    ("cp_exposed", "exposed cp communication", "#d95f02"),
+    ("pp_p2p", "pipeline sends", "#f2b880"),
+    ("ep_a2a", "expert all-to-all", "#b35806"),
+    ("dp_exposed", "exposed dp communication", "#e34a33"),
+    ("offload_exposed", "exposed offload copies", "#8c564b"),
+    ("bubble", "pipeline bubble", "#c9c9c9"),
+    ("optimizer", "optimizer step", "#9467bd"),
+)
+
+
+def predicted_html(name: str, step_s: float, budget: dict[str, float]) -> str:
+    """The planner's predicted step for this run's layout, term by term (why it predicts that)."""
+    rows = [(label, step_s * budget.get(k, 0.0), c) for k, label, c in PREDICTED if budget.get(k, 0.0) >= 5e-4]
+    if step_s <= 0 or not rows:
+        return ""
+    bar = "".join(
+        f'<div class="part" style="width:{100 * s / step_s:.3f}%;background:{c}" '
+        f'title="{escape(label)}: {s:,.4f} s ({100 * s / step_s:.1f}%)"></div>'
+        for label, s, c in rows
+    )
+    body = "".join(
+        f'<tr><td><span class="swatch" style="background:{c}"></span>{escape(label)}</td>'
+        f'<td class="num">{s:,.4f}</td><td class="num">{100 * s / step_s:.1f}%</td></tr>'
+        for label, s, c in rows
+    )
+    return (
+        f'<div class="predicted" data-run="{escape(name)}"><h3>{escape(name)}: {step_s:,.4f} s per step '
+        f'predicted</h3><div class="stack">{bar}</div><table class="predicted-table"><tr><th>term</th>'
+        f"<th>seconds</th><th>share of the step</th></tr>{body}</table></div>"
+    )
+
+
 def fmt_value(v: Any, depth: int = 0) -> str:
     """A field value for people: floats to 4 significant digits, big integers with separators,
     dicts as key=value, long lists cut."""

@@ -15,7 +15,7 @@ from typing import Any
 from meshforge.errors import MeshforgeError
 from meshforge.planner.hardware import PRESETS, preset_for_device
 from meshforge.planner.plan import parse_plan_args, plan_from_args
-from meshforge.report.breakdown import breakdown_html, event_row
+from meshforge.report.breakdown import breakdown_html, event_row, predicted_html
 from meshforge.report.charts import CHARTS, COLORS, Series, page_script, panels, spec, vendored
 from meshforge.report.timeline import pipeline_timeline
 
@@ -31,6 +31,7 @@ class Run:
     config_text: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    prediction: dict[str, Any] | str | None = None  # predict()'s answer, once asked
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -100,7 +101,13 @@ def _gpu_for(run: Run) -> str:
 
 
 def predict(run: Run) -> dict[str, Any] | str:
-    """The planner's estimate for this run's exact layout, or the reason there is none."""
+    """The planner's estimate for this run's exact layout, or the reason there is none (asked once)."""
+    if run.prediction is None:
+        run.prediction = _predict(run)
+    return run.prediction
+
+
+def _predict(run: Run) -> dict[str, Any] | str:
     cfg = run.path / "config.toml"
     if not cfg.is_file():
         return "no config.toml in the run directory"
@@ -116,7 +123,8 @@ def predict(run: Run) -> dict[str, Any] | str:
     if best is None:
         return "the planner found no layout for this run's config"
     mem = best.memory["total"]
-    return {"gpu": gpu, "world": world, "step_time_s": best.step_time_s, "mfu": best.mfu, "mem_gib": mem}
+    out = {"gpu": gpu, "world": world, "step_time_s": best.step_time_s, "mfu": best.mfu, "mem_gib": mem}
+    return out | {"budget": best.budget}
 
 
 def status(run: Run) -> str:
@@ -265,6 +273,22 @@ def _breakdowns(runs: list[Run]) -> list[str]:
     return ["<h2>Where the wall time went</h2>", note, *parts]
 
 
+def _predicted(runs: list[Run]) -> list[str]:
+    parts = []
+    for r in runs:
+        p = predict(r)
+        if isinstance(p, dict):
+            parts.append(predicted_html(r.name, p["step_time_s"], p.get("budget") or {}))
+    parts = [p for p in parts if p]
+    if not parts:
+        return []
+    note = (
+        "<p><small>The planner's step for this run's exact layout (<code>meshforge plan --config</code>), "
+        "term by term: exposed communication is what compute does not hide.</small></p>"
+    )
+    return ["<h2>Where the planner says a step goes</h2>", note, *parts]
+
+
 def build_html(runs: list[Run]) -> str:
     """The whole page for one or more runs (their curves overlaid, one colour per run)."""
     names = ", ".join(r.name for r in runs)
@@ -281,6 +305,7 @@ def build_html(runs: list[Run]) -> str:
         panels(specs) if specs else '<p class="nodata">no logged steps</p>',
         "</div>",
         *_breakdowns(runs),
+        *_predicted(runs),
     ]
     for r in runs:
         if r.timeline:
