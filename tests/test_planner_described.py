@@ -90,3 +90,16 @@ def test_triton_attention_kernel_is_slower_than_flashattention2():
     )
     assert tri.step_time_s > fa2.step_time_s
     assert tri.mfu < fa2.mfu
+
+
+def test_emitted_config_keeps_the_fixed_split_and_async_tp(tmp_path):
+    """What was priced is what train is told: the stage split and async TP reach the config."""
+    from meshforge.config import load_config
+    from meshforge.planner.plan import run
+
+    out = tmp_path / "plan.toml"
+    argv = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100-sxm", "--tp", "2", "--pp", "2", "--tp-overlap"]
+    argv += ["--schedule", "interleaved_1f1b", "--virtual-stages", "2", "--pp-layers", "0,16,16,0"]
+    run(parse_plan_args([*argv, "--emit-config", str(out)]))
+    cfg = load_config(out, {})
+    assert cfg.parallel.pp_layers == [0, 16, 16, 0] and cfg.parallel.async_tp is True

@@ -194,7 +194,7 @@ def train_config(
         pipe = (
             f'pp = {L.pp}\npp_schedule = "{L.pp_schedule}"\npp_virtual_stages = {L.pp_virtual_stages}\n'
             f"num_microbatches = {L.num_microbatches}\n"
-        )
+        ) + (f"pp_layers = {list(L.pp_layers)}\n" if L.pp_layers else "")
         micro = 0
     else:
         pipe, micro = "", L.micro_batch_size
@@ -206,7 +206,9 @@ def train_config(
         f"[model]\n{model}\n"
         f"[parallel]\ntp = {L.tp}\n{pipe}cp = {L.cp}\nep = {L.ep}\ndp_shard = {L.dp}\ndp_replicate = 1\n"
         f"zero_stage = {L.zero_stage}\n{off}"
-        f"sequence_parallel = {str(L.sequence_parallel).lower()}\n\n"
-        f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {micro}\n"
+        f"sequence_parallel = {str(L.sequence_parallel).lower()}\n"
+        + ("async_tp = true\n" if L.async_tp else "")
+        + "\n"
+        + f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {micro}\n"
         f'precision = "{precision}"\nactivation_checkpoint = "{ac}"\n'
     )
