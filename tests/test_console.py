@@ -121,4 +121,7 @@ def test_a_binary_config_says_it_is_not_a_utf8_toml_file(tmp_path):
     cfg.write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(2000))
     r = run_cli("train", "--config", str(cfg))
     assert r.returncode == 2
-    assert f"config file {cfg} is not a UTF-8 TOML file" in r.stderr and "at that line" not in r.stderr
+    assert f"config file {cfg} is not a UTF-8 TOML file (line 1, byte 0 " in r.stderr and "at that line" not in r.stderr
+    cfg.write_bytes(b"[train]\nsteps = 5\n\xff\xfe = 3\n")  # a stray non-UTF-8 byte in a text file: its line
+    r = run_cli("train", "--config", str(cfg))
+    assert r.returncode == 2 and "(line 3, byte 18 is not UTF-8" in r.stderr, r.stderr

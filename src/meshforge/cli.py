@@ -217,7 +217,7 @@ def dry_run(cfg: Any, world: int) -> int:
     print(
         f"planner estimate on {run.ranks} x {run.hardware}: memory {e.memory['total']:.2f} GiB per device "
         f"({fits}){skip} | "
-        f"step time {e.step_time_s:.4f} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
+        f"step time {e.step_time_s:.4g} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
     )
     print("dry run: no ranks started, nothing written")
     return 0
