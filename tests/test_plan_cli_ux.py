@@ -96,6 +96,8 @@ def test_faster_list_holds_only_faster_layouts():
     out = output.table(pl.results, 3, [faster, tie])
     listed = [line for line in out.splitlines() if line.startswith("  tp ")]
     assert len(listed) == 1 and f"{faster.tokens_per_s_per_gpu:,.0f} tok/s/gpu" in listed[0]
+    lay = faster.layout  # the whole layout, so two listed layouts never read the same
+    assert f" mb {lay.micro_batch_size} recompute {lay.activation_checkpoint} " in listed[0]
     assert "faster layouts" not in output.table(pl.results, 3, [tie])
 
 

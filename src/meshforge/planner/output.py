@@ -81,7 +81,8 @@ def _faster(results: list[Estimate], refused: list[Estimate]) -> list[str]:
         L = e.layout
         sched = L.pp_schedule + (f" v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else "")
         notes.append(
-            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {sched}: "
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} mb {L.micro_batch_size} "
+            f"recompute {L.activation_checkpoint} {sched}: "
             f"{e.tokens_per_s_per_gpu:,.0f} tok/s/gpu -- {e.not_runnable}"
         )
     return notes

@@ -391,7 +391,8 @@ def no_fit_message(
     lowest = smallest.memory["total"] if smallest else float("nan")
     least = f"the smallest needs {lowest:.1f} GiB per GPU"
     if smallest is not None and smallest.layout.offload == "cpu":  # small on the device, too big for the host
-        least = f"the smallest, with CPU offload, needs {lowest:.1f} GiB per GPU but overflows {smallest.overflow}"
+        least = f"the smallest, with CPU offload, needs {lowest:.1f} GiB per GPU and still overflows "
+        least += f"({smallest.overflow})"
     msg = (
         f"{shape.name} ({shape.num_params() / 1e9:.1f}B parameters) fits no layout on {gpus} x {hw.name} "
         f"({hw.hbm_gib:.0f} GiB each): {least}; its model states alone are {need:.0f} GiB (16 bytes per parameter). "
