@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from meshforge.cli import main
 from meshforge.errors import DataError
 from meshforge.explore import make_server
 from meshforge.health.text_check import non_text_share, refuse_binary
@@ -125,3 +126,16 @@ def test_a_binary_config_says_it_is_not_a_utf8_toml_file(tmp_path):
     cfg.write_bytes(b"[train]\nsteps = 5\n\xff\xfe = 3\n")  # a stray non-UTF-8 byte in a text file: its line
     r = run_cli("train", "--config", str(cfg))
     assert r.returncode == 2 and "(line 3, byte 18 is not UTF-8" in r.stderr, r.stderr
+
+
+def test_explore_on_an_unknown_host_says_so(capsys):
+    """The bind fails inside socketserver's constructor, which then closes the half-built server."""
+    assert main(["explore", "--host", "nosuchhost.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on --host nosuchhost.invalid" in err and "Traceback" not in err, err
+
+
+def test_calibrate_refuses_zero_ranks(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", "x.json", "--nproc", "0"])
+    assert "argument --nproc: must be a positive integer up to 1,024, got 0" in capsys.readouterr().err
