@@ -85,6 +85,21 @@ def test_a_closed_pipe_ends_quietly(args):
     assert p.returncode == 0 and p.stderr == "", p.stderr
 
 
+def test_a_pipe_closed_mid_run_stops_training_quietly(tmp_path, corpus):
+    """``meshforge train | head -2``: the reader leaves after the first lines; the run stops at its
+    next console line with no traceback and no "the run failed" advice (it did not fail)."""
+    over = tiny_overrides(tmp_path / "run", corpus, **{"train.steps": 50, "metrics.console": True})
+    cmd = [sys.executable, "-m", "meshforge", "train", *cli_args(over)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        for line in p.stdout:  # read until the first step's line, then leave
+            if "/50 | loss" in line:
+                break
+        p.stdout.close()
+        err = p.stderr.read()
+    assert p.returncode == 0 and "Traceback" not in err and "failed" not in err, err
+    assert "BrokenPipeError" in (tmp_path / "run" / "events.jsonl").read_text()  # the run's record says why
+
+
 def test_the_explorer_ignores_a_client_that_went_away(monkeypatch, capsys):
     def gone(self):
         raise ConnectionResetError("client went away")
