@@ -153,3 +153,9 @@ def test_divisors_of_a_large_count_at_once():
     assert _divisors(1) == [1] and _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
     assert _divisors(2**20) == [2**k for k in range(21)]
     assert _divisors(1_000_003) == [1, 1_000_003]  # a prime: sqrt(n) trials, not n
+
+
+def test_parameter_counts_in_sensible_units(capsys):
+    assert [output.count(n) for n in (8.03e9, 918_656, 12_345, 500)] == ["8.03B", "0.92M", "12.35K", "500"]
+    assert main(["plan", *BASE, "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith("debug: 0.92M parameters |")  # was "0.00B"

@@ -34,6 +34,14 @@ TIME_PARTS = (
 )
 
 
+def count(n: float) -> str:
+    """A parameter count people read: 8.03B, 0.92M (the debug preset's was "0.00B"), 12.35K."""
+    for div, unit in ((1e9, "B"), (1e5, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / (1e6 if unit == 'M' else div):.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
     """The ranking (each column as wide as its widest cell, so long schedule names never break it);
     then the layouts meshforge train does not run yet that are faster than row 1, with the reason.

@@ -421,9 +421,9 @@ def run(args: argparse.Namespace) -> int:
         print(text if islands is None else json.dumps({**json.loads(text), "islands": asdict(islands)}, indent=1))
     else:
         active = shape.active_params()
-        moe = "" if active == shape.num_params() else f" ({active / 1e9:.2f}B active, {shape.num_experts} experts)"
+        moe = "" if active == shape.num_params() else f" ({output.count(active)} active, {shape.num_experts} experts)"
         print(
-            f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters{moe} | {args.gpus} x {hw.name} "
+            f"{shape.name}: {output.count(shape.num_params())} parameters{moe} | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
             f"{considered} layouts considered, {0 if results.fits_nothing else len(results)} fit, "
             f"searched in {elapsed:.2f} s\n"

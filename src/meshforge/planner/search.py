@@ -18,6 +18,7 @@ from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel import dims
 from meshforge.parallel.dims import RECOMPUTE, Batch, Spelling, tp_divides_heads
+from meshforge.planner import output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES, Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
@@ -394,7 +395,7 @@ def no_fit_message(
         least = f"the smallest, with CPU offload, needs {lowest:.1f} GiB per GPU and still overflows "
         least += f"({smallest.overflow})"
     msg = (
-        f"{shape.name} ({shape.num_params() / 1e9:.1f}B parameters) fits no layout on {gpus} x {hw.name} "
+        f"{shape.name} ({output.count(shape.num_params())} parameters) fits no layout on {gpus} x {hw.name} "
         f"({hw.hbm_gib:.0f} GiB each): {least}; its model states alone are {need:.0f} GiB (16 bytes per parameter). "
     )
     if bigger is None:
