@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from meshforge.cli import main
 from meshforge.errors import DataError
 from meshforge.explore import make_server
 from meshforge.health.text_check import non_text_share, refuse_binary
@@ -84,6 +85,21 @@ def test_a_closed_pipe_ends_quietly(args):
     assert p.returncode == 0 and p.stderr == "", p.stderr
 
 
+def test_a_pipe_closed_mid_run_stops_training_quietly(tmp_path, corpus):
+    """``meshforge train | head -2``: the reader leaves after the first lines; the run stops at its
+    next console line with no traceback and no "the run failed" advice (it did not fail)."""
+    over = tiny_overrides(tmp_path / "run", corpus, **{"train.steps": 50, "metrics.console": True})
+    cmd = [sys.executable, "-m", "meshforge", "train", *cli_args(over)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        for line in p.stdout:  # read until the first step's line, then leave
+            if "/50 | loss" in line:
+                break
+        p.stdout.close()
+        err = p.stderr.read()
+    assert p.returncode == 0 and "Traceback" not in err and "failed" not in err, err
+    assert "BrokenPipeError" in (tmp_path / "run" / "events.jsonl").read_text()  # the run's record says why
+
+
 def test_the_explorer_ignores_a_client_that_went_away(monkeypatch, capsys):
     def gone(self):
         raise ConnectionResetError("client went away")
@@ -121,4 +137,20 @@ def test_a_binary_config_says_it_is_not_a_utf8_toml_file(tmp_path):
     cfg.write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(2000))
     r = run_cli("train", "--config", str(cfg))
     assert r.returncode == 2
-    assert f"config file {cfg} is not a UTF-8 TOML file" in r.stderr and "at that line" not in r.stderr
+    assert f"config file {cfg} is not a UTF-8 TOML file (line 1, byte 0 " in r.stderr and "at that line" not in r.stderr
+    cfg.write_bytes(b"[train]\nsteps = 5\n\xff\xfe = 3\n")  # a stray non-UTF-8 byte in a text file: its line
+    r = run_cli("train", "--config", str(cfg))
+    assert r.returncode == 2 and "(line 3, byte 18 is not UTF-8" in r.stderr, r.stderr
+
+
+def test_explore_on_an_unknown_host_says_so(capsys):
+    """The bind fails inside socketserver's constructor, which then closes the half-built server."""
+    assert main(["explore", "--host", "nosuchhost.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on --host nosuchhost.invalid" in err and "Traceback" not in err, err
+
+
+def test_calibrate_refuses_zero_ranks(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", "x.json", "--nproc", "0"])
+    assert "argument --nproc: must be a positive integer up to 1,024, got 0" in capsys.readouterr().err

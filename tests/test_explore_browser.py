@@ -210,3 +210,18 @@ def test_numbers_in_sensible_units(page):
     assert text(page, "step").endswith((" ms", " s"))
     tps = text(page, "tps")
     assert int(tps.replace(",", "")) >= 1000 and "," in tps  # thousands separators
+
+
+def test_memory_parts_are_never_negative(page):
+    """The default view (8B, DDP, bf16 under autocast, one micro-batch): the gradients not held at
+    the peak (22.7 GiB) exceed the grads part (15.0 GiB); the legend showed "grads -7.71 GiB" and
+    the bar's segments overlapped. Netted parts stay >= 0 and still add up to the total."""
+    page.get(page.current_url)
+    changed(page, "mem-total", "")
+    assert "gradients not held at the peak" in text(page, "mem-legend")  # what was taken off, said
+    spans = page.find_elements(By.CSS_SELECTOR, "#mem-legend span:not(.net)")
+    values = {s.text.rsplit(" ", 2)[0]: float(s.text.rsplit(" ", 2)[1]) for s in spans}
+    assert values and all(v >= 0 for v in values.values()), values
+    assert sum(values.values()) == pytest.approx(float(text(page, "mem-total")), abs=0.1)
+    xs = [float(r.get_attribute("x")) for r in page.find_elements(By.CSS_SELECTOR, "#mem-chart svg rect")]
+    assert xs == sorted(xs), xs

@@ -110,6 +110,7 @@ def test_dry_run_names_the_cpu_and_its_ram(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "device: CPU, 12.0 GiB RAM available" in out
     assert "of 12 GiB" in out and "does NOT fit" in out and "of 64 GiB" not in out
+    assert "GPU" not in out.split("device: CPU")[1]  # nothing after the device line speaks of a GPU on a CPU
     assert not (tmp_path / "x").exists()
 
 

@@ -7,9 +7,11 @@ import argparse
 
 import pytest
 
-from meshforge.cli import build_parser
+from meshforge.cli import build_parser, main
+from meshforge.errors import ConfigError
 from meshforge.planner import output
 from meshforge.planner.plan import parse_plan_args, plan_from_args
+from meshforge.planner.search import _divisors
 
 BASE = ["--model", "debug", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2"]
 
@@ -17,19 +19,19 @@ BASE = ["--model", "debug", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2
 @pytest.mark.parametrize(
     "flag,value,want",
     [
-        ("--seq-len", "0", "--seq-len: must be a positive integer, got 0"),
-        ("--seq-len", "-1", "--seq-len: must be a positive integer, got -1"),
-        ("--global-batch", "0", "--global-batch: must be a positive integer, got 0"),
-        ("--global-batch", "-4", "--global-batch: must be a positive integer, got -4"),
-        ("--gpus", "0", "--gpus: must be a positive integer, got 0"),
+        ("--seq-len", "0", "--seq-len: must be a positive integer up to 16,777,216, got 0"),
+        ("--seq-len", "-1", "--seq-len: must be a positive integer up to 16,777,216, got -1"),
+        ("--global-batch", "0", "--global-batch: must be a positive integer up to 16,777,216, got 0"),
+        ("--global-batch", "-4", "--global-batch: must be a positive integer up to 16,777,216, got -4"),
+        ("--gpus", "0", "--gpus: must be a positive integer up to 1,048,576, got 0"),
         ("--inter-node-bw", "-5", "--inter-node-bw: must be a number > 0, got -5"),
         ("--inter-node-bw", "nan", "--inter-node-bw: must be a number > 0, got nan"),
         ("--comm-overlap", "1.5", "--comm-overlap: must be a number in 0..1, got 1.5"),
         ("--zero", "4", "--zero: must be an integer in 0..3, got 4"),
-        ("--tp", "0", "--tp: must be a positive integer, got 0"),
+        ("--tp", "0", "--tp: must be a positive integer up to 1,048,576, got 0"),
         ("--top", "0", "--top: must be a positive integer, got 0"),
         ("--layers", "x", "--layers: must be a whole number, got 'x'"),
-        ("--experts", "-1", "--experts: must be an integer >= 0, got -1"),
+        ("--experts", "-1", "--experts: must be an integer in 0..65,536, got -1"),
     ],
 )
 def test_bad_number_is_refused_with_flag_and_range(capsys, flag, value, want):
@@ -94,4 +96,66 @@ def test_faster_list_holds_only_faster_layouts():
     out = output.table(pl.results, 3, [faster, tie])
     listed = [line for line in out.splitlines() if line.startswith("  tp ")]
     assert len(listed) == 1 and f"{faster.tokens_per_s_per_gpu:,.0f} tok/s/gpu" in listed[0]
+    lay = faster.layout  # the whole layout, so two listed layouts never read the same
+    assert f" mb {lay.micro_batch_size} recompute {lay.activation_checkpoint} " in listed[0]
     assert "faster layouts" not in output.table(pl.results, 3, [tie])
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
+
+
+# a huge value of these is a sensible what-if (rows: all of them; links and capacity: unlimited)
+UNBOUNDED = {"--top", "--inter-node-bw", "--inter-island-gbps", "--capacity-factor"}
+
+
+def test_every_numeric_flag_refuses_negative_nan_inf_and_huge(capsys):
+    """Every plan flag that takes a number, not a hand-kept list: a typo is refused by name with
+    the range, before anything is searched (a 99999999999 used to search for minutes)."""
+    numeric = [a.option_strings[0] for a in _plan_parser()._actions if a.type is not None]
+    assert len(numeric) >= 30 and "--gpus" in numeric and "--fragments" in numeric
+    for flag in numeric:
+        for value in ("-5", "nan", "inf", *([] if flag in UNBOUNDED else ["99999999999"])):
+            with pytest.raises(SystemExit):
+                build_parser().parse_args(["plan", *BASE, f"{flag}={value}"])
+            err = capsys.readouterr().err
+            assert f"argument {flag}: must be " in err and ("got" in err), (flag, value, err)
+
+
+@pytest.mark.parametrize(
+    "flag,value,want",
+    [
+        ("--gpus", "99999999999", "--gpus: must be a positive integer up to 1,048,576, got 99999999999"),
+        ("--layers", "5000", "--layers: must be a positive integer up to 4,096, got 5000"),
+        ("--experts", "70000", "--experts: must be an integer in 0..65,536, got 70000"),
+        ("--gpus-per-node", "2000", "--gpus-per-node: must be a positive integer up to 1,024, got 2000"),
+    ],
+)
+def test_huge_counts_name_the_range(capsys, flag, value, want):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", *BASE, flag, value])
+    assert want in capsys.readouterr().err
+
+
+def test_shape_flags_with_a_preset_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"--layers, --vocab describe\(s\) an explicit shape, which --model"):
+        plan_from_args(parse_plan_args([*BASE, "--layers", "4", "--vocab", "300"]))
+
+
+def test_diloco_flags_without_islands_are_refused(capsys):
+    assert main(["plan", *BASE, "--fragments", "2", "--sync-dtype", "bf16"]) == 2
+    assert "--fragments, --sync-dtype compare(s) DDP and DiLoCo across islands: add --islands M" in (
+        capsys.readouterr().err
+    )
+
+
+def test_divisors_of_a_large_count_at_once():
+    assert _divisors(1) == [1] and _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert _divisors(2**20) == [2**k for k in range(21)]
+    assert _divisors(1_000_003) == [1, 1_000_003]  # a prime: sqrt(n) trials, not n
+
+
+def test_parameter_counts_in_sensible_units(capsys):
+    assert [output.count(n) for n in (8.03e9, 918_656, 12_345, 500)] == ["8.03B", "0.92M", "12.35K", "500"]
+    assert main(["plan", *BASE, "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith("debug: 0.92M parameters |")  # was "0.00B"

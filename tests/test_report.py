@@ -86,6 +86,8 @@ def test_a_finished_run_writes_its_report(finished):
     assert "[model]" in text and "hidden = 64" in text  # the resolved config
     for kind in ("run_start", "eval", "run_end"):
         assert kind in text
+    end = json.loads((finished / "summary.json").read_text())
+    assert f"mfu {100 * end['mfu']:.2f}%" in text  # events speak MFU in %, as the overview and the chart do
     assert "finished" in text and "1 x cpu" in text  # the planner ran for this layout
     # the planner's step, term by term: the parts add up to the predicted step time it names
     pred = predict(load_run(finished))

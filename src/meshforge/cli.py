@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ def dry_run(cfg: Any, world: int) -> int:
     print(
         f"planner estimate on {run.ranks} x {run.hardware}: memory {e.memory['total']:.2f} GiB per device "
         f"({fits}){skip} | "
-        f"step time {e.step_time_s:.4f} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
+        f"step time {e.step_time_s:.4g} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
     )
     print("dry run: no ranks started, nothing written")
     return 0
@@ -292,6 +293,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port} must be in 0..65535 (0: any free port)")
     try:
         return serve(args.host, args.port)
+    except socket.gaierror as e:
+        raise MeshforgeError(
+            f"cannot listen on --host {args.host} ({e.strerror}); give an address of this machine, e.g. 127.0.0.1"
+        ) from None
     except OSError as e:
         raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); try another --port") from None
 
@@ -320,13 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
     )
     conv.add_argument("--out", required=True, metavar="DIR", help="directory to write the converted weights to")
-    from meshforge.planner.plan import add_arguments
+    from meshforge.planner.plan import add_arguments, whole
 
     plan = sub.add_parser("plan", help="find the layout that fits and runs fastest; predict memory, time and MFU")
     add_arguments(plan)
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for meshforge plan")
     cal.add_argument("--out", required=True, metavar="FILE", help="hardware profile (JSON) to write, for --hardware")
-    cal.add_argument("--nproc", type=int, default=2, help="local ranks for the collective measurements")
+    cal.add_argument(
+        "--nproc", type=whole(1, 1024), default=2, help="local ranks for the collective measurements (default 2)"
+    )
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")

@@ -286,8 +286,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
+            line = e.object[: e.start].count(b"\n") + 1
             raise ConfigError(
-                f"config file {p} is not a UTF-8 TOML file (byte {e.start} is not UTF-8: is it a binary file?); "
+                f"config file {p} is not a UTF-8 TOML file (line {line}, byte {e.start} is not UTF-8: "
+                "is it a binary file?); "
                 "pass a text TOML config such as configs/debug.toml"
             ) from None
         except tomllib.TOMLDecodeError as e:

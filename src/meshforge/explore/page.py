@@ -213,6 +213,17 @@ function bar(parts, colors, total, limit, unit) {
   }
   return svg + "</svg>";
 }
+function netParts(m) {
+  // Gradients not held at the peak (grads_not_at_peak <= 0) come off grads, then params: under
+  // autocast the fp32 .grad is 4 bytes a parameter, the params and grads parts together. No part
+  // is ever negative, so the stacked bar never runs backwards.
+  const v = Object.fromEntries(MEM.map((k) => [k, m[k] || 0]));
+  let off = -(m.grads_not_at_peak || 0);
+  for (const k of ["grads", "params", "loss", "activations"]) {
+    const d = Math.max(0, Math.min(off, v[k])); v[k] -= d; off -= d;
+  }
+  return MEM.map((k) => [k, v[k]]);
+}
 function legend(parts, colors, unit) {
   return parts.map(([k, v]) => `<span><i style="background:var(--${colors(k)})"></i>${esc(k.replace("_", " "))}` +
     ` ${esc(unit(v))}</span>`).join("");
@@ -274,14 +285,15 @@ function render(a) {
   if (!e) { for (const id of ["mem-chart", "mem-legend", "time-chart", "time-legend", "comm-chart", "fit",
     "host-mem", "a2a"])
     $(id).innerHTML = ""; return; }
-  const m = e.memory_gib, gib = (v) => fmt(v, 2) + " GiB";  // gradients not allocated at the peak: netted
-  const memParts = MEM.map((k) => [k, k === "grads" ? m[k] + (m.grads_not_at_peak || 0) : m[k] || 0]);
+  const m = e.memory_gib, gib = (v) => fmt(v, 2) + " GiB", memParts = netParts(m);
   $("mem-total").textContent = fmt(m.total, 1);
   $("mem-total").className = e.fits ? "" : "bad";
   $("fit").innerHTML = e.fits ? `<span class="ok">fits in ${fmt(e.hbm_gib, 0)} GiB</span>` :
     `<span class="bad">does not fit: ${esc(e.overflow)}</span>`;
   $("mem-chart").innerHTML = bar(memParts, (k) => k, m.total, e.hbm_gib, gib);
-  $("mem-legend").innerHTML = legend(memParts, (k) => k, gib);
+  $("mem-legend").innerHTML = legend(memParts, (k) => k, gib) + (m.grads_not_at_peak < 0 ?
+    `<span class="net">gradients not held at the peak (allocated as backward frees the activations): ` +
+    `${gib(-m.grads_not_at_peak)}, taken off grads, then params</span>` : "");
   const tParts = TIME.map((k) => [k, e.step_s[k]]), tc = (k) => k === "optimizer" ? "optimizer_t" : k;
   $("time-chart").innerHTML = bar(tParts, tc, e.step_time_s, 0, secs);
   $("time-legend").innerHTML = legend(tParts, tc, secs);

@@ -216,6 +216,8 @@ class PoolServer(HTTPServer):
     def server_close(self) -> None:
         self._closing = True
         super().server_close()
+        if not hasattr(self, "pools"):  # the bind failed: socketserver closes before __init__ went on
+            return
         for pool, _ in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         for s in (self._wake_r, self._wake_w):

@@ -26,28 +26,53 @@ from dataclasses import dataclass
 from typing import Any
 
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 256}  # per pseudo-gradient element
+# the DiLoCo flags' defaults (they only matter with --islands M > 1)
+DEFAULTS = {"inter_island_gbps": 10.0, "inner_steps": 50, "fragments": 1, "delay": 0, "sync_dtype": "fp32"}
 
 
 def add_arguments(p: argparse.ArgumentParser, whole: Callable[..., Any], real: Callable[..., Any]) -> None:
     """The DiLoCo flags, checked by plan's own validators (``whole``/``real``: argparse types)."""
     d = p.add_argument_group("DiLoCo across islands (docs/diloco.md)")
     d.add_argument(
-        "--islands", type=whole(), default=1, metavar="M", help="islands joined by a slow link; compares DDP and DiLoCo"
+        "--islands",
+        type=whole(1, 2**20),
+        default=1,
+        metavar="M",
+        help="islands joined by a slow link; compares DDP and DiLoCo",
     )
     d.add_argument(
         "--inter-island-gbps",
         type=real(),
-        default=10.0,
+        default=DEFAULTS["inter_island_gbps"],
         metavar="GBITS",
         help="island link, Gbit/s per island",
     )
-    d.add_argument("--inner-steps", type=whole(), default=50, metavar="H", help="DiLoCo H: inner steps per round")
-    d.add_argument("--fragments", type=whole(), default=1, metavar="N", help="Streaming DiLoCo fragments")
     d.add_argument(
-        "--delay", type=whole(0), default=0, metavar="TAU", help="Streaming DiLoCo: inner steps a sync overlaps"
+        "--inner-steps",
+        type=whole(1, 10**6),
+        default=DEFAULTS["inner_steps"],
+        metavar="H",
+        help="DiLoCo H: inner steps per round",
     )
     d.add_argument(
-        "--sync-dtype", choices=list(WIRE_BYTES), default="fp32", help="pseudo-gradients on the wire (default fp32)"
+        "--fragments",
+        type=whole(1, 4096),
+        default=DEFAULTS["fragments"],
+        metavar="N",
+        help="Streaming DiLoCo fragments",
+    )
+    d.add_argument(
+        "--delay",
+        type=whole(0, 10**6),
+        default=DEFAULTS["delay"],
+        metavar="TAU",
+        help="Streaming DiLoCo: inner steps a sync overlaps",
+    )
+    d.add_argument(
+        "--sync-dtype",
+        choices=list(WIRE_BYTES),
+        default=DEFAULTS["sync_dtype"],
+        help="pseudo-gradients on the wire (default fp32)",
     )
 
 
@@ -62,6 +87,13 @@ class IslandCosts:
     diloco_bytes_per_step: float
     diloco_peak_bytes_per_sync: float
     speedup: float  # DDP's step time / DiLoCo's
+
+
+def unused_flags(args: argparse.Namespace) -> list[str]:
+    """The DiLoCo flags set away from their defaults while ``--islands`` is 1 (they would be ignored)."""
+    if args.islands > 1:
+        return []
+    return ["--" + k.replace("_", "-") for k, v in DEFAULTS.items() if getattr(args, k) != v]
 
 
 def island_costs(params: int, step_s: float, args: argparse.Namespace) -> IslandCosts:

@@ -273,8 +273,9 @@ def allocated_gib(mem: dict[str, float]) -> float:
 
 
 def overflow_reason(mem: dict[str, float], hbm_gib: float) -> str:
-    """What overflows: the total against the GPU, the largest parts, and whether the model
-    states or the activations alone exceed it (so the fix is more sharding or recomputation)."""
+    """What overflows: the total against the device's memory (a GPU, or a CPU's RAM), the largest
+    parts, and whether the model states or the activations alone exceed it (so the fix is more
+    sharding or recomputation)."""
     over = mem["total"] - hbm_gib
     parts = sorted((k for k in mem if k != "total"), key=lambda k: -mem[k])[:3]
     msg = f"needs {mem['total']:.1f} GiB of {hbm_gib:.0f} GiB ({over:.1f} over); largest: " + ", ".join(
@@ -282,7 +283,9 @@ def overflow_reason(mem: dict[str, float], hbm_gib: float) -> str:
     )
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     if states > hbm_gib:
-        msg += f"; the model states alone ({states:.1f} GiB) exceed the GPU: shard them (higher zero, tp, pp)"
+        msg += (
+            f"; the model states alone ({states:.1f} GiB) exceed the device's memory: shard them (higher zero, tp, pp)"
+        )
     elif mem["activations"] > hbm_gib - states:
         msg += "; the activations exceed what the model states leave: recompute, smaller micro-batch, or more tp/cp"
     return msg

@@ -34,6 +34,14 @@ TIME_PARTS = (
 )
 
 
+def count(n: float) -> str:
+    """A parameter count people read: 8.03B, 0.92M (the debug preset's was "0.00B"), 12.35K."""
+    for div, unit in ((1e9, "B"), (1e5, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / (1e6 if unit == 'M' else div):.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def table(results: list[Estimate], top: int, refused: list[Estimate] = ()) -> str:
     """The ranking (each column as wide as its widest cell, so long schedule names never break it);
     then the layouts meshforge train does not run yet that are faster than row 1, with the reason.
@@ -81,7 +89,8 @@ def _faster(results: list[Estimate], refused: list[Estimate]) -> list[str]:
         L = e.layout
         sched = L.pp_schedule + (f" v={L.pp_virtual_stages}" if L.pp_virtual_stages > 1 else "")
         notes.append(
-            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} {sched}: "
+            f"  tp {L.tp} pp {L.pp} dp {L.dp} cp {L.cp} ep {L.ep} zero {L.zero_stage} mb {L.micro_batch_size} "
+            f"recompute {L.activation_checkpoint} {sched}: "
             f"{e.tokens_per_s_per_gpu:,.0f} tok/s/gpu -- {e.not_runnable}"
         )
     return notes

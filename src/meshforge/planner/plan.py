@@ -33,10 +33,11 @@ def whole(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a whole number, got {raw!r}") from None
         if v < lo or (hi is not None and v > hi):
-            want = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
-            raise argparse.ArgumentTypeError(
-                f"must be {'a positive integer' if want == 'an integer >= 1' else want}, got {v}"
-            )
+            if lo == 1:
+                want = "a positive integer" + (f" up to {hi:,}" if hi is not None else "")
+            else:
+                want = f"an integer in {lo}..{hi:,}" if hi is not None else f"an integer >= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {v}")
         return v
 
     return check
@@ -59,6 +60,15 @@ def real(lo: float = 0.0, hi: float | None = None, lo_open: bool = True) -> Call
     return check
 
 
+# upper bounds of the planner's counts: far above any published run, low enough that a typo
+# (an extra digit or ten) is refused by name instead of searching for minutes
+MAX_GPUS = 2**20
+MAX_LAYERS = 4096
+MAX_WIDTH = 2**22  # hidden, ffn and expert sizes, heads
+MAX_TOKENS = 2**24  # vocabulary, positions, sequence length, batch sizes
+MAX_EXPERTS = 2**16
+
+
 def sizes(raw: str) -> tuple[int, ...]:
     """An argparse ``type=``: comma-separated whole numbers (blocks per pipeline chunk)."""
     try:
@@ -67,6 +77,8 @@ def sizes(raw: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, e.g. 0,8,8,0; got {raw!r}") from None
     if any(x < 0 for x in out):
         raise argparse.ArgumentTypeError(f"must not be negative, got {raw!r}")
+    if len(out) > MAX_LAYERS or sum(out) > MAX_LAYERS:
+        raise argparse.ArgumentTypeError(f"must list at most {MAX_LAYERS:,} chunks of {MAX_LAYERS:,} blocks in all")
     return out
 
 
@@ -86,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", help="preset name, e.g. llama3.1-405b")
     m.add_argument("--config", help="a meshforge train config (e.g. a run's config.toml): model, batch, degrees")
     for k, h in SHAPE_FLAGS.items():
-        m.add_argument(f"--{k}", type=whole(), metavar="N", help=h)
+        hi = MAX_LAYERS if k == "layers" else MAX_TOKENS if k in ("vocab", "max-positions") else MAX_WIDTH
+        m.add_argument(f"--{k}", type=whole(1, hi), metavar="N", help=h)
     m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu", help="MLP kind (default swiglu)")
     m.add_argument("--tie-embeddings", action="store_true", help="the output head shares the embedding's weight")
     m.add_argument(
@@ -115,11 +128,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument(
-        "--seq-len", type=whole(), metavar="N", help="tokens per sequence (default: the --config's, else 4096)"
+        "--seq-len",
+        type=whole(1, MAX_TOKENS),
+        metavar="N",
+        help="tokens per sequence (default: the --config's, else 4096)",
     )
     t.add_argument(
         "--global-batch",
-        type=whole(),
+        type=whole(1, MAX_TOKENS),
         metavar="N",
         help="sequences per optimizer step (default: the --config's, else one per GPU, i.e. --gpus)",
     )
@@ -137,8 +153,8 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help=f"hardware preset, one of: {', '.join(PRESETS)} (default: h100-sxm)",
     )
     c.add_argument("--hardware", help="a profile written by meshforge calibrate (overrides --gpu)")
-    c.add_argument("--gpus", type=whole(), metavar="N", help="GPUs in the cluster (required)")
-    c.add_argument("--gpus-per-node", type=whole(), default=8, metavar="N", help="GPUs per node (default 8)")
+    c.add_argument("--gpus", type=whole(1, MAX_GPUS), metavar="N", help="GPUs in the cluster (required)")
+    c.add_argument("--gpus-per-node", type=whole(1, 1024), default=8, metavar="N", help="GPUs per node (default 8)")
     c.add_argument(
         "--inter-node-bw", type=real(), metavar="GBS", help="network bandwidth per GPU in GB/s (default: the preset's)"
     )
@@ -179,7 +195,8 @@ FIXED_HELP = {
 def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fixed choices (the rest is searched)")
     for k, h in FIXED_HELP.items():
-        f.add_argument(f"--{k}", type=whole(), metavar="N", help=f"{h} (searched when left out)")
+        hi = MAX_TOKENS if k == "micro-batch" else MAX_LAYERS if k == "virtual-stages" else MAX_GPUS
+        f.add_argument(f"--{k}", type=whole(1, hi), metavar="N", help=f"{h} (searched when left out)")
     f.add_argument(
         "--pp-layers",
         type=sizes,
@@ -192,7 +209,7 @@ def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     )
     f.add_argument(
         "--ep",
-        type=whole(),
+        type=whole(1, MAX_EXPERTS),
         metavar="N",
         help="expert-parallel degree (MoE): experts split over ep of the dp x cp ranks, FSDP over the rest; "
         "searched over the divisors of --experts when left out",
@@ -248,10 +265,16 @@ MOE_FLAGS = {  # flag -> ModelShape field
 
 def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
     """The mixture-of-experts shape (docs/moe.md); with --model or --config they replace the preset's."""
-    m.add_argument("--experts", type=whole(0), help="routed experts per MoE block (mixture of experts; 0: dense)")
-    m.add_argument("--top-k", type=whole(), help="experts each token is sent to (default 2)")
-    m.add_argument("--moe-ffn-hidden", type=whole(), help="hidden size of one expert (default: --ffn-hidden)")
-    m.add_argument("--shared-experts", type=whole(0), help="always-on experts of --moe-ffn-hidden each (default 0)")
+    m.add_argument(
+        "--experts", type=whole(0, MAX_EXPERTS), help="routed experts per MoE block (mixture of experts; 0: dense)"
+    )
+    m.add_argument("--top-k", type=whole(1, MAX_EXPERTS), help="experts each token is sent to (default 2)")
+    m.add_argument(
+        "--moe-ffn-hidden", type=whole(1, MAX_WIDTH), help="hidden size of one expert (default: --ffn-hidden)"
+    )
+    m.add_argument(
+        "--shared-experts", type=whole(0, MAX_EXPERTS), help="always-on experts of --moe-ffn-hidden each (default 0)"
+    )
     m.add_argument(
         "--capacity-factor",
         type=real(0.0, lo_open=False),
@@ -270,6 +293,13 @@ def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelS
 
 def _model_of(args: argparse.Namespace) -> tuple[ModelShape, dict, str | None]:
     """The model, training defaults taken from --config, and the preset name (if any)."""
+    given = [f"--{k}" for k in SHAPE_FLAGS if getattr(args, k.replace("-", "_")) is not None]
+    given += ["--tie-embeddings"] if args.tie_embeddings else []
+    if (args.config or args.model) and given:
+        raise ConfigError(
+            f"{', '.join(given)} describe(s) an explicit shape, which --{'config' if args.config else 'model'} "
+            "replaces (the flags would be ignored); drop one of them"
+        )
     if args.config:
         return _from_config(args.config)
     if args.model:
@@ -403,6 +433,8 @@ def parse_plan_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    if unused := diloco_costs.unused_flags(args):
+        raise ConfigError(f"{', '.join(unused)} compare(s) DDP and DiLoCo across islands: add --islands M (M > 1)")
     pl = plan_from_args(args)
     results, considered, shape, hw = pl.results, pl.considered, pl.shape, pl.hw
     gb, seq, precision, preset = pl.global_batch, pl.seq, pl.precision, pl.preset
@@ -413,9 +445,9 @@ def run(args: argparse.Namespace) -> int:
         print(text if islands is None else json.dumps({**json.loads(text), "islands": asdict(islands)}, indent=1))
     else:
         active = shape.active_params()
-        moe = "" if active == shape.num_params() else f" ({active / 1e9:.2f}B active, {shape.num_experts} experts)"
+        moe = "" if active == shape.num_params() else f" ({output.count(active)} active, {shape.num_experts} experts)"
         print(
-            f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters{moe} | {args.gpus} x {hw.name} "
+            f"{shape.name}: {output.count(shape.num_params())} parameters{moe} | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
             f"{considered} layouts considered, {0 if results.fits_nothing else len(results)} fit, "
             f"searched in {elapsed:.2f} s\n"

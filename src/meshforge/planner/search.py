@@ -8,6 +8,7 @@ ones, marked with the reason, so the planner never recommends a layout training 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -17,13 +18,16 @@ from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel import dims
 from meshforge.parallel.dims import RECOMPUTE, Batch, Spelling, tp_divides_heads
+from meshforge.planner import output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES, Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending, in O(sqrt n) (a million GPUs or experts is searched at once)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 # the planner's flags for the layout rules' keys (dims.partial_problems speaks them)
@@ -390,9 +394,10 @@ def no_fit_message(
     lowest = smallest.memory["total"] if smallest else float("nan")
     least = f"the smallest needs {lowest:.1f} GiB per GPU"
     if smallest is not None and smallest.layout.offload == "cpu":  # small on the device, too big for the host
-        least = f"the smallest, with CPU offload, needs {lowest:.1f} GiB per GPU but overflows {smallest.overflow}"
+        least = f"the smallest, with CPU offload, needs {lowest:.1f} GiB per GPU and still overflows "
+        least += f"({smallest.overflow})"
     msg = (
-        f"{shape.name} ({shape.num_params() / 1e9:.1f}B parameters) fits no layout on {gpus} x {hw.name} "
+        f"{shape.name} ({output.count(shape.num_params())} parameters) fits no layout on {gpus} x {hw.name} "
         f"({hw.hbm_gib:.0f} GiB each): {least}; its model states alone are {need:.0f} GiB (16 bytes per parameter). "
     )
     if bigger is None:

@@ -107,13 +107,22 @@ def fmt_value(v: Any, depth: int = 0) -> str:
     return text if len(text) <= 300 else text[:300] + " …"
 
 
+PERCENT_FIELDS = ("mfu", "hfu")  # fractions in events.jsonl, shown in % as the overview and charts show them
+
+
+def _field(key: str, v: Any) -> str:
+    if key in PERCENT_FIELDS and isinstance(v, float) and math.isfinite(v):
+        return f"{100 * v:.2f}%"
+    return fmt_value(v)
+
+
 def event_row(e: dict[str, Any], t0: float, key: bool) -> str:
     """One event: time since the run's first event, its step, its kind, its other fields."""
     t = e.get("time")
     when = f"{t - t0:,.1f}" if isinstance(t, (int, float)) else "—"
     step = e.get("step")
     fields = [(k, x) for k, x in e.items() if k not in ("time", "event", "step")]
-    details = "".join(f'<span class="field"><b>{escape(str(k))}</b> {escape(fmt_value(x))}</span>' for k, x in fields)
+    details = "".join(f'<span class="field"><b>{escape(str(k))}</b> {escape(_field(k, x))}</span>' for k, x in fields)
     cls = ' class="key-event"' if key else ""
     return (
         f'<tr{cls}><td class="num">{when}</td><td class="num">{escape(str(step)) if step is not None else ""}</td>'

@@ -33,7 +33,7 @@ def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseEx
         event_writer(cfg)("failure", rank=rank, error=f"{type(shown).__name__}: {shown}"[:2000])
     except OSError:
         pass  # the disk that failed the run may refuse the event too; the console still says it
-    if rank == 0:
+    if rank == 0 and not isinstance(exc, BrokenPipeError):  # `meshforge train | head`: the reader left, stop quietly
         print(f"meshforge: the run failed; {resume_hint(cfg, world, False)}", file=sys.stderr)
     return disk
 
