@@ -76,9 +76,9 @@ def sizes(raw: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, e.g. 0,8,8,0; got {raw!r}") from None
     if any(x < 0 for x in out):
-        raise argparse.ArgumentTypeError(f"must not be negative, got {raw!r}")
+        raise argparse.ArgumentTypeError(f"must be whole numbers >= 0, got {raw!r}")
     if len(out) > MAX_LAYERS or sum(out) > MAX_LAYERS:
-        raise argparse.ArgumentTypeError(f"must list at most {MAX_LAYERS:,} chunks of {MAX_LAYERS:,} blocks in all")
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_LAYERS:,} blocks in all, got {raw!r}")
     return out
 
 
