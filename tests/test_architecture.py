@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
     "train": {
         *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
-        *("parallel", "resolve", "run_lock", "fit"),
+        *("parallel", "resolve", "run_lock", "fit", "peer_lost"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
     "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},

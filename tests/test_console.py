@@ -100,6 +100,26 @@ def test_a_pipe_closed_mid_run_stops_training_quietly(tmp_path, corpus):
     assert "BrokenPipeError" in (tmp_path / "run" / "events.jsonl").read_text()  # the run's record says why
 
 
+@pytest.mark.slow
+def test_a_pipe_closed_mid_run_stops_every_rank_quietly(tmp_path, corpus):
+    """``meshforge train --nproc 2 | head``: rank 0 leaves at its next console line, and rank 1,
+    stranded in a collective, stops quietly too (no "another rank went away", exit 0): rank 0 says
+    in the rendezvous store why it left."""
+    over = tiny_overrides(tmp_path / "run", corpus, **{"train.steps": 200, "metrics.console": True})
+    over["metrics.log_interval"] = 1
+    cmd = [sys.executable, "-m", "meshforge", "train", "--nproc", "2", *cli_args(over)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        for line in p.stdout:
+            if "/200 | loss" in line:
+                break
+        p.stdout.close()
+        err = p.stderr.read()
+    assert p.returncode == 0, err
+    assert "went away" not in err and "Traceback" not in err and "failed" not in err, err
+    failures = [e for e in (tmp_path / "run" / "events.jsonl").read_text().splitlines() if '"failure"' in e]
+    assert len(failures) == 1 and "BrokenPipeError" in failures[0]  # rank 0's reason; rank 1 records nothing
+
+
 def test_the_explorer_ignores_a_client_that_went_away(monkeypatch, capsys):
     def gone(self):
         raise ConnectionResetError("client went away")

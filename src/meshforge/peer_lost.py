@@ -39,9 +39,43 @@ def is_peer_lost(exc: BaseException) -> bool:
     return bool(PATTERN.search(str(exc)))
 
 
-def say_peer_lost(exc: BaseException) -> int:
-    """Print the one line and return the exit code (the hang's, when this rank's watchdog fired)."""
+READER_GONE_KEY = "meshforge/stdout_reader_gone"
+
+
+def mark_reader_gone() -> None:
+    """Rank 0's stdout reader went away (``meshforge train --nproc N | head``): it stops quietly, and
+    says so in the rendezvous store first, so the ranks its leaving strands stop quietly too."""
     from meshforge.health import watchdog
+
+    try:
+        watchdog.rendezvous_store().set(READER_GONE_KEY, "1")
+    except Exception:  # noqa: BLE001 - no process group (one rank), or the store is gone: nothing to tell
+        pass
+
+
+_READER_GONE: list[bool] = []  # asked once, while the process group (and its store) still exists
+
+
+def ask_reader_gone() -> bool:
+    """Whether rank 0 left because its stdout reader did; ask while the process group is up (the
+    failure handler does, before the group is destroyed), then ``say_peer_lost`` reads the answer."""
+    from meshforge.health import watchdog
+
+    if not _READER_GONE:
+        try:
+            _READER_GONE.append(bool(watchdog.rendezvous_store().check([READER_GONE_KEY])))
+        except Exception:  # noqa: BLE001 - no store to ask: not a quiet stop
+            return False
+    return _READER_GONE[0]
+
+
+def say_peer_lost(exc: BaseException) -> int:
+    """Print the one line and return the exit code (the hang's, when this rank's watchdog fired);
+    nothing and 0 when rank 0 left because the console's reader did (``| head``)."""
+    from meshforge.health import watchdog
+
+    if _READER_GONE and _READER_GONE[0]:
+        return 0
 
     what = f"{type(exc).__name__} in a collective"  # the transport's own text is the noise this line replaces
     rank = launch_env.rank()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from meshforge import peer_lost
 from meshforge.checkpoint import store
 from meshforge.config import Config
 from meshforge.disk import checkpoint_bytes, disk_error
@@ -22,6 +23,10 @@ from meshforge.train.run_dir import event_writer
 def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseException | None:
     """Record and clean up after ``exc``; returns the error to raise instead (a DiskError), or None."""
     run_dir = Path(cfg.run.dir)
+    if isinstance(exc, BrokenPipeError) and world > 1:  # first: the other ranks read it when this one leaves
+        peer_lost.mark_reader_gone()
+    elif world > 1 and peer_lost.is_peer_lost(exc) and peer_lost.ask_reader_gone():
+        return None  # rank 0 stopped because `| head` closed its stdout: stop quietly, record nothing
     disk = disk_error(exc, run_dir, _checkpoint_bytes(cfg)) if not isinstance(exc, MeshforgeError) else None
     if rank == 0:  # first: on a full disk this frees the room the event needs
         try:
