@@ -20,22 +20,28 @@ PARTS = (
 )
 
 
+def _stack(rows: list[tuple[str, float, str]], whole: float, digits: int) -> tuple[str, str]:
+    """A stacked bar and its table rows: (label, seconds, colour) as shares of ``whole`` seconds."""
+    bar = "".join(
+        f'<div class="part" style="width:{100 * s / whole:.3f}%;background:{c}" '
+        f'title="{escape(label)}: {s:,.{digits}f} s ({100 * s / whole:.1f}%)"></div>'
+        for label, s, c in rows
+    )
+    body = "".join(
+        f'<tr><td><span class="swatch" style="background:{c}"></span>{escape(label)}</td>'
+        f'<td class="num">{s:,.{digits}f}</td><td class="num">{100 * s / whole:.1f}%</td></tr>'
+        for label, s, c in rows
+    )
+    return bar, body
+
+
 def breakdown_html(name: str, tb: dict[str, Any]) -> str:
     """One run's whole-run breakdown; empty when its summary predates ``wall_s``."""
     wall = tb.get("wall_s")
     if not isinstance(wall, (int, float)) or wall <= 0:
         return ""
     rows = [(label, float(tb.get(key, 0.0)), color) for key, label, color in PARTS if tb.get(key, 0) >= 0.005]
-    bar = "".join(
-        f'<div class="part" style="width:{100 * s / wall:.3f}%;background:{c}" '
-        f'title="{escape(label)}: {s:,.2f} s ({100 * s / wall:.1f}%)"></div>'
-        for label, s, c in rows
-    )
-    body = "".join(
-        f'<tr><td><span class="swatch" style="background:{c}"></span>{escape(label)}</td>'
-        f'<td class="num">{s:,.2f}</td><td class="num">{100 * s / wall:.1f}%</td></tr>'
-        for label, s, c in rows
-    )
+    bar, body = _stack(rows, wall, 2)
     total = sum(s for _, s, _ in rows)
     return (
         f'<div class="breakdown" data-run="{escape(name)}"><h3>{escape(name)}: {wall:,.1f} s wall time</h3>'
@@ -67,16 +73,7 @@ def predicted_html(name: str, step_s: float, budget: dict[str, float]) -> str:
     rows = [(label, step_s * budget.get(k, 0.0), c) for k, label, c in PREDICTED if budget.get(k, 0.0) >= 5e-4]
     if step_s <= 0 or not rows:
         return ""
-    bar = "".join(
-        f'<div class="part" style="width:{100 * s / step_s:.3f}%;background:{c}" '
-        f'title="{escape(label)}: {s:,.4f} s ({100 * s / step_s:.1f}%)"></div>'
-        for label, s, c in rows
-    )
-    body = "".join(
-        f'<tr><td><span class="swatch" style="background:{c}"></span>{escape(label)}</td>'
-        f'<td class="num">{s:,.4f}</td><td class="num">{100 * s / step_s:.1f}%</td></tr>'
-        for label, s, c in rows
-    )
+    bar, body = _stack(rows, step_s, 4)
     return (
         f'<div class="predicted" data-run="{escape(name)}"><h3>{escape(name)}: {step_s:,.4f} s per step '
         f'predicted</h3><div class="stack">{bar}</div><table class="predicted-table"><tr><th>term</th>'
