@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conftest import cli_args, run_cli, tiny_config
 from meshforge.config import load_config
@@ -86,6 +87,56 @@ def test_refusals_name_the_key(tmp_path, corpus, monkeypatch):
         require_torchao()
     with pytest.raises(ConfigError, match=r"needs torchao"):
         model_fp8_plan(ModelShape(64, 2, 4, 2, 64, 256, 64), [])
+
+
+# ----------------------------------------------------------------------------- fp8 all-gather
+
+
+def test_fp8_all_gather_only_where_fsdp_gathers_over_ranks(monkeypatch):
+    """A one-rank shard group (a world of one, HSDP with dp_shard 1, DDP) never gathers in fp8:
+    the GPU suite's 1B fp8 row ran 43% busy with the per-weight fp8 casts of a world of one."""
+    from meshforge.layout import Layout
+    from meshforge.parallel import fp8 as fp8_mod
+    from meshforge.parallel.dims import gathers_weights
+
+    monkeypatch.setattr(fp8_mod, "fp8_emulated", lambda device: device.type != "cuda")  # an fp8-capable GPU
+    assert not gathers_weights(Layout())  # a world of one
+    assert not gathers_weights(Layout(dp_shard=2))  # DDP (stage 0)
+    assert not gathers_weights(Layout(dp_replicate=2, zero_stage=3))  # HSDP over one-rank shard groups
+    assert gathers_weights(Layout(dp_shard=2, zero_stage=3)) and gathers_weights(Layout(dp_shard=2, zero_stage=2))
+    assert gathers_weights(Layout(cp=2, zero_stage=3))  # FSDP shards over dp_shard x cp
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fp8_mod.fp8_config("tensorwise", cuda, gathers=True).enable_fsdp_float8_all_gather
+    assert not fp8_mod.fp8_config("tensorwise", cuda, gathers=False).enable_fsdp_float8_all_gather
+    assert not fp8_mod.fp8_config("tensorwise", cpu, gathers=True).enable_fsdp_float8_all_gather  # gloo: no fp8
+    assert not fp8_mod.fp8_all_gather("rowwise", cuda, gathers=True)
+    # the run's own decision (parallelize.gathers_fp8): a CUDA world of one casting once is FSDP2-
+    # sharded on a one-rank mesh, and must not gather in fp8; ZeRO-3 over 2 ranks does
+    from meshforge.parallel import parallelize
+    from meshforge.parallel.mesh import Mesh
+
+    cfg = load_config(None, {"train.precision": "fp8", "train.mixed_precision": "cast_once"})
+    solo = Mesh(0, 1, 0, cuda, Layout())
+    assert parallelize.is_sharded(cfg, solo) and not parallelize.gathers_fp8(cfg, solo)
+    zero3 = Mesh(0, 2, 0, cuda, Layout(dp_shard=2, zero_stage=3))
+    assert parallelize.gathers_fp8(cfg, zero3)
+    assert not parallelize.gathers_fp8(load_config(None, {"train.precision": "bf16"}), zero3)
+
+
+def test_fp8_scales_precomputed_before_every_forward_where_it_gathers(monkeypatch, tmp_path, corpus):
+    """Under fp8 all-gather every step precomputes the weight scales (one fused amax) before its
+    forward, so a resume, a rollback or a DiLoCo sync is covered too; elsewhere never. (gloo has
+    no fp8 collectives, so on CPU the call itself is stood in for.)"""
+    from meshforge.train import step as step_mod
+
+    calls = []
+    monkeypatch.setattr(step_mod, "precompute_fp8_scales", lambda model: calls.append(model))
+    o = debug_overrides(tmp_path / "no", corpus, **{"train.precision": "fp8", "train.steps": 3})
+    train(load_config(None, o))
+    assert calls == []  # a CPU world of one: no fp8 all-gather
+    monkeypatch.setattr(step_mod, "gathers_fp8", lambda cfg, mesh: True)
+    train(load_config(None, {**o, "run.dir": str(tmp_path / "yes")}))
+    assert len(calls) == 3 and all(isinstance(m, torch.nn.Module) for m in calls)
 
 
 # ----------------------------------------------------------------------------- training

@@ -100,24 +100,43 @@ def fp8_emulated(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
 
 
-def fp8_config(recipe: str, device: torch.device, fsdp: bool) -> Any:
-    """torchao's Float8LinearConfig for ``recipe``; fp8 all-gather under FSDP2 with tensorwise on real fp8."""
+def fp8_all_gather(recipe: str, device: torch.device, gathers: bool) -> bool:
+    """Whether FSDP2 all-gathers the weights in fp8: tensorwise on real fp8, and only where FSDP
+    gathers over more than one rank (``dims.gathers_weights``). On a one-rank shard group (a
+    world of one) there is nothing to gather, and the fp8 pre-all-gather cast would run per
+    weight, eagerly, outside the compiled blocks: the GPU suite's 1B fp8 row was 43% busy so.
+    (gloo has no fp8 collectives either: emulated runs never gather in fp8.)"""
+    return recipe == "tensorwise" and gathers and not fp8_emulated(device)
+
+
+def fp8_config(recipe: str, device: torch.device, gathers: bool) -> Any:
+    """torchao's Float8LinearConfig for ``recipe`` (see fp8_all_gather for the all-gather)."""
     float8 = require_torchao()
     emulate = fp8_emulated(device)
     if recipe == "tensorwise":
-        return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp and not emulate, emulate=emulate)
+        return float8.Float8LinearConfig(
+            enable_fsdp_float8_all_gather=fp8_all_gather(recipe, device, gathers), emulate=emulate
+        )
     return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
-def apply_fp8(model: nn.Module, recipe: str, exclude: list[str], device: torch.device, fsdp: bool) -> Fp8Plan:
-    """Swap the planned linear layers of ``model`` (meta or real) for torchao Float8Linear, in place."""
+def apply_fp8(model: nn.Module, recipe: str, exclude: list[str], device: torch.device, gathers: bool) -> Fp8Plan:
+    """Swap the planned linear layers of ``model`` (meta or real) for torchao Float8Linear, in
+    place; ``gathers``: FSDP2 will all-gather its weights over more than one rank."""
     plan = fp8_plan(model, exclude)
     chosen = set(plan.converted)
     float8 = require_torchao()
     float8.convert_to_float8_training(
-        model, config=fp8_config(recipe, device, fsdp), module_filter_fn=lambda _mod, fqn: fqn in chosen
+        model, config=fp8_config(recipe, device, gathers), module_filter_fn=lambda _mod, fqn: fqn in chosen
     )
     return plan
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """After the optimizer step, under fp8 all-gather: every fp8 weight's scale in one fused
+    amax and one all-reduce (torchao's recommendation), instead of one amax and one
+    all-reduce per weight inside each pre-all-gather hook."""
+    require_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 DEFAULT_EXCLUDE = ("output", "*router*")  # train.fp8_exclude's default; these may match nothing silently

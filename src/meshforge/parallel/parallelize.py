@@ -44,9 +44,9 @@ from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context_parallel import apply_cp
 from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
-from meshforge.parallel.dims import casts_once
+from meshforge.parallel.dims import casts_once, gathers_weights
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
-from meshforge.parallel.fp8 import apply_fp8
+from meshforge.parallel.fp8 import apply_fp8, fp8_all_gather
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.moe_context_parallel import apply_moe_cp
 from meshforge.parallel.moe_tensor_parallel import split_over_tp
@@ -81,6 +81,14 @@ def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
     return cfg.train.precision in ("bf16", "fp8") and not is_sharded(cfg, mesh)
 
 
+def gathers_fp8(cfg: Config, mesh: Mesh) -> bool:
+    """fp8 runs whose FSDP2 all-gathers weights in fp8 (parallel/fp8.py: fp8_all_gather); their
+    step precomputes the scales after each optimizer step (train/step.py)."""
+    if cfg.train.precision != "fp8":
+        return False
+    return fp8_all_gather(cfg.train.fp8_recipe, mesh.device, is_sharded(cfg, mesh) and gathers_weights(mesh.dims))
+
+
 def build_loss(cfg: Config, mesh: Mesh) -> LanguageModelLoss:
     """The one loss object of a run (plain step, pipeline's last stage, evaluation); under
     tensor parallelism its context is loss_parallel, over vocab-sharded logits. With
@@ -112,7 +120,7 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     blocks = list(model.layers.values())
     model.hidden_out = loss_chunk_size(cfg) > 0  # the loss applies the head (build_loss)
     if cfg.train.precision == "fp8":
-        apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, is_sharded(cfg, mesh))
+        apply_fp8(model, cfg.train.fp8_recipe, cfg.train.fp8_exclude, mesh.device, gathers_fp8(cfg, mesh))
     if mesh.degrees["tp"] > 1:
         apply_tp(model, mesh.submesh("tp"), cfg.parallel.sequence_parallel)
     if mesh.dims.ep > 1:

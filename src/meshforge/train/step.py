@@ -27,8 +27,10 @@ from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.compile import compile_loss
 from meshforge.parallel.context_parallel import cp_index
 from meshforge.parallel.data_parallel import gradient_sync
+from meshforge.parallel.fp8 import precompute_fp8_scales
 from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.parallelize import gathers_fp8
 from meshforge.parallel.pipeline import Pipeline
 from meshforge.parallel.tensor_parallel import local_value, match_grad_layouts
 from meshforge.train.optimizer import current_lr
@@ -71,6 +73,7 @@ class StepRunner:
         self.max_norm = cfg.train.grad_clip or float("inf")
         self.offload = cfg.parallel.offload == "cpu"
         self.match_layouts = mesh.degrees["tp"] > 1 and not sharded
+        self.fp8_scales = gathers_fp8(cfg, mesh)  # fp8 all-gather: weight scales precomputed per step
         # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
         self.cp_index = cp_index(cfg, mesh)
         self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
@@ -80,6 +83,8 @@ class StepRunner:
     def run(self, batch: torch.Tensor, measure: bool) -> StepResult:
         """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one update."""
         lr = current_lr(self.scheduler)
+        if self.fp8_scales:  # before the forward, not after the update: a rollback, a resume or a
+            precompute_fp8_scales(self.model)  # DiLoCo sync changes weights in between too
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if self.cp_index is not None:
             inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]

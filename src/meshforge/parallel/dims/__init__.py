@@ -42,7 +42,7 @@ from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
 from meshforge.models.shape import ModelShape
 
 from .core import SYNC_DTYPES, Batch, DiLoCoRules, Problem
-from .data import _batch, _data_parallel, _offload, casts_once, offload_problem
+from .data import _batch, _data_parallel, _offload, casts_once, gathers_weights, offload_problem
 from .degrees import rank_layout, resolve_degrees
 from .diloco import diloco_problems
 from .experts import _experts
@@ -67,6 +67,7 @@ __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
     "casts_once",
     "check",
     "diloco_problems",
+    "gathers_weights",
     "offload_problem",
     "partial_problems",
     "problems",

@@ -24,6 +24,14 @@ def casts_once(d: Layout, precision: str, mixed_precision: str) -> bool:
     return once and (d.world_size == 1 or (d.dp_cp > 1 and d.zero_stage == 0))
 
 
+def gathers_weights(d: Layout) -> bool:
+    """Whether FSDP2 all-gathers weights over more than one rank (ZeRO-2/3 and HSDP with a
+    shard group of dp_shard x cp > 1). Only then does fp8 all-gather save anything: on a
+    one-rank shard group (a world of one, DDP's cast-once layout) it only adds a per-weight
+    cast outside the compiled blocks (parallel/fp8.py)."""
+    return d.uses_fsdp() and d.zero_stage >= 2 and d.dp_shard * d.cp > 1
+
+
 def _data_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     if d.dp_replicate > 1 and d.zero_stage < 2:
         yield Problem(
