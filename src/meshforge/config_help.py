@@ -145,8 +145,8 @@ HELP: dict[str, str] = {
         "[precision.md](precision.md)"
     ),
     "train.fp8_recipe": (
-        "fp8 scaling: tensorwise (one dynamic scale per tensor; fp8 all-gather under FSDP2 on fp8 "
-        "GPUs) or rowwise (one per row: more accurate)"
+        "fp8 scaling: tensorwise (one dynamic scale per tensor; fp8 all-gather where FSDP2 shards "
+        "over more than one rank, on fp8 GPUs) or rowwise (one per row: more accurate)"
     ),
     "train.fp8_exclude": (
         'module-name patterns (fnmatch, e.g. "layers.0.*") kept in bf16 under fp8; linears with a '
