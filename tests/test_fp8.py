@@ -121,6 +121,8 @@ def test_fp8_all_gather_only_where_fsdp_gathers_over_ranks(monkeypatch):
     zero3 = Mesh(0, 2, 0, cuda, Layout(dp_shard=2, zero_stage=3))
     assert parallelize.gathers_fp8(cfg, zero3)
     assert not parallelize.gathers_fp8(load_config(None, {"train.precision": "bf16"}), zero3)
+    offload = load_config(None, {"train.precision": "fp8", "parallel.offload": "cpu"})
+    assert not parallelize.gathers_fp8(offload, zero3)  # host-resident shards: no fp8 gather
 
 
 def test_fp8_scales_precomputed_before_every_forward_where_it_gathers(monkeypatch, tmp_path, corpus):

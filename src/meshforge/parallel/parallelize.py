@@ -83,8 +83,9 @@ def uses_autocast(cfg: Config, mesh: Mesh) -> bool:
 
 def gathers_fp8(cfg: Config, mesh: Mesh) -> bool:
     """fp8 runs whose FSDP2 all-gathers weights in fp8 (parallel/fp8.py: fp8_all_gather); their
-    step precomputes the scales after each optimizer step (train/step.py)."""
-    if cfg.train.precision != "fp8":
+    step precomputes the weights' scales before each forward (train/step.py). Not under CPU
+    offload: the sharded weights live in host memory, where the scales' all-reduce cannot run."""
+    if cfg.train.precision != "fp8" or cfg.parallel.offload == "cpu":
         return False
     return fp8_all_gather(cfg.train.fp8_recipe, mesh.device, is_sharded(cfg, mesh) and gathers_weights(mesh.dims))
 
