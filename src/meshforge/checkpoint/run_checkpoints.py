@@ -97,7 +97,7 @@ class RunCheckpoints:
         }
 
     def save(self) -> None:
-        state = sharded.training_state(self.model, self.optimizer)
+        state = {**sharded.training_state(self.model, self.optimizer), "train": self.state.tensors()}
         if self.diloco:
             state = self.diloco.wrap_state(state)
         self.checkpointer.save(self.state.step, state, self.meta(), background=self.cfg.checkpoint.async_)
@@ -138,10 +138,15 @@ class RunCheckpoints:
                 "to the checkpoint's shape, or start a new run (checkpoint.load = none or another run.dir)"
             )
         t0 = time.perf_counter()
-        sharded.load(self.model, self.optimizer, path, wrap=self.diloco.wrap_state if self.diloco else None)
+        saved = self.state.tensors() if store.holds_train_state(path) else None  # filled in by the load
+        extra = {"train": saved} if saved else None
+        wrap = self.diloco.wrap_state if self.diloco else None
+        sharded.load(self.model, self.optimizer, path, wrap=wrap, extra=extra)
         if self.diloco:
             self.diloco.settle()
         self.state.load_state_dict(meta)
+        if saved:
+            self.state.check_tensors(saved, path / "meta.json")
         same_layout = meta["world_size"] == self.mesh.world_size and meta["degrees"] == self.mesh.degrees
         rank_file = path / f"rank-{self.mesh.rank:05d}.json"
         if same_layout and rank_file.exists():

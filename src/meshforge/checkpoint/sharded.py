@@ -6,7 +6,7 @@ Parameters and Adam moments are DTensors under FSDP/TP (DCP writes each rank's s
 reads back whatever slices the loading layout needs) and plain tensors under DDP (written
 once). Only tensors are saved: the optimizer's hyper-parameters come from the config and
 its learning rate from the schedule, so there is nothing else to restore and nothing to
-unpickle.
+unpickle: loads read DCP's metadata through safe_metadata.py, never ``pickle.load``.
 
 ZeRO-1 (``ZeroRedundancyOptimizer``) holds Adam state for the whole tensors it owns; those
 entries use the same keys, written by their owner and read back by whichever rank owns
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from meshforge.checkpoint.safe_metadata import SafeFileSystemReader, read_metadata
 from meshforge.compat import dcp_stager_reusable
 
 # A world of one saves and loads without a process group, which DCP announces every time --
@@ -135,18 +136,28 @@ def staging_is_pinned() -> bool:
     return bool(s is not None and s._config.use_pinned_memory)
 
 
+def _reader(path: Path) -> SafeFileSystemReader:
+    """A reader over ``path`` whose metadata was checked first: DCP swallows a reader's error
+    and retries with per-rank metadata, which would hide the reason behind its own."""
+    read_metadata(Path(path) / ".metadata")
+    return SafeFileSystemReader(str(path))
+
+
 def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     path: Path,
     group: dist.ProcessGroup | None = None,
     wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Load a checkpoint's model and optimizer state into this layout's shards (collective).
-    ``wrap``: the tree the state was saved in (DiLoCo nests it per island, beside its own state)."""
-    reader = dcp.FileSystemReader(str(path))
+    ``wrap``: the tree the state was saved in (DiLoCo nests it per island, beside its own state);
+    ``extra``: more entries of that tree (plain tensors), loaded in place."""
+    reader = _reader(path)
     no_dist = not dist.is_initialized()
-    wrap = wrap or (lambda sd: sd)
+    outer = wrap or (lambda sd: sd)
+    wrap = lambda sd: outer({**sd, **(extra or {})})  # noqa: E731
     if hasattr(optimizer, "full_training_state"):
         full = optimizer.full_training_state(model, init=True)
         dcp.load(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
@@ -168,5 +179,5 @@ def load(
 def load_model_only(model: nn.Module, path: Path) -> None:
     """Full weights from a checkpoint into an unsharded model in this one process (for export)."""
     msd = get_model_state_dict(model, options=StateDictOptions())
-    dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    dcp.load({"model": msd}, storage_reader=_reader(path), no_dist=True)
     set_model_state_dict(model, msd)

@@ -14,7 +14,9 @@ and COMPLETE and renames the directory; a crash at any moment leaves either a co
 checkpoint or a temporary directory that is never listed. Before loading, every file
 named in meta.json is checked for size and sha256, and DCP's pickled ``.metadata`` for
 the hash recorded when it was written, so a truncated or corrupted shard is caught (and
-the previous checkpoint used) instead of failing half-way through a collective load.
+the previous checkpoint used) instead of failing half-way through a collective load. The
+hashes stop damage, not tampering: ``.metadata`` is also read by a restricted unpickler
+(safe_metadata.py) before DCP sees it, so a crafted checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshforge.checkpoint.safe_metadata import UnsafeCheckpointError, read_metadata
 from meshforge.errors import MeshforgeError
 from meshforge.manifest import read_manifest
 
@@ -154,7 +157,18 @@ def verify(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint file {f} does not match the hash recorded when it was written")
     if ".metadata" not in meta.get("files", {}):
         raise CheckpointError(f"{path / 'meta.json'} lists no .metadata; the checkpoint is damaged")
+    try:  # matching hashes stop damage, not tampering: the metadata must also be plain data
+        read_metadata(path / ".metadata")
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(str(e)) from None
     return meta
+
+
+def holds_train_state(path: Path) -> bool:
+    """Whether the shards carry the train state (step, tokens, sampler) beside meta.json's
+    copy: checkpoints written since 2026-11-27 do; older ones are resumed from meta.json alone."""
+    keys = read_metadata(path / ".metadata").state_dict_metadata
+    return any(k == "train.step" or k.endswith(".train.step") for k in keys)
 
 
 def retain(root: Path, keep: int) -> list[Path]:

@@ -8,10 +8,16 @@ put back when the layout is the same, since another layout's ranks draw other st
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from meshforge.checkpoint.saver import rng_state, set_rng_state
+from meshforge.checkpoint.store import CheckpointError
 from meshforge.data.sampler import GlobalBatchSampler
+
+_TRAIN_KEYS = ("step", "tokens_seen", "consumed")
 
 
 class TrainState:
@@ -36,6 +42,22 @@ class TrainState:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.sampler.load_state_dict(state["sampler"])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """step, tokens and the sampler's position as tensors, saved with the shards: meta.json
+        is hand-editable, and a resume checks it against these (``check_tensors``)."""
+        values = (self.step, self.tokens_seen, self.sampler.consumed)
+        return {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(_TRAIN_KEYS, values, strict=True)}
+
+    def check_tensors(self, saved: dict[str, torch.Tensor], meta_path: Path) -> None:
+        """Refuse a meta.json whose step, tokens or sampler position differ from the shards'."""
+        mine = self.tensors()
+        diff = [f"{k} {int(mine[k])} (the shards say {int(saved[k])})" for k in _TRAIN_KEYS if mine[k] != saved[k]]
+        if diff:
+            raise CheckpointError(
+                f"{meta_path} disagrees with the checkpoint's shards: {'; '.join(diff)}. meta.json was edited "
+                "after the save; restore it (or use another checkpoint) - a resume must start where the weights are"
+            )
 
     @staticmethod
     def rng_state() -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""DCP's ``.metadata`` read as data, never as code.
+
+torch's ``FileSystemReader`` reads a checkpoint's ``.metadata`` with ``pickle.load``, and
+loads any non-tensor entry with ``torch.load(weights_only=False)``: a checkpoint from
+elsewhere could run code the moment it is opened. meshforge never lets DCP do either. The
+metadata goes through an unpickler that admits only the classes DCP's metadata is made of
+(and torch's sizes, dtypes and layouts); the result is then checked to describe tensors
+only (meshforge saves nothing else), stored in files inside the checkpoint directory, with
+no storage transforms. Tensor data itself is read by DCP with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from meshforge.errors import MeshforgeError
+
+# (module, name) pairs a DCP .metadata may name; anything else is refused before it is built
+_DCP_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",  # admitted to be named, refused below (meshforge saves tensors only)
+    "ChunkStorageMetadata",
+    "MetadataIndex",
+    "TensorProperties",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+_ALLOWED = {
+    **{("torch.distributed.checkpoint.metadata", n): None for n in _DCP_CLASSES},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,
+    ("torch.serialization", "_get_layout"): None,
+    ("torch", "Size"): None,
+    ("collections", "OrderedDict"): None,
+    ("pathlib", "PosixPath"): None,
+    ("pathlib", "PurePosixPath"): None,
+    ("pathlib", "WindowsPath"): None,
+    ("pathlib", "PureWindowsPath"): None,
+}
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class UnsafeCheckpointError(MeshforgeError):
+    """A checkpoint whose metadata is not plain DCP metadata; it is never loaded."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self._path} names {module}.{name}, which is not part of a DCP checkpoint's metadata: the file was "
+            "crafted or written by another tool, and loading it could run code; it was not loaded. Use a checkpoint "
+            "written by meshforge, or convert the weights to safetensors (meshforge convert) where they come from"
+        )
+
+
+def read_metadata(path: Path) -> dcp_metadata.Metadata:
+    """The ``.metadata`` file at ``path``, built only from DCP's metadata classes and checked."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UnsafeCheckpointError(f"cannot read {path}: {e}") from None
+    try:
+        md = _RestrictedUnpickler(data, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # a truncated or garbled pickle: any unpickling error
+        raise UnsafeCheckpointError(f"{path} is not a readable DCP metadata file ({type(e).__name__}: {e})") from None
+    _check(md, path)
+    return md
+
+
+def _check(md: Any, path: Path) -> None:
+    """Tensors only, in plain files beside the metadata, with no storage transforms."""
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise UnsafeCheckpointError(f"{path} holds a {type(md).__name__}, not DCP metadata")
+    entries = md.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise UnsafeCheckpointError(f"{path}: its state_dict_metadata is not a mapping")
+    for key, entry in entries.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            raise UnsafeCheckpointError(
+                f"{path}: entry {key!r} is a {type(entry).__name__}, not a tensor; meshforge checkpoints hold "
+                "tensors only, and a non-tensor entry would be unpickled by torch.load; it was not loaded"
+            )
+    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+    for index, info in storage.items():
+        name = str(getattr(info, "relative_path", ""))
+        if not _FILE_NAME.match(name) or name in (".", ".."):
+            raise UnsafeCheckpointError(
+                f"{path}: entry {getattr(index, 'fqn', index)!r} points at {name!r}, outside the checkpoint directory"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(
+                f"{path}: entry {getattr(index, 'fqn', index)!r} asks for storage transforms "
+                f"{info.transform_descriptors!r}, which meshforge never writes"
+            )
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with its metadata read by ``read_metadata`` (never ``pickle.load``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        md = read_metadata(Path(self.path) / name)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
