@@ -20,11 +20,11 @@ from meshforge.train.loop import Trainer
 
 def island_trainers(cfg: Config, root: Path, islands: int) -> list[Trainer]:
     """One world-of-one Trainer per island (same seed: the same initial weights)."""
-    base = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, islands=1))
+    base = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, islands=1))
     base = resolve(base, 1)
     out = []
     for i in range(islands):
-        c = dataclasses.replace(base, run=dataclasses.replace(base.run, dir=str(root / f"island{i}")))
+        c = base.with_run_dir(str(root / f"island{i}"))
         Path(c.run.dir).mkdir(parents=True, exist_ok=True)
         out.append(Trainer(c, Mesh(0, 1, 0, torch.device("cpu"), Layout())))
     return out
@@ -56,7 +56,7 @@ def _simulate(cfg: Config, root: Path, identical: bool) -> tuple[list[float], di
     params = [dict(tr.model.named_parameters()) for tr in trainers]
     outer = {n: p.detach().double() for n, p in params[0].items()}  # the outer state in fp64
     buf = {n: torch.zeros_like(p) for n, p in outer.items()}
-    frag = {n: block_fragment(n, cfg.model.layers, f) for n in outer}
+    frag = {n: block_fragment(n, cfg.shape.layers, f) for n in outer}
     sampler = trainers[0].state.sampler
     per = t.global_batch_size // m
     sent: dict[int, dict[str, torch.Tensor]] = {}

@@ -16,23 +16,25 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "compat": set(),  # the one home of torch version differences
     "launch_env": set(),
-    "config_help": set(),
     "manifest": {"errors"},
     "faults": {"errors", "launch_env"},
     "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
     "models": {"errors"},
-    "config_values": {"errors"},  # a value against its key's type (config.py's helper)
-    "config": {"config_help", "config_values", "errors", "layout", "models"},
+    "config": {"errors", "layout", "models"},  # the keys: sections, plus Layout's and ModelShape's fields
+    "run_plan": {"config", "layout", "models"},  # RunPlan: what every part reads of a resolved run
     "data": {"errors", "manifest"},
-    "parallel": {"compat", "config", "errors", "launch_env", "layout", "models"},
-    "resolve": {"config", "launch_env", "layout", "models", "parallel"},
+    "parallel": {"compat", "config", "errors", "launch_env", "layout", "models", "run_plan"},
+    "resolve": {"compat", "config", "errors", "launch_env", "layout", "models", "parallel", "run_plan"},
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
-    "metrics": {"config", "data", "errors", "models", "parallel"},
-    "checkpoint": {"compat", "config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"},
+    "metrics": {"config", "data", "errors", "models", "parallel", "run_plan"},
+    "checkpoint": {
+        *("compat", "config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"),
+        "run_plan",
+    },
     "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
     "train": {
         *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
-        *("parallel", "resolve", "run_lock", "fit", "peer_lost"),
+        *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
     "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},

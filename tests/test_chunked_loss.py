@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from meshforge.config import fill, load_config
+from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.chunked_loss import IGNORE_INDEX, chunked_cross_entropy
 from meshforge.models.llama import build_model
@@ -102,13 +102,13 @@ def test_mismatched_model_and_loss_are_refused():
 
 
 def test_config_key_is_validated():
-    assert fill(load_config(None, {})).train.loss_chunk_size > 0  # on by default: long sequences are safe
+    assert load_config(None, {}).train.loss_chunk_size > 0  # on by default: long sequences are safe
     with pytest.raises(ConfigError, match="train.loss_chunk_size = -1 must be >= 0"):
-        fill(load_config(None, {"train.loss_chunk_size": -1}))
+        load_config(None, {"train.loss_chunk_size": -1})
     with pytest.raises(ConfigError, match="train.fp8_exclude"):
-        fill(load_config(None, {"train.precision": "fp8", "train.fp8_exclude": ["*router*"]}))
+        load_config(None, {"train.precision": "fp8", "train.fp8_exclude": ["*router*"]})
     fp8 = {"train.precision": "fp8", "train.fp8_exclude": ["*router*"], "train.loss_chunk_size": 0}
-    assert fill(load_config(None, fp8)).train.loss_chunk_size == 0
+    assert load_config(None, fp8).train.loss_chunk_size == 0
 
 
 def test_compiles_without_graph_breaks():

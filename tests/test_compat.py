@@ -4,21 +4,31 @@ import pytest
 
 from meshforge import compat
 from meshforge.config import load_config
-from meshforge.parallel import parallelize
+from meshforge.resolve import resolve
+from meshforge.run_plan import World
 
 
-def _cfg(schedule: str, pp: int = 2):
-    overrides = {"parallel.pp": pp, "parallel.pp_schedule": schedule, "model.layers": 4, "train.loss_chunk_size": 512}
-    return load_config(None, overrides)
+def _plan(schedule: str, able: bool, pp: int = 2):
+    over = {"parallel.pp": pp, "parallel.pp_schedule": schedule, "model.layers": 4, "train.loss_chunk_size": 512}
+    if schedule in ("zbv", "dualpipev"):
+        over["parallel.pp_virtual_stages"] = 2
+    world = World(size=pp, device="cpu", split_backward_custom_functions=able)
+    return resolve(load_config(None, over), world=world)
 
 
 @pytest.mark.parametrize("able", [True, False])
-@pytest.mark.parametrize("schedule", ["zero_bubble", "zb", "zbv", "dualpipev", "1f1b", "gpipe"])
-def test_the_chunked_loss_yields_to_a_split_backward_only_where_torch_needs_it(monkeypatch, schedule, able):
-    monkeypatch.setattr(parallelize, "split_backward_through_custom_functions", lambda: able)
-    split = schedule in ("zero_bubble", "zb", "zbv", "dualpipev")
-    assert parallelize.loss_chunk_size(_cfg(schedule)) == (512 if able or not split else 0)
-    assert parallelize.loss_chunk_size(_cfg(schedule, pp=1)) == 512  # no pipeline: no weight pass
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev", "1f1b", "gpipe"])
+def test_the_chunked_loss_yields_to_a_split_backward_only_where_torch_needs_it(schedule, able):
+    from meshforge.parallel.schedules import SCHEDULES
+
+    if schedule not in SCHEDULES:
+        pytest.skip(f"{schedule} is not in this torch")
+    split = schedule in ("zero_bubble", "zbv", "dualpipev")
+    plan = _plan(schedule, able)
+    assert plan.train.loss_chunk_size == (512 if able or not split else 0)
+    changed = [c.key for c in plan.changes]
+    assert changed == ([] if able or not split else ["train.loss_chunk_size"])  # recorded, with its reason
+    assert _plan(schedule, able, pp=1).train.loss_chunk_size == 512  # no pipeline: no weight pass
 
 
 def test_the_gate_follows_the_installed_torch():

@@ -1,16 +1,16 @@
 import pytest
 
 from meshforge.cli import parse_train_args
-from meshforge.config import load_config, to_toml
+from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.resolve import resolve
 
 
 def test_defaults_resolve_and_fill_preset():
     cfg = resolve(load_config())
-    assert cfg.model.hidden == 128 and cfg.model.layers == 4
+    assert cfg.shape.hidden == 128 and cfg.shape.layers == 4
     assert cfg.optim.warmup_steps == cfg.train.steps // 10
-    assert cfg.parallel.dp_shard == 1
+    assert cfg.layout.dp_shard == 1
 
 
 def test_unknown_key_suggests_nearest():
@@ -38,13 +38,14 @@ def test_literal_suggests_valid_choice():
 @pytest.mark.parametrize(
     "override, pattern",
     [
-        ({"optim.lr": -1e-3}, r"optim\.lr = -0\.001 must be > 0"),
-        ({"train.steps": 0}, r"train\.steps = 0 must be > 0"),
+        ({"optim.lr": -1e-3}, r"optim\.lr = -0\.001 must be in \(0, 10\]"),
+        ({"optim.lr": float("inf")}, r"optim\.lr = inf must be a finite number"),
+        ({"train.steps": 0}, r"train\.steps = 0 must be between 1 and 1,000,000,000"),
+        ({"train.steps": 10**23}, r"train\.steps = 10+ is far too large"),
         ({"train.seq_len": 4096}, r"train\.seq_len = 4096 is above .*model\.max_seq_len = 1024"),
         ({"train.global_batch_size": 10, "train.micro_batch_size": 4}, r"micro_batch_size = 4 must divide"),
         ({"parallel.zero_stage": 5}, r"zero_stage = 5 must be 0, 1, 2 or 3"),
         ({"model.heads": 3}, r"model\.hidden = 128 must be divisible by model\.heads = 3"),
-        ({"optim.warmup_steps": 500}, r"warmup_steps = 500 is more than train\.steps"),
         ({"model.rope_scaling": "lama3"}, r"model\.rope_scaling = 'lama3' is not one of .*did you mean 'llama3'"),
         ({"model.head_dim": 15}, r"head_dim.*even"),
         ({"parallel.num_microbatches": -1}, r"num_microbatches = -1 must be >= 0"),
@@ -53,6 +54,35 @@ def test_literal_suggests_valid_choice():
 def test_impossible_values_refused(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         resolve(load_config(None, override))
+
+
+def test_a_warmup_longer_than_the_run_is_clipped_and_said():
+    """Shortening a run (--train.steps=20 on a config with 40 warm-up steps) just works."""
+    plan = resolve(load_config(None, {"optim.warmup_steps": 500, "train.steps": 20}))
+    assert plan.optim.warmup_steps == 20
+    (change,) = plan.changes
+    assert change.key == "optim.warmup_steps" and change.used == 20 and "longer than the run" in change.reason
+    assert "# changed: optim.warmup_steps = 500 runs as 20" in plan.to_toml()
+
+
+def test_the_resolved_config_holds_no_automatic_value():
+    plan = resolve(load_config(None, {"checkpoint.interval": "auto"}))
+    text = plan.to_toml()
+    body = [line for line in text.splitlines() if not line.startswith("#")]
+    assert not [line for line in body if '"auto"' in line], text
+    assert 'precision = "fp32"' in text and 'mixed_precision = "none"' in text and 'device = "cpu"' in text
+    assert "dp_shard = 1" in text and "micro_batch_size = 16" in text and 'interval = "young_daly"' in text
+    again = resolve(load_config_text(text))  # rerunning config.toml resolves to the same plan
+    assert again.config == plan.config
+
+
+def load_config_text(text: str):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "c.toml").write_text(text)
+        return load_config(Path(d) / "c.toml")
 
 
 def test_unknown_preset_suggests():
@@ -77,9 +107,9 @@ def test_toml_file_and_overrides(tmp_path):
 def test_resolved_toml_round_trips(tmp_path):
     cfg = resolve(load_config(None, {"model.preset": "llama3.2-1b", "train.seq_len": 2048, "run.dir": "x"}))
     f = tmp_path / "resolved.toml"
-    f.write_text(to_toml(cfg))
+    f.write_text(cfg.to_toml())
     again = load_config(f)
-    assert again == cfg
+    assert again == cfg.config
 
 
 def test_malformed_toml_names_file(tmp_path):
@@ -115,7 +145,7 @@ def test_one_degree_may_be_inferred():
     cfg = resolve(
         load_config(None, {"parallel.dp_replicate": -1, "parallel.dp_shard": 2, "parallel.zero_stage": 3}), world_size=8
     )
-    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard) == (4, 2)
+    assert (cfg.layout.dp_replicate, cfg.layout.dp_shard) == (4, 2)
     with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
         resolve(load_config(None, {"parallel.tp": -1}), world_size=4)
     with pytest.raises(ConfigError, match="not divisible by the fixed degrees' product 3"):
@@ -126,20 +156,20 @@ def test_hsdp_needs_a_sharded_stage():
     with pytest.raises(ConfigError, match=r"dp_replicate = 2 .*needs parallel.zero_stage = 2 or 3.*dp_shard = 4"):
         resolve(load_config(None, {"parallel.dp_replicate": 2}), world_size=4)
     cfg = resolve(load_config(None, {"parallel.dp_replicate": 2, "parallel.zero_stage": 3}), world_size=4)
-    assert cfg.parallel.dp_shard == 2
+    assert cfg.layout.dp_shard == 2
 
 
 def test_axes_not_yet_available_are_refused_by_name():
-    assert resolve(load_config(None, {"parallel.cp": 2}), world_size=2).parallel.cp == 2  # context parallel runs
+    assert resolve(load_config(None, {"parallel.cp": 2}), world_size=2).layout.cp == 2  # context parallel runs
     over = {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 1}  # ZeRO-1 shards over dp x cp
-    assert resolve(load_config(None, over), world_size=4).parallel.zero_stage == 1
+    assert resolve(load_config(None, over), world_size=4).layout.zero_stage == 1
     with pytest.raises(ConfigError, match=r"parallel.ep = 2 splits the experts .* dense .*set parallel.ep = 1"):
         resolve(load_config(None, {"parallel.ep": 2}), world_size=1)  # expert parallelism needs an MoE model
 
 
 def test_list_keys_are_checked():
     cfg = load_config(None, {"parallel.pp_layers": [3, 1]})
-    assert cfg.parallel.pp_layers == [3, 1]
+    assert cfg.layout.pp_layers == (3, 1)
     with pytest.raises(ConfigError, match=r"parallel.pp_layers must be a list"):
         load_config(None, {"parallel.pp_layers": 4})
     with pytest.raises(ConfigError, match=r"parallel.pp_layers\[1\] must be an integer"):
@@ -167,7 +197,7 @@ def test_tp_shapes_that_do_not_split_are_refused(override, tp, pattern):
 
 def test_tp_accepts_what_splits_and_seq_len_needs_sp_only():
     cfg = resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8)
-    assert (cfg.parallel.tp, cfg.parallel.dp_shard, cfg.parallel.sequence_parallel) == (4, 2, True)
+    assert (cfg.layout.tp, cfg.layout.dp_shard, cfg.layout.sequence_parallel) == (4, 2, True)
     o = {**TP_SHAPE, "parallel.tp": 4, "train.seq_len": 30, "parallel.sequence_parallel": False}
     assert resolve(load_config(None, o), world_size=4).train.seq_len == 30
 
@@ -177,4 +207,4 @@ def test_tp_must_stay_inside_a_node(monkeypatch):
     with pytest.raises(ConfigError, match=r"parallel.tp = 4 is larger than the 2 ranks per node.*tp <= 2"):
         resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8).parallel.tp == 4
+    assert resolve(load_config(None, {**TP_SHAPE, "parallel.tp": 4}), world_size=8).layout.tp == 4

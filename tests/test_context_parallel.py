@@ -117,9 +117,9 @@ def test_cp_composes_with_hsdp_and_zero1(tmp_path, corpus):
     """No longer refused: HSDP shards over dp_shard x cp and replicates over dp_replicate,
     ZeRO-1 shards the optimizer over dp x cp (their equivalence runs are in LAYOUTS)."""
     over = {"parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 3, "train.seq_len": 64}
-    assert resolve(_config(tmp_path, corpus, **over), 4).parallel.dp_replicate == 2
+    assert resolve(_config(tmp_path, corpus, **over), 4).layout.dp_replicate == 2
     over = {"parallel.cp": 2, "parallel.zero_stage": 1, "train.seq_len": 64}
-    assert resolve(_config(tmp_path, corpus, **over), 2).parallel.zero_stage == 1
+    assert resolve(_config(tmp_path, corpus, **over), 2).layout.zero_stage == 1
     over["parallel.tp"] = 2  # ZeRO-1 under tp stays refused (its own rule), cp or not
     with pytest.raises(ConfigError, match=r"parallel\.zero_stage = 1 with parallel\.tp = 2"):
         resolve(_config(tmp_path, corpus, **over), 4)

@@ -37,7 +37,7 @@ def diloco_of(trainer, islands=1, island=0, group=None, **kw):
     d = trainer.cfg.diloco
     keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "delay", "sync_dtype")
     opts = {**{k: getattr(d, k) for k in keys}, **kw}
-    return DiLoCo(trainer.model, group, islands, island, d.inner_steps, trainer.cfg.model.layers, **opts)
+    return DiLoCo(trainer.model, group, islands, island, d.inner_steps, trainer.cfg.shape.layers, **opts)
 
 
 def run_islands(trainers, dilocos, steps, per, identical=True):
@@ -141,12 +141,11 @@ def assert_island_bytes(run: Path, cfg, inner_ranks: int) -> None:
     """The island axis carries 2(M-1)/M x the local shard's pseudo-gradient bytes per sync
     (all-reduce), one fragment's at a time: per round, the whole local model once."""
     from meshforge.models.flops import num_params
-    from meshforge.models.presets import model_shape
 
-    args = model_shape(cfg.model)
-    local = num_params(args) * (1 if cfg.parallel.zero_stage == 0 else 1 / inner_ranks)
+    args = cfg.shape
+    local = num_params(args) * (1 if cfg.layout.zero_stage == 0 else 1 / inner_ranks)
     width = {"fp32": 4, "bf16": 2}[cfg.diloco.sync_dtype]
-    m = cfg.diloco.islands
+    m = cfg.layout.islands
     per_round = sum(r.get("comm_bytes_by_kind", {}).get("island", {}).get("all_reduce", 0) for r in metrics(run)[:H])
     assert per_round == pytest.approx(2 * (m - 1) / m * width * local)
     peak = max(r.get("comm_bytes_by_kind", {}).get("island", {}).get("all_reduce", 0) for r in metrics(run))
@@ -198,9 +197,7 @@ def test_rules_name_the_key(tmp_path, corpus, overrides, key):
 
 
 def test_islands_are_the_outermost_mesh_dimension(tmp_path, corpus):
-    from meshforge.resolve import layout
-
-    dims = layout(resolve(tiny_config(tmp_path / "r", corpus, **{"diloco.islands": 2}), 4), 4)
+    dims = resolve(tiny_config(tmp_path / "r", corpus, **{"diloco.islands": 2}), 4).layout
     assert list(dims.mesh_degrees()) == ["island", "pp", "dp_replicate", "dp_shard", "cp", "tp"]
     assert dims.dp_shard == 2 and dims.world_size == 4 and dims.data_ranks == 4
 

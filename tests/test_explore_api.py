@@ -188,8 +188,8 @@ def test_config_download_is_a_runnable_train_config(port, tmp_path):
     path = tmp_path / "c.toml"
     path.write_bytes(body)
     cfg = resolve(load_config(path), 8)
-    assert (cfg.parallel.tp, cfg.parallel.dp_shard, cfg.parallel.zero_stage) == (2, 4, 3)
-    assert cfg.train.activation_checkpoint == "selective"
+    assert (cfg.layout.tp, cfg.layout.dp_shard, cfg.layout.zero_stage) == (2, 4, 3)
+    assert cfg.layout.activation_checkpoint == "selective"
     status, err = api(port, "config", model="llama3.1-405b", gpus=8)
     assert status == 400 and "does not fit" in err["error"]
     status, err = api(port, "config", model="llama3.1-8b", gpus=8, tp=2, zero=1)

@@ -12,11 +12,9 @@ from conftest import cli_args, run_cli, tiny_config
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.llama import ModelShape, build_model
-from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import fp8_plan, model_fp8_plan, require_torchao, unmatched_warnings
 from meshforge.resolve import resolve
 from meshforge.train import train
-from meshforge.train.run_dir import check_precision_and_offload
 
 pytest.importorskip("torchao.float8")
 
@@ -72,14 +70,12 @@ def test_plan_converts_block_linears_and_says_why_others_stay():
 
 def test_refusals_name_the_key(tmp_path, corpus, monkeypatch):
     fp8 = {"train.precision": "fp8", "train.fp8_exclude": ["layers.*", "output"]}
-    cfg = resolve(tiny_config(tmp_path, corpus, **fp8))
     with pytest.raises(ConfigError, match=r"train.fp8_exclude leaves no linear layer in fp8"):
-        check_precision_and_offload(cfg, model_shape(cfg.model))
+        resolve(tiny_config(tmp_path, corpus, **fp8))
     with pytest.raises(ConfigError, match=r"train.fp8_recipe = 'rowwsie'.*did you mean 'rowwise'"):
         load_config(None, {"train.fp8_recipe": "rowwsie"})
-    cfg = resolve(tiny_config(tmp_path, corpus, **{"parallel.offload": "cpu", "parallel.zero_stage": 3}), 2)
     with pytest.raises(ConfigError, match=r"parallel.offload = 'cpu' on a CPU run: the state already lives in host"):
-        check_precision_and_offload(cfg, model_shape(cfg.model))
+        resolve(tiny_config(tmp_path, corpus, **{"parallel.offload": "cpu", "parallel.zero_stage": 3}), 2)
     with pytest.raises(ConfigError, match=r"parallel.offload = 'cpu' needs FSDP2's sharded state"):
         resolve(tiny_config(tmp_path, corpus, **{"parallel.offload": "cpu", "parallel.zero_stage": 1}), 2)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
@@ -110,19 +106,21 @@ def test_fp8_all_gather_only_where_fsdp_gathers_over_ranks(monkeypatch):
     assert not fp8_mod.fp8_config("tensorwise", cuda, gathers=False).enable_fsdp_float8_all_gather
     assert not fp8_mod.fp8_config("tensorwise", cpu, gathers=True).enable_fsdp_float8_all_gather  # gloo: no fp8
     assert not fp8_mod.fp8_all_gather("rowwise", cuda, gathers=True)
-    # the run's own decision (parallelize.gathers_fp8): a CUDA world of one casting once is FSDP2-
-    # sharded on a one-rank mesh, and must not gather in fp8; ZeRO-3 over 2 ranks does
-    from meshforge.parallel import parallelize
-    from meshforge.parallel.mesh import Mesh
+    # the run plan's decision: a CUDA world of one casting once is FSDP2-sharded on a one-rank
+    # mesh, and must not gather in fp8; ZeRO-3 over 2 ranks does (on an fp8 GPU only)
+    from meshforge.run_plan import World
 
-    cfg = load_config(None, {"train.precision": "fp8", "train.mixed_precision": "cast_once"})
-    solo = Mesh(0, 1, 0, cuda, Layout())
-    assert parallelize.is_sharded(cfg, solo) and not parallelize.gathers_fp8(cfg, solo)
-    zero3 = Mesh(0, 2, 0, cuda, Layout(dp_shard=2, zero_stage=3))
-    assert parallelize.gathers_fp8(cfg, zero3)
-    assert not parallelize.gathers_fp8(load_config(None, {"train.precision": "bf16"}), zero3)
-    offload = load_config(None, {"train.precision": "fp8", "parallel.offload": "cpu"})
-    assert not parallelize.gathers_fp8(offload, zero3)  # host-resident shards: no fp8 gather
+    def plan(world: int, native: bool = True, **over):
+        cfg = load_config(None, {"train.precision": "fp8", "train.mixed_precision": "cast_once", **over})
+        return resolve(cfg, world=World(size=world, device="cuda", fp8_native=native))
+
+    solo = plan(1)
+    assert solo.fsdp and not solo.fp8_all_gather
+    assert plan(2, **{"parallel.zero_stage": 3}).fp8_all_gather
+    assert not plan(2, native=False, **{"parallel.zero_stage": 3}).fp8_all_gather  # emulated: no fp8 gather
+    assert not plan(2, **{"parallel.zero_stage": 3, "train.precision": "bf16"}).fp8_all_gather
+    offload = plan(2, **{"parallel.zero_stage": 3, "parallel.offload": "cpu"})
+    assert offload.fsdp and not offload.fp8_all_gather  # host-resident shards: no fp8 gather
 
 
 def test_fp8_scales_precomputed_before_every_forward_where_it_gathers(monkeypatch, tmp_path, corpus):
@@ -136,7 +134,9 @@ def test_fp8_scales_precomputed_before_every_forward_where_it_gathers(monkeypatc
     o = debug_overrides(tmp_path / "no", corpus, **{"train.precision": "fp8", "train.steps": 3})
     train(load_config(None, o))
     assert calls == []  # a CPU world of one: no fp8 all-gather
-    monkeypatch.setattr(step_mod, "gathers_fp8", lambda cfg, mesh: True)
+    from meshforge import resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "_fp8_all_gather", lambda cfg, world, fsdp: True)
     train(load_config(None, {**o, "run.dir": str(tmp_path / "yes")}))
     assert len(calls) == 3 and all(isinstance(m, torch.nn.Module) for m in calls)
 

@@ -15,7 +15,6 @@ from meshforge.errors import ConfigError
 from meshforge.faults import parse
 from meshforge.health.spike import SpikeDetector
 from meshforge.parallel.mesh import build_mesh
-from meshforge.resolve import layout
 from meshforge.train.loop import Trainer
 from meshforge.train.run_dir import agree_on_start, preflight
 
@@ -57,7 +56,7 @@ def reference_weights(tmp_path, corpus, skip: int | None):
     """One process, the same weights and data, stepping by hand; step ``skip``'s batch is
     consumed (data order, step count, LR schedule advance) without an update."""
     cfg = preflight(tiny_config(tmp_path / f"ref-{skip}", corpus, **COMMON), 1)
-    mesh = build_mesh(layout(cfg, 1), "cpu")
+    mesh = build_mesh(cfg.layout, "cpu")
     cfg, _ = agree_on_start(cfg, mesh)
     tr = Trainer(cfg, mesh)
     batches = {}  # step -> its global batch's sample indices
@@ -162,10 +161,8 @@ def test_spike_detector_is_robust():
 
 
 def test_rollback_needs_checkpoints(tmp_path, corpus):
-    from meshforge.config import fill
-
     with pytest.raises(ConfigError, match="health.on_spike = 'rollback' needs checkpoints.*checkpoint.interval"):
-        fill(tiny_config(tmp_path, corpus, **{"health.on_spike": "rollback"}))
+        tiny_config(tmp_path, corpus, **{"health.on_spike": "rollback"})
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def test_planner_and_train_agree_on_every_layout(tmp_path, monkeypatch, tie, seq
         path.write_text(toml)
         cfg = load_config(path)
         if exists and not reason:
-            got = resolve(cfg, GPUS).parallel
+            got = resolve(cfg, GPUS).layout
             assert (got.tp, got.pp, got.cp, got.dp_shard, got.zero_stage) == (
                 lay.tp,
                 lay.pp,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.flops import num_params
 from meshforge.models.llama import (
@@ -18,7 +19,7 @@ from meshforge.models.llama import (
     build_model,
 )
 from meshforge.models.loss import LanguageModelLoss, drain_aux, report_aux
-from meshforge.models.presets import PRESETS, check_model_args, model_shape
+from meshforge.models.presets import PRESETS, check_model_args
 from meshforge.parallel.pipeline import give_positions
 
 # Published parameter counts (Meta's model cards / HF configs).
@@ -140,12 +141,12 @@ def test_head_dim_other_than_hidden_over_heads_builds_trains_and_counts():
 
 
 def test_head_dim_is_resolved_after_config_overrides():
-    base = model_shape(SimpleNamespace(preset="debug"))
+    base = load_config(None, {}).shape
     assert base.head_dim == 32 and not base.explicit_head_dim
-    small = model_shape(SimpleNamespace(preset="debug", hidden=64))
+    small = load_config(None, {"model.hidden": 64}).shape
     assert small.head_dim == 16
     assert build_model(small, device="meta").layers["0"].attention.wq.weight.shape == (64, 64)
-    explicit = model_shape(SimpleNamespace(preset="debug", hidden=64, head_dim=48))
+    explicit = load_config(None, {"model.hidden": 64, "model.head_dim": 48}).shape
     assert explicit.head_dim == 48 and explicit.explicit_head_dim
     assert dataclasses.asdict(small)["head_dim"] == 16  # what a checkpoint's meta records
     assert PRESETS["debug"].head_dim == 32  # the preset itself is untouched

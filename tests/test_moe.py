@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshforge.config import fill, load_config
+from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models import flops
 from meshforge.models import moe as moe_module
@@ -222,4 +222,4 @@ def test_flops_count_active_parameters_only():
 )
 def test_bad_moe_values_are_refused_by_key(over, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        fill(load_config(None, {"model.preset": "debug-moe", **over}))
+        load_config(None, {"model.preset": "debug-moe", **over})

@@ -23,7 +23,6 @@ from conftest import (
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.loss import drain_aux, report_aux
-from meshforge.models.presets import model_shape
 from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
 from meshforge.parallel.pipeline_aux import StageAux
 from meshforge.parallel.schedules import bubble_fraction
@@ -132,12 +131,12 @@ def test_gantt_chart_of_a_step(layout_runs):
 
 
 def test_split_balances_cost_and_counts_the_head():
-    args = model_shape(load_config(None, {"model.preset": "llama3.1-8b"}).model)
+    args = load_config(None, {"model.preset": "llama3.1-8b"}).shape
     sizes = balanced_split(args, 8192, 4)
     assert sum(sizes) == 32 and min(sizes) >= 1
     assert sizes[-1] < sizes[1]  # the last stage also carries the 128k-vocabulary head
     assert sizes[0] <= sizes[1]  # the first carries the embedding
-    small_vocab = model_shape(load_config(None, {"model.preset": "debug"}).model)
+    small_vocab = load_config(None, {"model.preset": "debug"}).shape
     assert balanced_split(small_vocab, 256, 2) == [small_vocab.layers // 2] * 2
 
 

@@ -89,7 +89,7 @@ def test_emitted_ep_config_resolves(tmp_path):
     argv = ["--model", "debug-moe", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2", "--seq-len", "64"]
     run(parse_plan_args([*argv, "--global-batch", "4", "--ep", "2", "--emit-config", str(out)]))
     cfg = resolve(load_config(str(out), {}), 2)
-    assert cfg.parallel.ep == 2 and cfg.model.preset == "debug-moe" and cfg.parallel.dp_shard == 2
+    assert cfg.layout.ep == 2 and cfg.model.preset == "debug-moe" and cfg.layout.dp_shard == 2
     # an explicit MoE shape is written out key by key and resolves the same way
     shape_argv = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn-hidden", "128", "--vocab", "256"]
     moe = ["--experts", "4", "--top-k", "2", "--moe-ffn-hidden", "32", "--ep", "2"]
@@ -211,6 +211,6 @@ def test_capacity_factor_flag_is_checked_and_emitted(tmp_path):
         )
     )
     cfg = resolve(load_config(str(out), {}), 2)
-    assert cfg.model.capacity_factor == 1.25 and cfg.model.num_experts == 8 and cfg.parallel.ep == 2
+    assert cfg.shape.capacity_factor == 1.25 and cfg.shape.num_experts == 8 and cfg.layout.ep == 2
     with pytest.raises(SystemExit, match="2"):  # argparse's type check names the flag and its range
         parse_plan_args([*argv, "--capacity-factor", "-1"])

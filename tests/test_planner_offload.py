@@ -92,7 +92,7 @@ def test_emitted_offload_config_loads_resolves_and_dry_runs(tmp_path, capsys):
     assert best["offload"] == "cpu"
     assert best["memory_bytes"]["host"] > best["memory_bytes"]["device"] > 0
     cfg = resolve(load_config(str(out)), GPUS)  # the layout rules take it
-    assert cfg.parallel.offload == "cpu" and cfg.parallel.zero_stage == best["zero_stage"] >= 2
+    assert cfg.layout.offload == "cpu" and cfg.layout.zero_stage == best["zero_stage"] >= 2
     assert run(parse_plan_args(["--config", str(out), "--gpus", "2", "--gpus-per-node", "2", "--json"])) == 0
     again = json.loads(capsys.readouterr().out)["layouts"]
     assert len(again) == 1 and again[0]["offload"] == "cpu" and again[0]["zero_stage"] == best["zero_stage"]

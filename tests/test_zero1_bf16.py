@@ -15,7 +15,6 @@ import pytest
 
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.models.llama import build_model
-from meshforge.models.presets import model_shape
 from meshforge.train import train
 
 pytestmark = pytest.mark.slow
@@ -50,7 +49,7 @@ def runs(tmp_path_factory, corpus):
 def group_sizes(run_dir):
     """Ψ of the two AdamW groups (decay: matrices; no decay: norms and the embedding)."""
     cfg = tiny_config(run_dir, run_dir)
-    model = build_model(model_shape(cfg.model), device="meta")
+    model = build_model(cfg.shape, device="meta")
     decay = no_decay = 0
     for name, p in model.named_parameters():
         if p.ndim < 2 or "tok_embeddings" in name:

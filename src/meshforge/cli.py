@@ -87,7 +87,7 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 def cmd_train(argv: list[str]) -> int:
     tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
-        from meshforge.config import describe_keys
+        from meshforge.config.reference import describe_keys
 
         print(TRAIN_USAGE)
         print(describe_keys())
@@ -131,7 +131,7 @@ def _train(argv: list[str]) -> int:
         train_and_report(cfg)
         return 0
     # Check everything (config, run dir, data) once here, before any rank starts.
-    cfg = preflight(cfg, nproc, launcher=True)
+    cfg = preflight(cfg, nproc, launcher=True).config
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
     os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())
@@ -156,11 +156,14 @@ def train_and_report(cfg: Any) -> dict[str, Any]:
     wrote, also after a failed or stopped run. Written here, above train/, so that training
     never imports the analysis side (report/ reads the planner). Rank 0 checks the run first
     (as the multi-rank launch does): a refused run writes nothing, not even into an old run."""
+    import dataclasses
+
     from meshforge.train import preflight, train
 
     main = launch_env.rank() == 0
-    if main:
-        cfg.run.dir = preflight(cfg, launch_env.world_size()).run.dir  # under torchrun, rank 0's dir is the run's
+    if main:  # under torchrun, rank 0's dir is the run's
+        run_dir = preflight(cfg, launch_env.world_size()).run.dir
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     try:
         return train(cfg)
     finally:
@@ -190,25 +193,18 @@ def write_run_report(cfg: Any) -> None:
 
 
 def dry_run(cfg: Any, world: int) -> int:
-    """Print the config resolved for ``world`` ranks, this machine's device and memory, and the
-    planner's estimate of exactly that layout on it (the one the pre-flight fit check uses);
-    start nothing and write nothing (run.dir is not touched)."""
-    from meshforge.config import to_toml
-    from meshforge.fit import device_memory, estimate_run, uses_cuda
-    from meshforge.models.presets import model_shape
+    """Print the run plan for ``world`` ranks on this machine (the config.toml a run would write),
+    the device and its memory, and the planner's estimate of exactly that layout on it (the one
+    the pre-flight fit check uses); start nothing and write nothing (run.dir is not touched)."""
+    from meshforge.fit import device_memory, estimate_run
     from meshforge.resolve import resolve
-    from meshforge.train.run_dir import check_precision_and_offload
 
-    cfg = resolve(cfg, world)
-    print(f"# meshforge train --dry-run: the config resolved for {world} rank(s)\n{to_toml(cfg)}")
-    try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
-        check_precision_and_offload(cfg, model_shape(cfg.model))
-    except MeshforgeError as e:
-        print(f"on this machine meshforge train refuses it: {e}")
-    cuda = uses_cuda(cfg)
+    plan = resolve(cfg, world)
+    print(f"# meshforge train --dry-run: the run plan for {world} rank(s)\n{plan.to_toml()}")
+    cuda = plan.world.device == "cuda"
     mem = device_memory(cuda, 0, 1 if cuda else world)
     print(f"device: {mem.describe()}" + (" (GPU 0; each rank checks its own)" if cuda and world > 1 else ""))
-    run = estimate_run(cfg, world, mem)
+    run = estimate_run(plan, mem)
     e = run.estimate
     if e is None:
         print(f"planner: no estimate for this layout ({run.error})")
@@ -216,7 +212,7 @@ def dry_run(cfg: Any, world: int) -> int:
     fits = "fits" if e.fits else f"does NOT fit: {e.overflow}"
     if run.islands > 1:
         print(f"diloco: {run.islands} islands of {run.ranks} rank(s); the estimate is one island's")
-    skip = " (train.skip_memory_check = true: not checked)" if cfg.train.skip_memory_check else ""
+    skip = " (train.skip_memory_check = true: not checked)" if plan.train.skip_memory_check else ""
     print(
         f"planner estimate on {run.ranks} x {run.hardware}: memory {e.memory['total']:.2f} GiB per device "
         f"({fits}){skip} | "

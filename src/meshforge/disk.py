@@ -81,27 +81,24 @@ def probe_run_dir(run_dir: Path) -> Path:
 def check_disk(cfg: Any) -> None:
     """Before training: run.dir is writable and has room for one checkpoint and the final weights."""
     probe_run_dir(Path(cfg.run.dir))
-    from meshforge.models.presets import model_shape
-
     need, parts = 0, []
     if cfg.checkpoint.interval != 0:
-        need += checkpoint_bytes(cfg.model, cfg.train.precision)
+        need += checkpoint_bytes(cfg.shape, cfg.train.precision)
         parts.append("one checkpoint")
     finals = int(cfg.checkpoint.save_final) + int(cfg.checkpoint.export_hf)
     if finals:
-        need += finals * 4 * model_shape(cfg.model).num_params()
+        need += finals * 4 * cfg.shape.num_params()
         parts.append("the final weights")
     if need:
         check_free_space(Path(cfg.run.dir), need, " and ".join(parts) + " of this model")
 
 
-def checkpoint_bytes(model: Any, precision: str) -> int:
+def checkpoint_bytes(shape: Any, precision: str) -> int:
     """One checkpoint of this model: its parameters and optimizer state as the planner counts
     them (planner/memory.py's model_state_bytes on one GPU; gradients are not saved)."""
-    from meshforge.models.presets import model_shape
     from meshforge.planner.memory import model_state_bytes
 
-    psi = model_shape(model).num_params()
+    psi = shape.num_params()
     states = model_state_bytes(psi, 1, 0, "fp32" if precision == "fp32" else "bf16")
     return int(states["params"] + states["optimizer"])
 

@@ -82,12 +82,6 @@ def host_memory() -> tuple[float, float]:
     return avail / GIB, max(total, avail) / GIB
 
 
-def uses_cuda(cfg: Any) -> bool:
-    import torch
-
-    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-
-
 def device_memory(cuda: bool, local_rank: int = 0, local_ranks: int = 1) -> DeviceMemory:
     """This rank's device memory. On CPU nothing touches CUDA; on CUDA the rank's own GPU
     (``local_rank`` modulo the visible devices) is asked, which creates its context there."""
@@ -114,23 +108,24 @@ class RunEstimate:
     error: str = ""
 
 
-def estimate_run(cfg: Any, world: int, mem: DeviceMemory) -> RunEstimate:
-    """The planner's estimate of exactly this resolved config on ``world`` ranks, on a profile
-    of this machine (its memory replaced by ``mem``'s per-rank figure; a GPU's host RAM too)."""
+def estimate_run(cfg: Any, mem: DeviceMemory) -> RunEstimate:
+    """The planner's estimate of exactly this run plan on its world, on a profile of this machine
+    (its memory replaced by ``mem``'s per-rank figure; a GPU's host RAM too)."""
     from meshforge.config import to_toml
     from meshforge.planner.hardware import get_hardware, preset_for_device, to_json
     from meshforge.planner.plan import parse_plan_args, plan_from_args
 
-    m = cfg.diloco.islands
+    world = cfg.world.size
+    m = cfg.layout.islands
     hw = get_hardware(preset_for_device("cpu" if mem.kind == "cpu" else mem.name))
     hw.hbm_gib = mem.per_rank_gib
-    if mem.kind == "cuda" and cfg.parallel.offload == "cpu":
+    if mem.kind == "cuda" and cfg.layout.offload == "cpu":
         hw.host_mem_gib = host_memory()[0]  # the node's ranks keep their offloaded state here
     # DiLoCo: the planner estimates one island's layout, on its share of the global batch
     island = dataclasses.replace(cfg.train, global_batch_size=cfg.train.global_batch_size // m)
     with tempfile.TemporaryDirectory() as d:
         path, profile = Path(d) / "config.toml", Path(d) / "hardware.json"
-        path.write_text(to_toml(cfg if m == 1 else dataclasses.replace(cfg, train=island)))
+        path.write_text(to_toml(cfg.config if m == 1 else dataclasses.replace(cfg.config, train=island)))
         profile.write_text(to_json(hw))
         args = ["--config", str(path), "--gpus", str(world // m), "--hardware", str(profile)]
         try:
@@ -141,14 +136,15 @@ def estimate_run(cfg: Any, world: int, mem: DeviceMemory) -> RunEstimate:
     return RunEstimate(e, hw.name, world // m, m, "" if e else "no estimate for this layout")
 
 
-def check_fit(cfg: Any, world: int, local_rank: int = 0, local_ranks: int = 1) -> RunEstimate | None:
-    """Refuse (FitError) a resolved run whose estimate exceeds this rank's memory; warn where it
-    is within the planner's uncertainty. ``train.skip_memory_check = true`` skips it."""
+def check_fit(cfg: Any, local_rank: int = 0, local_ranks: int = 1) -> RunEstimate | None:
+    """Refuse (FitError) a run plan whose estimate exceeds this rank's memory; warn where it is
+    within the planner's uncertainty. ``train.skip_memory_check = true`` skips it."""
     if cfg.train.skip_memory_check:
         return None
-    mem = device_memory(uses_cuda(cfg), local_rank, local_ranks)
+    world = cfg.world.size
+    mem = device_memory(cfg.world.device == "cuda", local_rank, local_ranks)
     try:
-        est = estimate_run(cfg, world, mem)
+        est = estimate_run(cfg, mem)
     except Exception as err:  # noqa: BLE001 - a planner bug must not stop a run it cannot price
         print(f"meshforge: warning: memory check skipped (the planner failed: {err!r})", file=sys.stderr)
         return None
@@ -188,13 +184,13 @@ def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
     """What would shrink this run's memory, for the settings it does not already use."""
     t, out = cfg.train, []
     lay = e.layout
-    if t.activation_checkpoint != "full":
+    if cfg.layout.activation_checkpoint != "full":
         out.append("activation checkpointing: --train.activation_checkpoint=full (recompute each block's activations)")
     if lay.micro_batch_size > 1:
         mb = lay.micro_batch_size
         smaller = next(d for d in range(max(1, mb // 4), 0, -1) if mb % d == 0)  # still divides the batch
         out.append(f"a smaller micro-batch: --train.micro_batch_size={smaller} (is {mb})")
-    if mem.kind == "cuda" and cfg.parallel.offload != "cpu":
+    if mem.kind == "cuda" and cfg.layout.offload != "cpu":
         out.append("CPU offload: --parallel.offload=cpu (parameters, gradients and optimizer state in host RAM)")
     if mem.kind == "cpu" and t.precision == "fp32":
         out.append("bf16 weights: --train.precision=bf16 (half of fp32's parameter and activation bytes)")
@@ -208,10 +204,10 @@ def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
 
 def plan_command(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> str:
     """The exact ``meshforge plan`` command for this model, batch and precision."""
-    from meshforge.models.presets import PRESETS, model_shape
+    from meshforge.models.presets import PRESETS
     from meshforge.planner.hardware import preset_for_device
 
-    a = model_shape(cfg.model)
+    a = cfg.shape
     if cfg.model.preset in PRESETS and a == PRESETS[cfg.model.preset]:
         model = f"--model {cfg.model.preset}"
     else:  # a shape of its own: the plan flags that give it

@@ -1,12 +1,13 @@
 """The one layout type: ``Layout``, the degrees and every layout setting, spelled as the
 config keys ([parallel], plus ``micro_batch_size`` and ``activation_checkpoint`` of [train]
-and ``islands`` of [diloco]).
+and ``islands`` of [diloco]: each field's ``section`` metadata says which).
 
-A config resolves once into a ``Layout`` (``meshforge/resolve.py``); the mesh, ``parallelize``,
-the planner, the explorer and ``--emit-config`` read it. The [parallel] config section is
-derived from these fields (config.py), so a new layout setting is one field here, one row
-in docs/configuration.md and the code that applies it. Whether a layout runs is decided by
-``parallel/dims/``; this file holds no rules, only the data and its derived quantities.
+These fields ARE the config's layout keys (config/keys.py reads them, docstrings included),
+so a new layout setting is one field here and the code that applies it. A config resolves
+once into a run plan whose ``layout`` every part reads (``meshforge/resolve.py``): the mesh,
+``parallelize``, the planner, the explorer and ``--emit-config``. Whether a layout runs is
+decided by ``parallel/dims/``; this file holds no rules, only the data and its derived
+quantities.
 
 A *partial* layout (``open_layout``) holds None for what is not decided yet (the planner's
 search, the explorer's cross-checks); the rules judge what is set.
@@ -15,20 +16,17 @@ search, the explorer's cross-checks); the rules judge what is set.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when islands > 1
-DEGREES = (*DIMS, "ep")
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/dims/)
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
-TRAIN_KEYS = ("micro_batch_size", "activation_checkpoint")  # layout settings that live in [train]
-DILOCO_KEYS = ("islands",)  # layout settings that live in [diloco]
 # what the planner searches: open (None) in a partial layout unless fixed
 SEARCHED = ("pp", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch_size", "activation_checkpoint")
 SEARCHED += ("pp_schedule", "pp_virtual_stages", "offload")
@@ -36,48 +34,81 @@ SEARCHED += ("pp_schedule", "pp_virtual_stages", "offload")
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees and layout settings, named as their config keys (docs/configuration.md says
-    what each means). In a config any one of dp_replicate, dp_shard, tp, pp, cp may be -1
+    """Degrees and layout settings, each one config key, declared here once: a field's docstring
+    is its help and its ``section`` metadata the config section that spells it ([parallel]
+    unless said). In a config any one of dp_replicate, dp_shard, tp, pp, cp may be -1
     (inferred from the world size); a resolved layout has every degree >= 1."""
 
     dp_replicate: int = 1
-    dp_shard: int = 1  # the config's default is -1: whatever the others leave
+    """data-parallel groups that replicate each other (HSDP, with zero_stage 2 or 3); -1 infers it"""
+    dp_shard: int = 1
+    """data-parallel ranks that shard (stages 2/3) or replicate (stages 0/1) within a group; -1 (the config's
+    default) infers it from the world size"""
     tp: int = 1
+    """tensor-parallel degree (Megatron column/row; innermost mesh dimension; must divide heads, kv_heads,
+    ffn_hidden, vocab_size and, under SP, seq_len; at most the ranks per node).
+    See [parallelism.md](parallelism.md#tensor-parallelism-with-sequence-parallelism)"""
     pp: int = 1
+    """pipeline-parallel degree (outermost mesh dimension; the layer stack is cut into pp x pp_virtual_stages
+    chunks). See [parallelism.md](parallelism.md#pipeline-parallelism)"""
     cp: int = 1
+    """context-parallel degree: each sequence is split over cp ranks, attention runs over a ring (see
+    [parallelism.md](parallelism.md#context-parallelism)); composes with DDP, ZeRO-1/2/3, HSDP, tp (+SP) and
+    pp; FSDP and ZeRO-1 shard over dp × cp; seq_len must be a multiple of 2 x cp (zigzag)"""
     ep: int = 1
-    # 0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2).
+    """expert-parallel degree: each MoE block's experts split over this many data-parallel ranks (must divide
+    `model.num_experts` and dp_shard × cp; see [moe.md](moe.md))"""
     zero_stage: int = 0
-    # Reduce gradients on every micro-batch instead of only the last one (saves the
-    # unsharded gradient memory under ZeRO-2/3 at the cost of more communication).
+    """0 DDP; 1 optimizer state sharded (fp32: ZeroRedundancyOptimizer; bf16/fp8: bf16 working state, fp32
+    master + Adam sharded, 4Ψ + 12Ψ/N, see [precision.md](precision.md)); 2 + gradients (FSDP2, params kept
+    gathered fwd→bwd); 3 + parameters (FSDP2). Under tp > 1 every stage runs on FSDP2 (stage 0: replicated
+    parameters, gradients all-reduced) and stage 1 is refused. See [parallelism.md](parallelism.md)"""
     sync_every_microbatch: bool = False
+    """reduce gradients on every micro-batch instead of only the last (under ZeRO-2/3: less memory, more
+    traffic)"""
     ddp_bucket_mb: int = 25
-    # Under tp > 1: run norms and residuals on sequence shards (reduce-scatter/all-gather
-    # instead of all-reduce: same bytes, 1/tp of those activations). Off: replicated.
+    """DDP gradient bucket size in MiB (stages 0/1)"""
     sequence_parallel: bool = True
-    # Under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the
-    # GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap). Planned; training refuses it on
-    # a non-CUDA device (parallel/dims/) and does not run it yet.
+    """under tp > 1, run norms and residuals on sequence shards (reduce-scatter + all-gather instead of
+    all-reduce: same bytes, 1/tp of those activations); false: replicated"""
     async_tp: bool = False
-    # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev (parallel/pipeline.py)
+    """under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the GEMMs
+    beside them (async TP, Megatron-Core `--tp-comm-overlap`); `meshforge plan --tp-overlap` prices it. Needs a
+    CUDA device (refused elsewhere); training does not run the overlap yet"""
     pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules: >= 2; V schedules: 2)
-    # blocks per stage chunk, in pipeline order (pp x pp_virtual_stages entries); empty: balanced by cost
+    """`gpipe`, `1f1b`, `interleaved_1f1b`, `zero_bubble` (interleaved zero bubble), `zbv`, `dualpipev` (the last
+    two where the installed PyTorch has them)"""
+    pp_virtual_stages: int = 1
+    """model chunks per pipeline rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b, >= 1 for zero_bubble, 2 for
+    zbv/dualpipev"""
     pp_layers: tuple[int, ...] = ()
-    num_microbatches: int = 0  # pipeline micro-batches per step and dp rank; 0: from train.micro_batch_size
-    # Context parallelism (cp > 1): zigzag gives rank r sequence chunks r and 2cp-1-r (equal causal work);
-    # none: contiguous 1/cp. ring: key/value blocks pass rank to rank; allgather: gathered once.
+    """blocks per chunk in pipeline order (pp x pp_virtual_stages numbers summing to model.layers), e.g.
+    `[9, 10, 10, 3]`; the first and the last may be 0 (a chunk of only the embedding or only the head, as
+    Llama 3 balanced its stages); empty: balanced by cost (the embedding and head count as work)"""
+    num_microbatches: int = 0
+    """pipeline micro-batches per step and dp rank (>= pp; a multiple of the rounds for interleaving); 0:
+    per-rank batch / train.micro_batch_size, or the largest divisor of the per-rank batch up to 2 x pp x
+    pp_virtual_stages"""
     cp_balance: Literal["zigzag", "none"] = "zigzag"
+    """how sequences split over cp ranks: `zigzag` (2 x cp chunks, rank r holds r and 2cp-1-r: equal causal
+    work; seq_len a multiple of 2 x cp) or `none` (contiguous 1/cp; seq_len a multiple of cp)"""
     cp_rotate: Literal["ring", "allgather"] = "ring"
-    # bf16 ZeRO-1: the dtype gradients are reduce-scattered in (bf16 halves the traffic)
+    """how key/value blocks reach every cp rank: `ring` (point-to-point to the next rank, one block at a time)
+    or `allgather` (all blocks gathered once; cp x the K/V memory)"""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # cpu: FSDP2 keeps sharded parameters, gradients and the optimizer step in host memory (CUDA, ZeRO-2/3)
+    """bf16/fp8 ZeRO-1: the dtype gradients are reduce-scattered in: `fp32` or `bf16` (half the traffic, bf16
+    sums). See [precision.md](precision.md)"""
     offload: Literal["none", "cpu"] = "none"
-    # [train] keys
-    micro_batch_size: int = 0
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    # [diloco] key: DiLoCo islands, the outermost mesh dimension; the degrees above are one island's
-    islands: int = 1
+    """`cpu`: FSDP2's CPU offload keeps sharded parameters, gradients and the optimizer step in host memory
+    (CUDA only; needs zero_stage 2 or 3 with dp > 1, or a world of one; refused on a CPU run: the state already
+    lives there). See [precision.md](precision.md#cpu-offload)"""
+    micro_batch_size: int = field(default=0, metadata={"section": "train"})
+    """sequences per forward pass per rank; 0 = the whole per-rank batch (no accumulation)"""
+    activation_checkpoint: Literal["none", "full", "selective"] = field(default="none", metadata={"section": "train"})
+    """`none`, `full` (recompute each block) or `selective` (keep matmul outputs)"""
+    islands: int = field(default=1, metadata={"section": "diloco"})
+    """DiLoCo islands (outermost mesh dimension; each runs the `[parallel]` layout on world / islands ranks);
+    `1` = off"""
 
     def degrees(self) -> dict[str, int]:
         """The mesh degrees by dimension, outermost first (one island's: the [parallel] keys)."""
@@ -153,26 +184,3 @@ def open_layout(**given: Any) -> Layout:
     if unknown:
         raise TypeError(f"not layout keys: {', '.join(sorted(unknown))}")
     return Layout(**{**{k: None for k in SEARCHED}, **given})
-
-
-def from_sections(*sections: Any) -> Layout:
-    """The layout a config states: each field read from the first section that has the key
-    (``from_sections(cfg.parallel, cfg.train, cfg.diloco)``), lists as tuples."""
-    values = {}
-    for k in KEYS:
-        for s in sections:
-            if hasattr(s, k):
-                v = getattr(s, k)
-                values[k] = tuple(v) if isinstance(v, list) else v
-                break
-    return Layout(**values)
-
-
-def section_values(layout: Layout) -> dict[str, dict[str, Any]]:
-    """The layout as config values by section ({"parallel": ..., "train": ...}), lists as lists."""
-    out: dict[str, dict[str, Any]] = {"parallel": {}, "train": {}, "diloco": {}}
-    for k in KEYS:
-        v = getattr(layout, k)
-        section = "train" if k in TRAIN_KEYS else "diloco" if k in DILOCO_KEYS else "parallel"
-        out[section][k] = list(v) if isinstance(v, tuple) else v
-    return out

@@ -1,12 +1,11 @@
-"""A config made ready for a world size, once: presets and automatic values filled in, values
-checked (``config.fill``), the layout checked by ``parallel/dims/``, and the automatic
-layout values (inferred degrees, pipeline micro-batches) written back, so the run
-directory's ``config.toml`` says exactly what ran.
+"""A config resolved once against its world into the ``RunPlan`` every part reads.
 
-``resolve`` is the one function the CLI, each rank and the planner's ``--config`` call; it
-sits above ``config`` (schema) and ``parallel.dims`` (layout rules) and joins them.
-``layout(cfg, world)`` and ``model_shape(cfg.model)`` read the resolved config's ``Layout``
-and ``ModelShape``.
+``resolve`` fills every automatic value (device, precision, mixed-precision mode, the
+inferred degree, pipeline micro-batches, micro-batch size, warm-up, optimizer kernel,
+checkpoint cadence), checks the layout with ``parallel/dims/`` and what only the machine
+decides (a GPU to offload from, torchao for fp8), and takes each layout decision once. A
+value it must change (a warm-up longer than the run, a chunked loss a zero-bubble schedule
+cannot take on this torch) is a recorded ``Change`` with its reason, never a silent one.
 """
 
 from __future__ import annotations
@@ -14,44 +13,128 @@ from __future__ import annotations
 import dataclasses
 
 from meshforge import launch_env
-from meshforge.config import Config, fill
-from meshforge.layout import Layout, from_sections
-from meshforge.models.presets import model_shape
+from meshforge.config import Config
+from meshforge.config.sections import CheckpointConfig, OptimConfig, TrainConfig
+from meshforge.errors import ConfigError
+from meshforge.layout import Layout
 from meshforge.parallel import dims
 from meshforge.parallel.dims import Batch, DiLoCoRules
+from meshforge.parallel.schedules import SPLIT_BACKWARD, schedule_name
+from meshforge.run_plan import Change, RunPlan, World
 
 
-def layout(cfg: Config, world_size: int) -> Layout:
-    """The config's layout for this world size (one -1 degree inferred; the degrees are one
-    DiLoCo island's when diloco.islands > 1)."""
-    return dims.resolve_degrees(from_sections(cfg.parallel, cfg.train, cfg.diloco), world_size)
-
-
-def batch(cfg: Config, ranks_per_node: int | None = None, device: str | None = None) -> Batch:
-    """What the layout rules read of a config besides the layout and the model."""
-    d = cfg.diloco
-    rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
-    return Batch(cfg.train.seq_len, cfg.train.global_batch_size, ranks_per_node, device=device, diloco=rules)
-
-
-def _device(cfg: Config) -> str:
-    """The device type training will run on ("auto": CUDA when one is visible)."""
-    if cfg.train.device != "auto":
-        return cfg.train.device
+def detect_world(cfg: Config, size: int | None = None) -> World:
+    """This machine as a run of ``size`` ranks (default: the launcher's world) sees it."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from meshforge.compat import split_backward_through_custom_functions
+
+    size = launch_env.world_size() if size is None else size
+    want = cfg.train.device
+    cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    fp8 = cuda and cfg.train.precision == "fp8" and torch.cuda.is_available()
+    fp8 = fp8 and torch.cuda.get_device_capability(launch_env.local_rank() % torch.cuda.device_count()) >= (8, 9)
+    return World(
+        size=size,
+        device="cuda" if cuda else "cpu",
+        ranks_per_node=launch_env.local_world_size(),
+        torch=torch.__version__,
+        fp8_native=bool(fp8),
+        split_backward_custom_functions=split_backward_through_custom_functions(),
+    )
 
 
-def resolve(cfg: Config, world_size: int = 1) -> Config:
-    """Fill in presets and automatic values, then check values and the layout. Returns a new
-    Config with the inferred degrees and pipeline micro-batches written in."""
-    cfg = fill(cfg)
-    lay = layout(cfg, world_size)
-    settings = batch(cfg, launch_env.local_world_size(), _device(cfg))
-    dims.check(lay, model_shape(cfg.model), settings)
-    for k, v in lay.degrees().items():
-        setattr(cfg.parallel, k, v)
-    if lay.pp > 1 and not cfg.parallel.num_microbatches:
-        cfg.parallel = dataclasses.replace(cfg.parallel, num_microbatches=lay.microbatches(settings.global_batch))
-    return cfg
+def resolve(cfg: Config, world_size: int | None = None, *, world: World | None = None) -> RunPlan:
+    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks)."""
+    world = world or detect_world(cfg, world_size)
+    changes: list[Change] = []
+    train = _train(cfg, world, changes)
+    layout = _layout(cfg, world, train.precision)
+    cfg = dataclasses.replace(cfg, train=train, layout=layout, optim=_optim(cfg, world, changes))
+    cfg = dataclasses.replace(cfg, checkpoint=_checkpoint(cfg))
+    _machine_checks(cfg, world)
+    fsdp = layout.uses_fsdp() or dims.casts_once(layout, train.precision, train.mixed_precision)
+    flat_zero1 = dims.uses_flat_zero1(layout, train.precision)
+    return RunPlan(
+        config=cfg,
+        world=world,
+        fsdp=fsdp,
+        autocast=train.precision in ("bf16", "fp8") and not fsdp,
+        fp8_all_gather=_fp8_all_gather(cfg, world, fsdp),
+        flat_zero1=flat_zero1,
+        ddp=layout.dp_cp > 1 and not fsdp and not flat_zero1,
+        changes=tuple(changes),
+    )
+
+
+def _train(cfg: Config, world: World, changes: list[Change]) -> TrainConfig:
+    t = cfg.train
+    precision = t.precision if t.precision != "auto" else ("bf16" if world.device == "cuda" else "fp32")
+    mixed = t.mixed_precision
+    if precision == "fp32":
+        mixed = "none"
+    elif mixed in ("auto", "none"):
+        mixed = "cast_once" if world.device == "cuda" else "autocast"
+    chunk = t.loss_chunk_size
+    split = cfg.layout.pp > 1 and schedule_name(cfg.layout.pp_schedule) in SPLIT_BACKWARD
+    if chunk and split and not world.split_backward_custom_functions:
+        why = "this torch's zero-bubble weight pass cannot cross the chunked loss's autograd.Function (compat.py)"
+        changes.append(Change("train.loss_chunk_size", chunk, 0, why))
+        chunk = 0
+    return dataclasses.replace(
+        t, device=world.device, precision=precision, mixed_precision=mixed, loss_chunk_size=chunk
+    )
+
+
+def _layout(cfg: Config, world: World, precision: str) -> Layout:
+    """The degrees for this world, checked by the layout rules, with the batch split written in."""
+    lay = dims.resolve_degrees(cfg.layout, world.size)
+    d = cfg.diloco
+    rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
+    t = cfg.train
+    batch = Batch(t.seq_len, t.global_batch_size, world.ranks_per_node, device=world.device, diloco=rules)
+    dims.check(lay, cfg.shape, batch)
+    local = lay.local_batch(t.global_batch_size)
+    if lay.pp > 1:
+        m = lay.microbatches(t.global_batch_size)
+        return lay.replace(num_microbatches=m, micro_batch_size=local // m)
+    return lay.replace(micro_batch_size=lay.micro_batch_size or local)
+
+
+def _optim(cfg: Config, world: World, changes: list[Change]) -> OptimConfig:
+    o, steps = cfg.optim, cfg.train.steps
+    warmup = o.warmup_steps if o.warmup_steps >= 0 else min(100, steps // 10)
+    if warmup > steps:
+        changes.append(Change("optim.warmup_steps", warmup, steps, f"longer than the run (train.steps = {steps})"))
+        warmup = steps
+    impl = o.implementation
+    if impl == "auto":  # fused: one kernel per step (CPU too since torch 2.4; equal to foreach within 1e-6)
+        impl = "fused"
+    return dataclasses.replace(o, warmup_steps=warmup, implementation=impl)
+
+
+def _checkpoint(cfg: Config) -> CheckpointConfig:
+    c = cfg.checkpoint
+    return dataclasses.replace(c, interval="young_daly") if c.interval == "auto" else c
+
+
+def _machine_checks(cfg: Config, world: World) -> None:
+    """What only the machine decides: CPU offload needs a GPU; fp8 needs torchao and an fp8 linear."""
+    if cfg.layout.offload == "cpu" and world.device != "cuda":
+        raise ConfigError(
+            "parallel.offload = 'cpu' on a CPU run: the state already lives in host memory; "
+            "use parallel.offload = 'none'"
+        )
+    if cfg.train.precision == "fp8":
+        from meshforge.parallel.fp8 import model_fp8_plan
+
+        model_fp8_plan(cfg.shape, list(cfg.train.fp8_exclude))
+
+
+def _fp8_all_gather(cfg: Config, world: World, fsdp: bool) -> bool:
+    """FSDP2 gathers fp8 weights only on real fp8, tensorwise, where it gathers over more than one
+    rank, and not under CPU offload (the scales' all-reduce cannot run on host-resident shards)."""
+    t, lay = cfg.train, cfg.layout
+    if t.precision != "fp8" or lay.offload == "cpu" or t.fp8_recipe != "tensorwise":
+        return False
+    return fsdp and dims.gathers_weights(lay) and world.fp8_native

@@ -25,10 +25,9 @@ from collections.abc import Callable
 import torch
 
 from meshforge.config import load_config
-from meshforge.models.presets import model_shape
 from meshforge.parallel.mesh import build_mesh
-from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
-from meshforge.resolve import layout, resolve
+from meshforge.parallel.parallelize import build_loss, forward_context
+from meshforge.resolve import resolve
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
@@ -57,15 +56,15 @@ def _tiny_runner(kind: str, layers: int, world: int) -> PlainStep:
         "train.seed": 0,
         **KINDS[kind],
     }
-    cfg = resolve(load_config(overrides=over), world)
-    mesh = build_mesh(layout(cfg, world), "cpu")
-    loss = build_loss(cfg, mesh)
-    built = build_rank_model(cfg, mesh, loss, model_shape(cfg.model))
-    opt = build_optimizer(built.model, cfg, mesh)
+    plan = resolve(load_config(overrides=over), world)
+    mesh = build_mesh(plan.layout, "cpu")
+    loss = build_loss(plan)
+    built = build_rank_model(plan, mesh, loss)
+    opt = build_optimizer(built.model, plan, mesh)
     install_step_hook(opt, built.model, loss, mesh)
-    common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, cfg, 0), "loss": loss}
-    common.update(cfg=cfg, mesh=mesh, sharded=is_sharded(cfg, mesh))
-    return PlainStep(built.train_model, forward_context(cfg, mesh), 1, 1, False, **common)
+    common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
+    common.update(plan=plan, mesh=mesh)
+    return PlainStep(built.train_model, forward_context(plan, mesh.device), 1, 1, False, **common)
 
 
 def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) -> tuple[float, float]:

@@ -27,7 +27,6 @@ from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import save_weights, shape_mismatch
-from meshforge.config import Config, to_toml
 from meshforge.launch_env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
@@ -35,6 +34,7 @@ from meshforge.models.shape import ModelShape
 from meshforge.parallel.diloco import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
+from meshforge.run_plan import RunPlan
 
 if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
     from meshforge.train.state import TrainState
@@ -55,7 +55,7 @@ class RunCheckpoints:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: RunPlan,
         mesh: Mesh,
         args: ModelShape,
         model: nn.Module,
@@ -90,8 +90,8 @@ class RunCheckpoints:
             "model_hash": model_shape_hash(dataclasses.asdict(self.args)),
             "world_size": self.mesh.world_size,
             "degrees": self.mesh.degrees,
-            "zero_stage": self.cfg.parallel.zero_stage,
-            "config": to_toml(self.cfg),
+            "zero_stage": self.cfg.layout.zero_stage,
+            "config": self.cfg.to_toml(),
             "time": time.time(),
             "torch": torch.__version__,
         }
@@ -204,7 +204,7 @@ class RunCheckpoints:
         coords = rank_layout(self.mesh.degrees)[self.mesh.rank]
         if any(v for k, v in coords.items() if k not in ("pp", "rank")):
             return None
-        parts: list | None = [None] * self.mesh.degrees["pp"] if self.mesh.is_main else None
+        parts: list | None = [None] * self.mesh.layout.pp if self.mesh.is_main else None
         dist.gather_object(local, parts, dst=0, group=self.mesh.group("pp"))
         if not self.mesh.is_main:
             return None

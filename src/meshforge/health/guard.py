@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from meshforge import faults
-from meshforge.config import HealthConfig
+from meshforge.config.sections import HealthConfig
 from meshforge.health.nonfinite import diagnose
 from meshforge.health.spike import SpikeDetector
 

@@ -27,7 +27,7 @@ class StepWatch:
         self.clock = StepClock(first_forward(trainer), trainer.optimizer, trainer.comm, mesh.device)
         trainer.metrics.breakdown = self.breakdown
         if cfg.metrics.wandb and trainer.logger:
-            trainer.logger.add_sink(WandbSink(Path(cfg.run.dir), to_dict(cfg)))
+            trainer.logger.add_sink(WandbSink(Path(cfg.run.dir), to_dict(cfg.config)))
 
     def before_step(self, n: int) -> float:
         """Step ``n`` (1-based) starts; returns its start time."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from meshforge.config import ProfileConfig
+from meshforge.config.sections import ProfileConfig
 
 DEFAULT_START = 3  # past the first steps' warm-up
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshforge.config import Config
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.fp8 import fp8_emulated
+from meshforge.run_plan import RunPlan as Config
 
 if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
     from meshforge.train.step import StepResult
@@ -38,7 +38,7 @@ class StepMetrics:
         t = cfg.train
         self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
         self.flops_per_token = model_flops_per_token(args, t.seq_len)
-        self.hw_flops_per_token = hardware_flops_per_token(args, t.seq_len, t.activation_checkpoint)
+        self.hw_flops_per_token = hardware_flops_per_token(args, t.seq_len, cfg.layout.activation_checkpoint)
         self.peak, self.device = peak, device
         self.times: list[float] = []  # every step's wall time (host clock, no sync)
         self.window: list[float] = []  # since the last logged step

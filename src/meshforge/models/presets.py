@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.models.shape import ModelShape
@@ -119,20 +118,6 @@ def get_preset(name: str) -> ModelShape:
         hint = f"{hint} " if hint.startswith("did you mean") else ""
         raise ConfigError(f"unknown model preset '{name}' (model.preset); {hint}known presets: {', '.join(PRESETS)}")
     return copy.copy(PRESETS[name])  # not dataclasses.replace: that would pin a derived head_dim
-
-
-def model_shape(model_cfg: Any) -> ModelShape:
-    """A preset with the config's explicit shape fields laid over it, checked for consistency.
-
-    A head_dim the preset derives (0) stays derived, so it follows hidden/heads overrides;
-    an explicit ``model.head_dim`` wins."""
-    args = get_preset(model_cfg.preset)
-    for f in dataclasses.fields(ModelShape):
-        v = getattr(model_cfg, f.name, None)
-        if v is not None:
-            setattr(args, f.name, v)
-    check_model_args(args)
-    return args
 
 
 def check_model_args(a: ModelShape) -> None:

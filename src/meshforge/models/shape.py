@@ -1,63 +1,97 @@
 """The one model-shape type: ``ModelShape``, spelled as the [model] config keys.
 
 The model (models/llama.py), the layout rules (parallel/dims/), FLOP counting
-(models/flops.py), the planner and the explorer all read this one type; the [model]
-config section is derived from its fields (config.py), less ``ANALYSIS_ONLY``.
+(models/flops.py), the planner and the explorer all read this one type; its fields are the
+[model] config keys (config/keys.py reads them, docstrings included), less ``ANALYSIS_ONLY``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal
-
-ANALYSIS_ONLY = ("mlp", "max_positions", "attention", "name")  # fields that are no [model] config keys
 
 
 @dataclass
 class ModelShape:
-    """A model's shape, spelled as the [model] config keys (models/presets.py fills it from a
-    preset and the config; the planner builds one from its flags). ``ANALYSIS_ONLY`` fields
-    describe models the planner prices but meshforge does not train (GPT-style) and are
-    no config keys."""
+    """A model's shape, each field one [model] config key declared here once (its docstring is
+    its help; models/presets.py fills it from a preset and the config; the planner builds one
+    from its flags). Fields with ``config: False`` metadata describe models the planner prices
+    but meshforge does not train (GPT-style) and are no config keys."""
 
     hidden: int
+    """model width"""
     layers: int
+    """number of transformer blocks"""
     heads: int
+    """attention heads (must divide `hidden`)"""
     kv_heads: int
+    """key/value heads for grouped-query attention (must divide `heads`)"""
     ffn_hidden: int
+    """SwiGLU inner width"""
     vocab_size: int
+    """embedding rows; must be ≥ the tokenizer's vocabulary"""
     max_seq_len: int = 0
+    """longest sequence the model accepts (`train.seq_len` must not exceed it)"""
     norm_eps: float = 1e-5
+    """RMSNorm epsilon"""
     tie_embeddings: bool = False
+    """share the embedding and output head weights"""
     rope_theta: float = 10000.0
+    """RoPE base"""
     rope_scaling: Literal["none", "llama3"] = "none"
+    """`none` or `llama3` (Llama 3.1 long-context frequency scaling)"""
     rope_factor: float = 8.0
+    """llama3 scaling factor"""
     rope_low_freq_factor: float = 1.0
+    """llama3 scaling: low-frequency band edge"""
     rope_high_freq_factor: float = 4.0
+    """llama3 scaling: high-frequency band edge"""
     rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length the frequencies were trained for"""
     init_std: float = 0.02
-    head_dim: int = 0  # 0 or None: hidden // heads, resolved whenever read (see _get_head_dim below)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
-    # mixture of experts (models/moe.py); num_experts = 0: a dense model
+    """std of the normal init (residual output projections get std/√(2·layers))"""
+    head_dim: int = 0
+    """width of one attention head; 0: `hidden / heads` (Qwen3 and others set it so that heads × head_dim ≠
+    hidden); must be even (RoPE)"""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3); not yet with `parallel.tp > 1`"""
     num_experts: int = 0
-    experts_per_token: int = 2  # top-k
-    num_shared_experts: int = 0  # always-on experts of moe_ffn_hidden each
-    moe_ffn_hidden: int = 0  # hidden size of one expert; 0: ffn_hidden
-    moe_interval: int = 1  # every n-th block (from first_dense_layers on) is MoE, the rest dense
-    first_dense_layers: int = 0  # the first blocks stay dense
+    """mixture of experts ([moe.md](moe.md)): routed experts per MoE block; 0: a dense model"""
+    experts_per_token: int = 2
+    """top-k: experts each token is sent to (1 ≤ k ≤ `num_experts`)"""
+    num_shared_experts: int = 0
+    """always-on experts of `moe_ffn_hidden` each, added to every token's output"""
+    moe_ffn_hidden: int = 0
+    """SwiGLU width of one expert; 0: `ffn_hidden`"""
+    moe_interval: int = 1
+    """every n-th block (counted from `first_dense_layers`) is MoE, the others dense"""
+    first_dense_layers: int = 0
+    """the first blocks that stay dense"""
     router_score: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk: bool = True  # renormalise the chosen experts' weights to sum to 1
-    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes cf x tokens x k / E per micro-batch
+    """`softmax` or `sigmoid` router scores (fp32)"""
+    norm_topk: bool = True
+    """renormalise the chosen experts' weights to sum to 1"""
+    capacity_factor: float = 0.0
+    """0: dropless; > 0: each expert takes at most ⌈cf × tokens × k / E⌉ tokens per micro-batch, the
+    lowest-scoring overflow is dropped (and counted)"""
     load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
-    aux_loss_coeff: float = 0.01  # Switch/GShard balance loss E * sum(f_i * P_i) weight
-    bias_update_rate: float = 1e-3  # DeepSeek-V3 auxiliary-loss-free bias step per optimizer step
-    z_loss_coeff: float = 0.0  # router z-loss weight (mean squared logsumexp of the router logits)
-    # analysis only (the planner): GPT-style MLP and learned positions, the attention kernel, a display name
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    max_positions: int = 0  # learned position embeddings (GPT-style); 0: rotary
-    # "flash": a fused attention kernel (no s x s scores kept); "materialized": scores written out
-    attention: Literal["flash", "materialized"] = "flash"
-    name: str = ""  # the preset or file the shape came from (reports only)
+    """`aux_loss` (Switch/GShard E·Σfᵢ·Pᵢ), `bias` (DeepSeek-V3 auxiliary-loss-free bias, checkpointed) or
+    `none`"""
+    aux_loss_coeff: float = 0.01
+    """weight of the balance loss (`load_balance = "aux_loss"`)"""
+    bias_update_rate: float = 1e-3
+    """bias step per optimizer step, × sign(mean load − load) (`load_balance = "bias"`)"""
+    z_loss_coeff: float = 0.0
+    """router z-loss weight (mean squared log-sum-exp of the router logits); 0: off"""
+    mlp: Literal["swiglu", "gelu"] = field(default="swiglu", metadata={"config": False})
+    """the planner only: GPT-style GELU MLP"""
+    max_positions: int = field(default=0, metadata={"config": False})
+    """the planner only: learned position embeddings (GPT-style); 0: rotary"""
+    attention: Literal["flash", "materialized"] = field(default="flash", metadata={"config": False})
+    """the planner only: "flash", a fused attention kernel (no s x s scores kept); "materialized": scores
+    written out"""
+    name: str = field(default="", metadata={"config": False})
+    """the preset or file the shape came from (reports only)"""
 
     @property
     def explicit_head_dim(self) -> bool:
@@ -121,6 +155,8 @@ def _get_head_dim(self: ModelShape) -> int:
 def _set_head_dim(self: ModelShape, value: int | None) -> None:
     self.__dict__["head_dim"] = int(value or 0)  # the raw value: 0 stays "derived"
 
+
+ANALYSIS_ONLY = tuple(f.name for f in fields(ModelShape) if f.metadata.get("config") is False)
 
 # head_dim is a dataclass field (a config key, saved in checkpoints) whose reads resolve
 # 0 to hidden // heads at that moment: a preset's derived head_dim follows hidden/heads

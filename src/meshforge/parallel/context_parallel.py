@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,6 @@ from torch import nn
 
 from meshforge.parallel.attention_kernels import block_backward, block_forward, pick_kernel
 from meshforge.parallel.mesh import Mesh
-
-if TYPE_CHECKING:
-    from meshforge.config import Config
 
 
 def chunk_ids(cp: int, rank: int, balance: str) -> tuple[int, ...]:
@@ -195,17 +192,17 @@ class RingAttention(nn.Module):
         return RingAttentionFn.apply(q, k, v, self.ring)
 
 
-def apply_cp(model: nn.Module, mesh: Mesh, cfg: Config) -> None:
+def apply_cp(model: nn.Module, mesh: Mesh) -> None:
     """Swap every block's attention core for ring attention over the ``cp`` mesh dimension."""
-    p = cfg.parallel
+    p = mesh.layout
     for block in model.layers.values():
         block.attention.core = RingAttention(
-            mesh.group("cp"), mesh.coordinate("cp"), mesh.dims.cp, p.cp_balance, p.cp_rotate
+            mesh.group("cp"), mesh.coordinate("cp"), mesh.layout.cp, p.cp_balance, p.cp_rotate
         )
 
 
-def cp_index(cfg: Config, mesh: Mesh) -> torch.Tensor | None:
+def cp_index(seq_len: int, mesh: Mesh) -> torch.Tensor | None:
     """This rank's token index into each sequence (None without context parallelism)."""
-    if mesh.dims.cp == 1:
+    if mesh.layout.cp == 1:
         return None
-    return shard_index(cfg.train.seq_len, mesh.dims.cp, mesh.coordinate("cp"), cfg.parallel.cp_balance, mesh.device)
+    return shard_index(seq_len, mesh.layout.cp, mesh.coordinate("cp"), mesh.layout.cp_balance, mesh.device)

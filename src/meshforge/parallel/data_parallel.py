@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.zero1 import FlatZero1, uses_flat_zero1
+from meshforge.parallel.zero1 import FlatZero1
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Module:
@@ -46,7 +46,7 @@ def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Modul
     built in, but through torch.distributed's Python API, so the communication counter
     (comm_stats.py) sees the bytes.
     """
-    group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+    group = mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
     ddp = DistributedDataParallel(
         model,
         process_group=group,
@@ -99,10 +99,10 @@ def apply_fsdp(
     """
     if zero_stage < 2:
         dims: tuple[str, ...] = ("dp", "cp")
-    elif mesh.degrees["dp_replicate"] > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
-        dims = ("dp_replicate", "dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard")
+    elif mesh.layout.dp_replicate > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
+        dims = ("dp_replicate", "dp_shard_cp" if mesh.layout.cp > 1 else "dp_shard")
     else:
-        dims = ("dp_shard_cp",) if mesh.dims.cp > 1 else ("dp_shard",)
+        dims = ("dp_shard_cp",) if mesh.layout.cp > 1 else ("dp_shard",)
     fsdp_mesh = mesh.slice(dims) if mesh.device_mesh is not None else mesh.solo_mesh()  # (a world of one)
     # Under TP the embedding unit returns a view; the model never changes it in place, which
     # is what FSDP2's warning is about.
@@ -140,17 +140,17 @@ def make_optimizer(
     kwargs: dict,
     mesh: Mesh,
     zero_stage: int,
-    precision: str = "fp32",
+    flat_zero1: bool = False,
     grad_reduce_dtype: str = "fp32",
 ) -> torch.optim.Optimizer:
     """Stage 1 shards the optimizer over the ``dp`` group (``dp_cp`` under cp > 1: cp ranks hold
     the same parameters and gradients, so they share the state like dp ranks); sharded stages
-    shard it through their params. bf16 stage 1 holds bf16 working state and shards fp32
-    master + Adam (parallel/zero1.py)."""
-    group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
-    if uses_flat_zero1(precision, zero_stage, mesh.dims.dp_cp):
+    shard it through their params. ``flat_zero1`` (the run plan's bf16 stage 1) holds bf16
+    working state and shards fp32 master + Adam (parallel/zero1.py)."""
+    group = mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
+    if flat_zero1:
         return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype)
-    if zero_stage == 1 and mesh.dims.dp_cp > 1:
+    if zero_stage == 1 and mesh.layout.dp_cp > 1:
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],
             optimizer_class=cls,

@@ -260,10 +260,10 @@ class DiLoCo:
                     frag.result = torch.full_like(frag.outer[0].new_empty(frag.numel), float("nan"))
 
 
-def build_diloco(cfg: Any, mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> DiLoCo | None:
-    """The run's DiLoCo (None when diloco.islands = 1), over the mesh's island dimension."""
-    d = cfg.diloco
-    if mesh.dims.islands == 1:
+def build_diloco(d: Any, layers: int, mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> DiLoCo | None:
+    """The run's DiLoCo (None when diloco.islands = 1), over the mesh's island dimension; ``d``
+    is the [diloco] section, ``layers`` the model's blocks (fragments split them)."""
+    if mesh.layout.islands == 1:
         return None
     if hasattr(optimizer, "full_training_state"):
         from meshforge.errors import ConfigError
@@ -275,10 +275,10 @@ def build_diloco(cfg: Any, mesh: Any, model: nn.Module, optimizer: torch.optim.O
     return DiLoCo(
         model,
         mesh.group("island"),
-        mesh.dims.islands,
+        mesh.layout.islands,
         mesh.coordinate("island"),
         d.inner_steps,
-        cfg.model.layers,
+        layers,
         d.outer_lr,
         d.outer_momentum,
         d.nesterov,

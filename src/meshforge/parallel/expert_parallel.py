@@ -123,7 +123,7 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> None:
     for moe in moe_layers(model).values():
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             setattr(moe.experts, name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)])))
-        moe.dispatcher = AllToAllDispatch(mesh.ep_group, mesh.dims.ep)
+        moe.dispatcher = AllToAllDispatch(mesh.ep_group, mesh.layout.ep)
 
 
 def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> None:
@@ -131,7 +131,7 @@ def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: to
     blocks leave them alone); it averages their gradients over edp (the dispatcher adds the 1/ep).
     HSDP (dp_replicate > 1): sharded over edp, replicated and averaged over dp_replicate too.
     tp > 1: the tp ranks ran the experts on other slots, so their gradients are summed over tp."""
-    hsdp = mesh.dims.dp_replicate > 1
+    hsdp = mesh.layout.dp_replicate > 1
     fsdp_mesh = mesh.expert_mesh[("dp_replicate", "edp")] if hsdp else mesh.expert_mesh["edp"]
     # the MoE layer never changes the experts' output in place, which is what FSDP2's warning is about
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view")
@@ -140,7 +140,7 @@ def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: to
         unit = fully_shard(moe.experts, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=zero_stage == 3)
         if dist.get_backend(fsdp_mesh.get_group("edp")) == "gloo":
             unit.set_custom_reduce_scatter(AllReduceScatter())
-        if mesh.dims.tp > 1:
+        if mesh.layout.tp > 1:
             unit.set_all_reduce_hook(sum_over_tp(mesh.group("tp")))
 
 

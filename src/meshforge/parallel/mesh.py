@@ -31,7 +31,7 @@ class Mesh:
     world_size: int
     local_rank: int
     device: torch.device
-    dims: Layout = field(default_factory=Layout)
+    layout: Layout = field(default_factory=Layout)
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see layout.py
@@ -41,7 +41,7 @@ class Mesh:
     @property
     def degrees(self) -> dict[str, int]:
         """The whole mesh's degrees (with the island dimension first under DiLoCo)."""
-        return self.dims.mesh_degrees()
+        return self.layout.mesh_degrees()
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +53,7 @@ class Mesh:
 
     @property
     def dp_size(self) -> int:
-        return self.dims.dp
+        return self.layout.dp
 
     @property
     def dp_rank(self) -> int:
@@ -62,8 +62,8 @@ class Mesh:
     @property
     def data_rank(self) -> int:
         """This rank's slice of a global batch among ``dims.data_ranks`` (islands take their own slices)."""
-        island = self.coordinate(ISLAND) if self.dims.islands > 1 else 0
-        return island * self.dims.dp + self.dp_rank
+        island = self.coordinate(ISLAND) if self.layout.islands > 1 else 0
+        return island * self.layout.dp + self.dp_rank
 
     def submesh(self, name: str) -> DeviceMesh:
         """A named dimension or flattened sub-mesh (see module docstring)."""
@@ -79,7 +79,7 @@ class Mesh:
             # PyTorch warns that slicing a flattened dimension from the root may go away; it is
             # the only public way to combine one with another dimension, so keep it in one place.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return self.device_mesh[mesh_slice_names(dims, self.dims.flattened(), self.degrees)]
+            return self.device_mesh[mesh_slice_names(dims, self.layout.flattened(), self.degrees)]
 
     def solo_mesh(self) -> DeviceMesh:
         """A world of one's one-rank FSDP2 mesh (for its bf16 cast once per step and CPU offload),
@@ -102,7 +102,7 @@ class Mesh:
         out: dict[dist.ProcessGroup, str] = {}
         if self.device_mesh is None:
             return out
-        for name in (*self.dims.mesh_degrees(), *self.dims.flattened()):
+        for name in (*self.layout.mesh_degrees(), *self.layout.flattened()):
             sub = self.submesh(name)
             if sub.size() > 1:
                 out.setdefault(sub.get_group(), name)

@@ -44,7 +44,6 @@ from meshforge.parallel.schedules import SCHEDULES, V_SHAPED, bubble_fraction, s
 from meshforge.parallel.tensor_parallel import local_value
 
 if TYPE_CHECKING:
-    from meshforge.config import Config
     from meshforge.parallel.mesh import Mesh
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # activations sent between stages in eval
@@ -198,10 +197,10 @@ class Timeline:
 class Pipeline:
     """This rank's pipeline: its chunks as stages, the schedule, and the step timeline."""
 
-    def __init__(self, parts: list[nn.Module], chunks: list[int], cfg: Config, mesh: Mesh, loss: LanguageModelLoss):
-        p = cfg.parallel
+    def __init__(self, parts: list[nn.Module], chunks: list[int], mesh: Mesh, loss: LanguageModelLoss):
+        p = mesh.layout
         self.name = schedule_name(p.pp_schedule)
-        self.pp = mesh.degrees["pp"]
+        self.pp = mesh.layout.pp
         self.v = p.pp_virtual_stages
         self.num_chunks = self.pp * self.v if self.name not in V_SHAPED else 2 * self.pp
         self.group = mesh.group("pp")
@@ -216,7 +215,7 @@ class Pipeline:
         for part, c in zip(parts, chunks, strict=True):
             if c != self.num_chunks - 1:
                 self.stage_aux.attach(part)
-        self.m = p.num_microbatches  # resolved (meshforge.resolve) before any rank starts
+        self.m = p.num_microbatches  # resolved (meshforge/resolve.py) before any rank starts
         self.stages = [
             _pipelining().PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
             for part, c in zip(parts, chunks, strict=True)

@@ -41,12 +41,6 @@ CHUNK_BYTES = 32 * 2**20  # the largest fp32 copy of gradients made for one redu
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def uses_flat_zero1(precision: str, zero_stage: int, dp: int) -> bool:
-    """bf16 (and fp8: bf16 around fp8 matmuls) ZeRO-1 over more than one data-parallel rank runs on
-    FlatZero1; fp32 ZeRO-1 keeps ZeroRedundancyOptimizer."""
-    return precision in ("bf16", "fp8") and zero_stage == 1 and dp > 1
-
-
 class _FlatGroup:
     """One parameter group's parameters and gradients as views into flat working-dtype
     buffers, and this rank's fp32 master shard of them."""

@@ -6,15 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from meshforge.config import load_config, tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
-from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import OFFLOAD
 from meshforge.planner import diloco_costs, output
@@ -311,11 +316,12 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     """A run config's model, and as fixed choices what the file itself sets (a run's resolved
     config.toml sets everything)."""
     cfg = load_config(path, {})
-    shape = named(model_shape(cfg.model), Path(path).stem)
-    preset = cfg.model.preset if not any(getattr(cfg.model, k, None) for k in ("hidden", "layers")) else None
+    shape = named(cfg.shape, Path(path).stem)
     raw = _raw_toml(path)
     par, tr = raw.get("parallel", {}), raw.get("train", {})
-    p, t = cfg.parallel, cfg.train
+    given = raw.get("model", {})
+    preset = cfg.model.preset if not any(k in given for k in ("hidden", "layers")) else None
+    p, t = cfg.layout, cfg.train
     from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
     from_cfg["loss_chunk"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
     if "precision" in tr and t.precision != "auto":
@@ -334,11 +340,11 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     if p.pp > 1 and dp and p.num_microbatches:  # the schedule's micro-batches
         from_cfg["micro_batch_size"] = max(1, t.global_batch_size // dp // p.num_microbatches)
     elif tr.get("micro_batch_size"):
-        from_cfg["micro_batch_size"] = t.micro_batch_size
+        from_cfg["micro_batch_size"] = p.micro_batch_size
     elif "micro_batch_size" in tr and dp:  # 0: the whole local batch in one pass
         from_cfg["micro_batch_size"] = max(1, t.global_batch_size // dp)
     if "activation_checkpoint" in tr:
-        from_cfg["activation_checkpoint"] = t.activation_checkpoint
+        from_cfg["activation_checkpoint"] = p.activation_checkpoint
     return shape, from_cfg, preset
 
 

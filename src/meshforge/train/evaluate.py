@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshforge.config import Config
 from meshforge.data.dataset import TokenSplit
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.context_parallel import cp_index
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline import Pipeline
 from meshforge.parallel.tensor_parallel import local_value
+from meshforge.run_plan import RunPlan
 
 
 class Evaluator:
@@ -31,7 +31,7 @@ class Evaluator:
     def __init__(
         self,
         val: TokenSplit,
-        cfg: Config,
+        cfg: RunPlan,
         mesh: Mesh,
         model: nn.Module,
         loss: LanguageModelLoss,
@@ -42,7 +42,7 @@ class Evaluator:
         self.val, self.cfg, self.mesh, self.model, self.loss = val, cfg, mesh, model, loss
         self.forward_context, self.pipeline = forward_context, pipeline
         self.local_batch, self.micro = batch_sizes  # per dp rank: the whole slice, one micro-batch
-        self.cp_index = cp_index(cfg, mesh)  # under cp: this rank's tokens of each sequence
+        self.cp_index = cp_index(cfg.train.seq_len, mesh)  # under cp: this rank's tokens of each sequence
         self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
 
     def _mine(self) -> tuple[np.ndarray, int]:
@@ -86,5 +86,5 @@ class Evaluator:
                 total += local_value(loss).double()
         if self.mesh.distributed:
             # token sums: over dp x cp every token of the n sequences is counted once
-            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.dims.cp > 1 else "dp"))
+            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.layout.cp > 1 else "dp"))
         return float(total) / (n * self.cfg.train.seq_len)

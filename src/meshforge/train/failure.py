@@ -47,6 +47,6 @@ def _checkpoint_bytes(cfg: Config) -> int:
     """One checkpoint's size (0 if it cannot be told): rank 0 may free its partial save before
     another rank judges a short write, so the room left is held against this, not against zero."""
     try:
-        return checkpoint_bytes(cfg.model, cfg.train.precision)
+        return checkpoint_bytes(cfg.shape, cfg.train.precision)
     except Exception:  # noqa: BLE001 - a failing run's diagnosis must not fail
         return 0

@@ -27,21 +27,18 @@ from meshforge.metrics.progress import is_logged
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics
 from meshforge.metrics.time_breakdown import PhaseTimer
-from meshforge.models.presets import model_shape
-from meshforge.models.shape import ModelShape
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.diloco import build_diloco
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
-from meshforge.parallel.parallelize import build_loss, forward_context, is_sharded
-from meshforge.parallel.precision import resolve_precision
-from meshforge.resolve import layout
+from meshforge.parallel.parallelize import build_loss, forward_context
+from meshforge.run_plan import RunPlan
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.failure import on_failure
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook, moe_record
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
-from meshforge.train.run_dir import agree_on_start, launch_config, open_data
+from meshforge.train.run_dir import agree_on_start, launch_plan, open_data
 from meshforge.train.run_records import announce, finish_run, log_step
 from meshforge.train.state import TrainState
 from meshforge.train.step import PipelineStep, PlainStep, StepResult
@@ -51,20 +48,13 @@ from meshforge.train.stop import StopRequest
 class Trainer:
     """One rank's training run: the parts, and the loop over them."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        mesh: Mesh,
-        stream: TextIO | None = None,
-        resume: Path | None = None,
-        shape: ModelShape | None = None,
-    ):
-        """``mesh.dims`` is the run's Layout and ``shape`` its ModelShape, both resolved once per
-        launch by ``train`` (``shape`` from ``cfg.model`` when a test builds a Trainer directly)."""
-        self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
-        self.args = shape or model_shape(cfg.model)
-        t = cfg.train
-        self.precision = resolve_precision(t.precision, self.device)
+    def __init__(self, plan: RunPlan, mesh: Mesh, stream: TextIO | None = None, resume: Path | None = None):
+        """``plan`` is the run resolved once per launch by ``train``; ``mesh`` is built from its layout."""
+        cfg = plan
+        self.cfg, self.plan, self.mesh, self.device = plan, plan, mesh, mesh.device
+        self.args = plan.shape
+        t = plan.train
+        self.precision = t.precision
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(t.seed)
@@ -73,17 +63,17 @@ class Trainer:
         self.data = open_data(cfg, self.args)
         if mesh.distributed and mesh.is_main:
             dist.barrier()
-        self.loss = build_loss(cfg, mesh)
-        built = build_rank_model(cfg, mesh, self.loss, self.args)
+        self.loss = build_loss(plan)
+        built = build_rank_model(plan, mesh, self.loss)
         self.model, self.pipeline = built.model, built.pipeline
         self.optimizer = build_optimizer(self.model, cfg, mesh)
         install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
-        self.diloco = build_diloco(cfg, mesh, self.model, self.optimizer)  # None unless diloco.islands > 1
+        self.diloco = build_diloco(plan.diloco, plan.shape.layers, mesh, self.model, self.optimizer)  # islands > 1
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
-        self.local_batch = t.global_batch_size // mesh.dims.data_ranks  # DiLoCo islands take their own slices
-        self.micro = self.local_batch // self.pipeline.m if self.pipeline else t.micro_batch_size or self.local_batch
-        self.accum = self.local_batch // self.micro  # the pipeline schedule runs its micro-batches itself
+        self.local_batch = plan.local_batch  # DiLoCo islands take their own slices
+        self.micro = plan.layout.micro_batch_size
+        self.accum = 1 if self.pipeline else plan.microbatches  # the pipeline schedule runs its micro-batches
         self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
         self.state_mem: dict[str, int] = {}  # the last measured step's figures
         self.comm_bytes: dict[str, dict[str, float]] = {}
@@ -113,13 +103,13 @@ class Trainer:
         if resume:
             self.say(self.checkpoints.resume(resume, meta, dropped))
         self.scheduler = build_scheduler(self.optimizer, cfg, self.state.step)
-        forward = forward_context(cfg, mesh)
+        forward = forward_context(self.plan, mesh.device)
         common = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "loss": self.loss}
-        common.update(cfg=cfg, mesh=mesh, sharded=is_sharded(cfg, mesh))
+        common.update(plan=self.plan, mesh=mesh)
         if self.pipeline:
             self.runner: PlainStep | PipelineStep = PipelineStep(self.pipeline, **common)
         else:
-            sync_all = cfg.parallel.sync_every_microbatch
+            sync_all = self.plan.layout.sync_every_microbatch
             self.runner = PlainStep(train_model, forward, self.micro, self.accum, sync_all, **common)
         batches = (self.local_batch, self.micro)
         self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
@@ -140,7 +130,7 @@ class Trainer:
     def step_once(self, measure: bool = True) -> StepResult:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
-        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.dims.data_ranks)
+        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.layout.data_ranks)
         batch = self.data.train.get(idx).to(self.device, non_blocking=True)
         if self.diloco:
             warm = self.diloco.in_warmup(self.state.step + 1)
@@ -154,7 +144,7 @@ class Trainer:
             self.comm_bytes = self.comm.snapshot() if self.comm else {}
             if self.pipeline:
                 self.pp_stats = gather_pipeline_stats(self.pipeline, self.mesh)
-            tokens = self.local_batch * self.cfg.train.seq_len // self.mesh.dims.cp
+            tokens = self.local_batch * self.cfg.train.seq_len // self.mesh.layout.cp
             self.moe_stats = moe_record(self.model, self.loss, self.mesh, self.runner.reduce_loss, self.args, tokens)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -224,17 +214,17 @@ class Trainer:
 
 
 def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
-    """Run training on this rank. ``cfg`` is resolved here (again) with the process group's world size."""
-    world = launch_env.world_size()
-    cfg = launch_config(cfg, world)
+    """Run training on this rank: ``cfg`` is resolved here, once, for the process group's world."""
+    plan = launch_plan(cfg, launch_env.world_size())
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
-    lay, shape = layout(cfg, world), model_shape(cfg.model)  # the config resolved once into the two types
-    mesh = build_mesh(lay, cfg.train.device, cpu_backend=cfg.parallel.offload == "cpu")
+    mesh = build_mesh(plan.layout, plan.train.device, cpu_backend=plan.layout.offload == "cpu")
+    cfg = plan
     try:
-        cfg, resume = agree_on_start(cfg, mesh)
+        plan, resume = agree_on_start(plan, mesh)
+        cfg = plan
         try:
-            result = Trainer(cfg, mesh, stream, resume=Path(resume) if resume else None, shape=shape).fit()
+            result = Trainer(plan, mesh, stream, resume=Path(resume) if resume else None).fit()
             clean = True
             return result
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -24,9 +24,9 @@ from meshforge.parallel.mesh import Mesh
 
 def data_group(mesh: Mesh) -> dist.ProcessGroup | None:
     """The ranks that hold the same layers and see other tokens (whose loads add up)."""
-    if not mesh.distributed or mesh.dims.dp_cp == 1:
+    if not mesh.distributed or mesh.layout.dp_cp == 1:
         return None
-    return mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+    return mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
 
 
 def install_step_hook(optimizer: torch.optim.Optimizer, model: nn.Module, loss: LanguageModelLoss, mesh: Mesh) -> None:
@@ -60,11 +60,11 @@ def moe_record(
     out: dict[str, Any] = dict(zip(names, reduce_loss(parts).tolist(), strict=True))
     out.update(expert_load(model, mesh))
     elem = next((m.dispatcher.elem_bytes for m in moe_layers(model).values() if hasattr(m.dispatcher, "elem_bytes")), 0)
-    if mesh.dims.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
-        tokens = tokens_per_rank // mesh.dims.tp  # under tp each tp rank dispatches its share of the slots
+    if mesh.layout.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
+        tokens = tokens_per_rank // mesh.layout.tp  # under tp each tp rank dispatches its share of the slots
         every = sum(1 for i in range(args.layers) if is_moe_layer(args, i))
         mine = len(moe_layers(model))  # a pipeline stage holds some of the layers
-        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens, elem, mesh.dims.ep) * mine / every
+        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens, elem, mesh.layout.ep) * mine / every
     return out
 
 
@@ -73,7 +73,7 @@ def expert_load(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
     dropped fraction, over the whole global batch of the last step. Under pp each stage
     computes its own layers' and rank 0 gathers them (the others return their own)."""
     rows, drops = _stage_load(model, mesh)
-    if mesh.dims.pp > 1:
+    if mesh.layout.pp > 1:
         rows, drops = _gather_stages(rows, drops, mesh)
     if not rows:
         return {}
@@ -112,7 +112,7 @@ def _gather_stages(
     """Every pipeline stage's layer figures on pp rank 0 (a collective over the pp group)."""
     group = mesh.group("pp")
     first = mesh.coordinate("pp") == 0
-    every: list[Any] | None = [None] * mesh.dims.pp if first else None
+    every: list[Any] | None = [None] * mesh.layout.pp if first else None
     dist.gather_object((rows, drops), every, dst=dist.get_global_rank(group, 0), group=group)
     if not first or every is None:
         return rows, drops

@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from meshforge.config import Config
 from meshforge.parallel.data_parallel import make_optimizer
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.precision import resolve_precision
+from meshforge.run_plan import RunPlan
 
 
-def lr_at(cfg: Config, step: int) -> float:
+def lr_at(cfg: RunPlan, step: int) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to a floor."""
     o = cfg.optim
     peak, floor = o.lr, o.lr * o.min_lr_ratio
@@ -37,7 +36,7 @@ def lr_at(cfg: Config, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, mesh: Mesh) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, plan: RunPlan, mesh: Mesh) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms and embeddings (incl. a head tied to the embedding)."""
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
@@ -45,19 +44,16 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, mesh: Mesh) -> torch.op
             continue
         seen.add(id(p))
         (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
-    o = cfg.optim
-    impl = o.implementation
-    if impl == "auto":  # fused: one kernel per step (CPU too since torch 2.4; equal to foreach within 1e-6)
-        impl = "fused" if mesh.device.type in ("cuda", "cpu") else "foreach"
+    o = plan.optim
+    impl = o.implementation  # resolved: "auto" is fused (one kernel per step, CUDA and CPU)
     kw: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw.update(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    precision = resolve_precision(cfg.train.precision, mesh.device)
-    p = cfg.parallel
-    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, p.zero_stage, precision, p.grad_reduce_dtype)
+    p = plan.layout
+    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, p.zero_stage, plan.flat_zero1, p.grad_reduce_dtype)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, step: int = 0) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunPlan, step: int = 0) -> LambdaLR:
     """The schedule, positioned so the next optimizer step (``step``, 0-based) uses ``lr_at(cfg, step)``."""
     for g in optimizer.param_groups:
         g["initial_lr"] = 1.0  # the lambda returns the LR itself

@@ -7,7 +7,6 @@ then creates (or clears, on run.overwrite) the directory that rank 0 writes into
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -17,28 +16,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from meshforge import launch_env, run_lock
 from meshforge.checkpoint import store
 from meshforge.checkpoint.saver import resolve_load
-from meshforge.config import Config, to_toml
+from meshforge.config import Config
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
 from meshforge.disk import check_disk
 from meshforge.errors import ConfigError, DataError
-from meshforge.fit import check_fit, uses_cuda
+from meshforge.fit import check_fit
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
-from meshforge.models.presets import model_shape
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.fp8 import model_fp8_plan
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.precision import resolve_precision
 from meshforge.resolve import resolve
+from meshforge.run_plan import RunPlan
 
 
 def default_run_dir(cfg: Config) -> str:
@@ -101,42 +97,24 @@ def open_data(cfg: Config, shape: ModelShape) -> TokenDataset:
     return ds
 
 
-def check_precision_and_offload(cfg: Config, shape: ModelShape) -> None:
-    """Before launch: fp8 needs torchao and a boundary that leaves some linear in fp8; CPU
-    offload needs a GPU to offload from."""
-    if cfg.train.precision == "fp8":
-        model_fp8_plan(shape, cfg.train.fp8_exclude)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if cfg.parallel.offload == "cpu" and not cuda:
-        raise ConfigError(
-            "parallel.offload = 'cpu' on a CPU run: the state already lives in host memory; "
-            "use parallel.offload = 'none'"
-        )
+def preflight(cfg: Config, world_size: int, launcher: bool = False) -> RunPlan:
+    """Resolve the config into the run plan, check that it fits the device's memory, pick the run
+    dir, and make sure the data is usable. ``launcher``: run by `--nproc N`'s launcher, not a rank."""
+    plan = resolve(cfg, world_size)
+    if plan.model.init_from and not Path(plan.model.init_from).is_dir():
+        raise ConfigError(f"model.init_from = {plan.model.init_from} is not a directory of weights")
+    if not plan.run.dir:
+        plan = plan.with_run_dir(default_run_dir(plan))
+    check_run_dir(plan)
+    refuse_binary(plan.data.path, plan.data.allow_binary)
+    check_disk(plan)  # writable, and room for a checkpoint: refused here rather than mid-run
+    open_data(plan, plan.shape)  # (input errors first: a config or data mistake is named before the memory verdict)
+    if not (launcher and plan.world.device == "cuda"):  # a launcher leaves the GPUs to the ranks (no CUDA context)
+        check_fit(plan, launch_env.local_rank(), launch_env.local_world_size() or world_size)
+    return plan
 
 
-def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
-    """Resolve and validate the config, check that it fits the device's memory, pick the run dir,
-    and make sure the data is usable. ``launcher``: run by `--nproc N`'s launcher, not a rank."""
-    cfg = resolve(cfg, world_size)
-    if cfg.train.precision == "auto":
-        cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-        cfg.train.precision = resolve_precision("auto", torch.device("cuda" if cuda else "cpu"))
-    shape = model_shape(cfg.model)
-    check_precision_and_offload(cfg, shape)
-    if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
-        raise ConfigError(f"model.init_from = {cfg.model.init_from} is not a directory of weights")
-    if not cfg.run.dir:
-        cfg.run.dir = default_run_dir(cfg)
-    check_run_dir(cfg)
-    refuse_binary(cfg.data.path, cfg.data.allow_binary)
-    check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
-    open_data(cfg, shape)  # (input errors first: a config or data mistake is named before the memory verdict)
-    if not (launcher and uses_cuda(cfg)):  # a launcher leaves the GPUs to the ranks (no CUDA context here)
-        check_fit(cfg, world_size, launch_env.local_rank(), launch_env.local_world_size() or world_size)
-    return cfg
-
-
-def prepare_run_dir(cfg: Config) -> Path:
+def prepare_run_dir(cfg: RunPlan) -> Path:
     """Create run.dir (clearing an old run only when run.overwrite is set and this is not a
     restart) and write config.toml."""
     run_dir = check_run_dir(cfg)
@@ -148,7 +126,7 @@ def prepare_run_dir(cfg: Config) -> Path:
         for name in ("tensorboard", "final", "final-hf", "checkpoints"):
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+    (run_dir / "config.toml").write_text(cfg.to_toml())
     store.clean_incomplete(run_dir / "checkpoints")
     return run_dir
 
@@ -169,36 +147,35 @@ def event_writer(cfg: Config) -> Callable[..., None]:
     return write
 
 
-def agree_on_start(cfg: Config, mesh: Mesh) -> tuple[Config, str | None]:
+def agree_on_start(plan: RunPlan, mesh: Mesh) -> tuple[RunPlan, str | None]:
     """Rank 0 prepares run.dir and picks the checkpoint to resume from; every rank gets its
-    run.dir, precision and that checkpoint."""
+    run.dir and that checkpoint."""
     resume = None
     if mesh.is_main:
-        prepare_run_dir(cfg)
-        if resuming(cfg) or cfg.checkpoint.load not in ("latest", "none", ""):
-            path, _ = resolve_load(cfg.checkpoint.load, Path(cfg.run.dir) / "checkpoints", event_writer(cfg))
+        prepare_run_dir(plan)
+        if resuming(plan) or plan.checkpoint.load not in ("latest", "none", ""):
+            path, _ = resolve_load(plan.checkpoint.load, Path(plan.run.dir) / "checkpoints", event_writer(plan))
             resume = str(path) if path else None
     if not mesh.distributed:
-        return cfg, resume
-    obj = [cfg.run.dir, cfg.train.precision, resume]
+        return plan, resume
+    obj = [plan.run.dir, resume]
     dist.broadcast_object_list(obj, src=0)
-    run = dataclasses.replace(cfg.run, dir=obj[0])
-    return dataclasses.replace(cfg, run=run, train=dataclasses.replace(cfg.train, precision=obj[1])), obj[2]
+    return plan.with_run_dir(obj[0]), obj[1]
 
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
-def launch_config(cfg: Config, world: int) -> Config:
-    """This rank's resolved config (rank 0 also runs ``preflight``), with the environment that
-    must be set before the process group starts."""
+def launch_plan(cfg: Config, world: int) -> RunPlan:
+    """This rank's run plan (rank 0 also runs ``preflight``), with the environment that must be
+    set before the process group starts."""
     for k, v in DETERMINISTIC_ENV.items():
         if cfg.train.deterministic:
             os.environ.setdefault(k, v)
     os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
     if world == 1 or launch_env.rank() == 0:
         return preflight(cfg, world)
-    cfg = resolve(cfg, world)
-    if uses_cuda(cfg):  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
-        check_fit(cfg, world, launch_env.local_rank())
-    return cfg
+    plan = resolve(cfg, world)
+    if plan.world.device == "cuda":  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
+        check_fit(plan, launch_env.local_rank())
+    return plan

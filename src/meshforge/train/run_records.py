@@ -16,7 +16,6 @@ from meshforge.metrics.time_breakdown import run_breakdown
 from meshforge.models.flops import num_params
 from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
-from meshforge.parallel.parallelize import loss_chunk_size
 
 if TYPE_CHECKING:  # the Trainer's view, so this module types it without importing train/loop.py
     from meshforge.health.trainer_view import TrainerView as Trainer
@@ -40,14 +39,9 @@ def announce(tr: Trainer) -> None:
         announce_fp8(tr)
     if tr.cfg.train.compile:  # which blocks compile whole, and why the others do not
         tr.event("compile", **compile_plan_event(list(getattr(tr.model, "layers", {}).values())))
-    if loss_chunk_size(tr.cfg) != tr.cfg.train.loss_chunk_size:
-        line = (
-            f"train.loss_chunk_size = {tr.cfg.train.loss_chunk_size} runs as 0 (full logits): the "
-            f"{tr.cfg.parallel.pp_schedule} schedule's weight pass on torch {torch.__version__} cannot cross "
-            "the chunked loss (torch 2.13 can; docs/compat.md)"
-        )
-        tr.event("warning", key="train.loss_chunk_size", message=line)
-        tr.say(f"warning: {line}")
+    for change in tr.plan.changes:  # what the resolution set differently from the config, and why
+        tr.event("config_changed", key=change.key, given=change.given, used=change.used, reason=change.reason)
+        tr.say(f"note: {change.line()}")
 
 
 def announce_fp8(tr: Trainer) -> None:

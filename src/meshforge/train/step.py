@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from meshforge.config import Config
 from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.models.loss import LanguageModelLoss
@@ -30,9 +29,9 @@ from meshforge.parallel.data_parallel import gradient_sync
 from meshforge.parallel.fp8 import precompute_fp8_scales
 from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.parallelize import gathers_fp8
 from meshforge.parallel.pipeline import Pipeline
 from meshforge.parallel.tensor_parallel import local_value, match_grad_layouts
+from meshforge.run_plan import RunPlan
 from meshforge.train.optimizer import current_lr
 
 
@@ -63,22 +62,22 @@ class StepRunner:
         optimizer: torch.optim.Optimizer,
         scheduler: LambdaLR,
         loss: LanguageModelLoss,
-        cfg: Config,
+        plan: RunPlan,
         mesh: Mesh,
-        sharded: bool,
     ):
         self.model, self.optimizer, self.scheduler, self.loss = model, optimizer, scheduler, loss
-        self.mesh, self.sharded = mesh, sharded
+        self.mesh, self.sharded = mesh, plan.fsdp
         self.pre_update: Callable[[], None] | None = None
-        self.max_norm = cfg.train.grad_clip or float("inf")
-        self.offload = cfg.parallel.offload == "cpu"
-        self.match_layouts = mesh.degrees["tp"] > 1 and not sharded
-        self.fp8_scales = gathers_fp8(cfg, mesh)  # fp8 all-gather: weight scales precomputed per step
+        self.max_norm = plan.train.grad_clip or float("inf")
+        self.offload = plan.layout.offload == "cpu"
+        self.match_layouts = plan.layout.tp > 1 and not plan.fsdp
+        self.fp8_scales = plan.fp8_all_gather  # fp8 all-gather: weight scales precomputed per step
         # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
-        self.cp_index = cp_index(cfg, mesh)
-        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
+        seq = plan.train.seq_len
+        self.cp_index = cp_index(seq, mesh)
+        self.positions = torch.arange(seq, device=mesh.device) if self.cp_index is None else self.cp_index
         # the loss as one compiled call (parallel/compile.py); under tp its loss-parallel DTensors stay eager
-        self.loss_fn = compile_loss(loss) if cfg.train.compile and mesh.degrees["tp"] == 1 else loss
+        self.loss_fn = compile_loss(loss) if plan.train.compile and plan.layout.tp == 1 else loss
 
     def run(self, batch: torch.Tensor, measure: bool) -> StepResult:
         """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one update."""
@@ -126,9 +125,9 @@ class StepRunner:
         total = loss.detach().clone()
         for group in self.loss_groups:
             dist.all_reduce(total, group=group)
-        n = self.mesh.dims.dp_cp  # cp ranks hold equal token counts: their mean losses average like dp's
+        n = self.mesh.layout.dp_cp  # cp ranks hold equal token counts: their mean losses average like dp's
         if n > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.dims.cp > 1 else "dp"))
+            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.layout.cp > 1 else "dp"))
             total /= n
         return total
 

@@ -42,7 +42,7 @@ from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
 from meshforge.models.shape import ModelShape
 
 from .core import SYNC_DTYPES, Batch, DiLoCoRules, Problem
-from .data import _batch, _data_parallel, _offload, casts_once, gathers_weights, offload_problem
+from .data import _batch, _data_parallel, _offload, casts_once, gathers_weights, offload_problem, uses_flat_zero1
 from .degrees import rank_layout, resolve_degrees
 from .diloco import diloco_problems
 from .experts import _experts
@@ -74,6 +74,7 @@ __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
     "rank_layout",
     "resolve_degrees",
     "tp_divides_heads",
+    "uses_flat_zero1",
 ]
 
 

@@ -32,6 +32,13 @@ def gathers_weights(d: Layout) -> bool:
     return d.uses_fsdp() and d.zero_stage >= 2 and d.dp_shard * d.cp > 1
 
 
+def uses_flat_zero1(d: Layout, precision: str) -> bool:
+    """bf16 (and fp8: bf16 around fp8 matmuls) ZeRO-1 over more than one data-parallel rank runs on
+    FlatZero1 (parallel/zero1.py: bf16 working weights, fp32 master shards); fp32 ZeRO-1 keeps
+    ZeroRedundancyOptimizer."""
+    return precision in ("bf16", "fp8") and d.zero_stage == 1 and d.dp_cp > 1
+
+
 def _data_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
     if d.dp_replicate > 1 and d.zero_stage < 2:
         yield Problem(

@@ -1,7 +1,7 @@
 """Config values against their type annotations: a TOML or ``--section.key=value`` value
 checked and widened to its key's type (``coerce``), a type's name for --help, an override's
 text read as a TOML literal and a value written back as one. Nothing here knows the keys:
-the schema is config.py's.
+those are config/keys.py's.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
         raise ConfigError(
             f"{name} = {value!r} is not one of {', '.join(repr(c) for c in choices)}" + (f"; {hint}" if hint else "")
         )
-    if origin is list:
-        if not isinstance(value, list):
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list, got {value!r} (e.g. [4, 4])")
-        (item,) = typing.get_args(tp)
-        return [coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+        item = typing.get_args(tp)[0]
+        return origin(coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -61,6 +61,8 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} = {value!r} must be a finite number")
             return float(value)
         raise ConfigError(f"{name} must be a number, got {value!r}")
     if tp is str:
@@ -76,7 +78,7 @@ def type_name(tp: Any) -> str:
         return "|".join(str(c) for c in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         return "|".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
+    if origin in (list, tuple):
         return f"list[{type_name(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
 
@@ -93,11 +95,28 @@ def toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+        return repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
     if isinstance(v, int):
         return str(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return toml_string(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and every control character escaped, so any
+    value meshforge writes (a run.dir holding a newline or a quote) reads back as written."""
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(_ESCAPES.get(ch, f"\\u{ord(ch):04x}"))
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}

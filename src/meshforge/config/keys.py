@@ -1,0 +1,118 @@
+"""Every config key, read off the dataclasses that declare it: its section, the object of
+``Config`` that holds it, its type, default and help (the field's docstring). ``--help``,
+docs/configuration.md (tests/test_config_docs.py fails when it is stale) and the loader's
+checks are all generated from this one table, so a new key is one field.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+import textwrap
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from meshforge.config import sections as s
+from meshforge.layout import Layout
+from meshforge.models.shape import ModelShape
+
+# (TOML section, Config attribute, declaring class), in the order the sections are written
+OWNERS: tuple[tuple[str, str, type], ...] = (
+    ("model", "model", s.ModelConfig),
+    ("model", "shape", ModelShape),
+    ("parallel", "layout", Layout),
+    ("train", "train", s.TrainConfig),
+    ("optim", "optim", s.OptimConfig),
+    ("data", "data", s.DataConfig),
+    ("checkpoint", "checkpoint", s.CheckpointConfig),
+    ("metrics", "metrics", s.MetricsConfig),
+    ("run", "run", s.RunConfig),
+    ("health", "health", s.HealthConfig),
+    ("profile", "profile", s.ProfileConfig),
+    ("diloco", "diloco", s.DiLoCoConfig),
+)
+SECTIONS = tuple(dict.fromkeys(section for section, _, _ in OWNERS))
+PRESET_DEFAULT = "the preset's"  # shape keys default to the preset's value
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: ``section.name`` in TOML, ``getattr(getattr(cfg, holder), attr)`` in code."""
+
+    section: str
+    name: str
+    holder: str
+    attr: str
+    type: Any
+    default: Any
+    help: str
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under a dataclass's fields (PEP 257 attribute docstrings), by field name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                out[stmt.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+def _default(f: dataclasses.Field, holder: str) -> Any:
+    if holder == "shape":
+        return PRESET_DEFAULT
+    if holder == "layout" and f.name == "dp_shard":
+        return -1  # the config infers dp_shard; a Layout built in code defaults to 1
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+@functools.cache
+def keys() -> dict[str, Key]:
+    """Every key by its dotted name, in section order."""
+    out = {}
+    for section, holder, cls in OWNERS:
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("config") is False:
+                continue
+            k = Key(
+                f.metadata.get("section", section),
+                f.metadata.get("key", f.name),
+                holder,
+                f.name,
+                hints[f.name],
+                _default(f, holder),
+                docs.get(f.name, ""),
+            )
+            out[k.dotted] = k
+    home = {holder: section for section, holder, _ in OWNERS}  # a section's own fields before borrowed ones
+    order = {dotted: (SECTIONS.index(k.section), home[k.holder] != k.section) for dotted, k in out.items()}
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+
+
+def value_of(cfg: Any, dotted: str) -> Any:
+    """The value of config key ``section.key`` in a Config (or a RunPlan)."""
+    k = keys()[dotted]
+    return getattr(getattr(cfg, k.holder), k.attr)
+
+
+def section_keys(section: str) -> dict[str, Key]:
+    return {k.name: k for k in keys().values() if k.section == section}
+
+
+def plain_text(markdown: str) -> str:
+    """A help text for a terminal: links as their text, no backticks."""
+    return re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", markdown).replace("`", "")

@@ -1,0 +1,134 @@
+"""The user's config as a whole: ``Config``, read from a TOML file plus ``--section.key=value``
+overrides (``load_config``) and written back as TOML (``to_toml``).
+
+Loading collects every value first (the file, then the overrides), refuses unknown sections
+and keys (naming the nearest one) and wrong types, then builds each frozen section once: the
+model's shape from its preset with the given fields laid over it, the layout from [parallel]
+and the layout keys of [train] and [diloco]. What a run resolves from this (``auto`` values,
+inferred degrees, decisions) is resolve.py's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from meshforge.config.checks import check_values
+from meshforge.config.keys import OWNERS, SECTIONS, Key, keys, section_keys
+from meshforge.config.sections import Config
+from meshforge.config.values import coerce, toml_value
+from meshforge.errors import ConfigError, suggest
+from meshforge.models.presets import get_preset
+
+
+def key_type(dotted: str) -> Any:
+    """The annotation of config key ``section.key``, or None when there is no such key."""
+    k = keys().get(dotted)
+    return k.type if k else None
+
+
+def _lookup(section: str, key: str, where: str) -> Key:
+    """The key ``section.key``, or an error naming the nearest section or key."""
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section [{section}] in {where}; {suggest(section, SECTIONS)}")
+    found = section_keys(section).get(key)
+    if found:
+        return found
+    elsewhere = [sec for sec in SECTIONS if key in section_keys(sec)]
+    if elsewhere:
+        dashed = where.startswith("--")
+        hint = " or ".join(f"--{sec}.{key}" if dashed else f"[{sec}] {key}" for sec in elsewhere)
+        raise ConfigError(f"unknown key {section}.{key} in {where}; {elsewhere[0]}.{key} exists: did you mean {hint}?")
+    raise ConfigError(f"unknown key {section}.{key} in {where}; {suggest(key, section_keys(section))}")
+
+
+def _read_file(p: Path) -> dict[str, Any]:
+    if p.is_dir():
+        raise ConfigError(f"--config {p} is a directory; pass a TOML file such as configs/debug.toml")
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass an existing TOML file to --config")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {p} is not a UTF-8 TOML file (line {line}, byte {e.start} is not UTF-8: is it a binary "
+            "file?); pass a text TOML config such as configs/debug.toml"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}. Fix the syntax at that line.") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+
+
+def _collect(path: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Every given value by dotted key (the file's, then the overrides'), each of its key's type."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        for section, body in _read_file(p).items():
+            if not isinstance(body, dict):
+                raise ConfigError(
+                    f"{p}: top-level key '{section}' must be a section like [{section}]; "
+                    f"put keys under one of: {', '.join(SECTIONS)}"
+                )
+            for key, value in body.items():
+                k = _lookup(section, key, str(p))
+                values[k.dotted] = coerce(k.dotted, value, k.type)
+    for dotted, value in overrides.items():
+        if "." not in dotted:
+            raise ConfigError(f"override --{dotted} must name a section and key, like --train.steps=100")
+        k = _lookup(*dotted.split(".", 1), f"--{dotted}")
+        values[k.dotted] = coerce(k.dotted, value, k.type)
+    return values
+
+
+def build(values: dict[str, Any], base: Config | None = None) -> Config:
+    """``base`` (the defaults) with ``values`` laid over it: a new preset re-bases the shape."""
+    base = base or Config()
+    holders: dict[str, dict[str, Any]] = {holder: {} for _, holder, _ in OWNERS}
+    for dotted, value in values.items():
+        k = keys()[dotted]
+        holders[k.holder][k.attr] = value
+    shape = copy.copy(base.shape)
+    if "preset" in holders["model"]:
+        shape = get_preset(holders["model"]["preset"])
+    for attr, value in holders.pop("shape").items():
+        setattr(shape, attr, value)  # (setattr: head_dim = 0 stays "derived", see models/shape.py)
+    parts = {h: dataclasses.replace(getattr(base, h), **v) for h, v in holders.items() if v}
+    return dataclasses.replace(base, shape=shape, **parts)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """A Config from an optional TOML file and ``{"section.key": value}`` overrides, value-checked."""
+    cfg = build(_collect(path, overrides or {}))
+    check_values(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config by section and key, as TOML would hold it."""
+    out: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for k in keys().values():
+        value = getattr(getattr(cfg, k.holder), k.attr)
+        out[k.section][k.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def to_toml(cfg: Config, comments: dict[str, list[str]] | None = None) -> str:
+    """TOML text of the config, every key written; ``comments``: lines put above a section."""
+    lines = []
+    for section, body in to_dict(cfg).items():
+        lines += [f"# {c}" for c in (comments or {}).get(section, [])]
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in body.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)

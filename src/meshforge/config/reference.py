@@ -1,0 +1,69 @@
+"""The key reference, generated from the fields that declare the keys: ``meshforge train
+--help`` (``describe_keys``) and docs/configuration.md (``markdown``; regenerate it with
+``python -m meshforge.config.reference > docs/configuration.md``, a test fails when stale).
+"""
+
+from __future__ import annotations
+
+from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
+from meshforge.config.values import toml_value, type_name
+
+INTRO = """# Configuration reference
+
+Every key below can be set in a TOML file passed with `--config` and overridden on the command line
+as `--section.key=value` or `--section.key value`. Unknown keys, wrong types, non-finite numbers and
+impossible values are refused before training with a message naming the key (and the nearest valid
+one). A run resolves its config once, for its world size and machine, into a run plan; the run
+directory's `config.toml` is that plan written out: every preset field and every automatic value
+(`auto`, `-1`, `0` where it means "choose") replaced by what ran, with the decisions taken from
+them and any value the resolution changed (and why) as comments. Rerunning it reproduces the run.
+Model shape fields default to the preset's value (shown as `—`).
+
+This page is generated from the fields' docstrings (`src/meshforge/config/sections.py`,
+`src/meshforge/layout.py`, `src/meshforge/models/shape.py`):
+`python -m meshforge.config.reference > docs/configuration.md`.
+"""
+
+SECTION_NOTES = {
+    "parallel": "The layout: degrees over the device mesh and how each axis runs; see "
+    "[parallelism.md](parallelism.md).",
+    "health": "What happens when a run goes wrong while it keeps running; see [health.md](health.md).",
+    "diloco": "DiLoCo across islands of ranks; see [diloco.md](diloco.md). The `[parallel]` degrees are one island's.",
+}
+
+
+def _default_text(default: object) -> str:
+    return PRESET_DEFAULT + " value" if default == PRESET_DEFAULT else toml_value(default)
+
+
+def describe_keys() -> str:
+    """Every config key with its type, default and meaning, for ``--help``."""
+    lines, section = [], None
+    for k in keys().values():
+        if k.section != section:
+            section = k.section
+            lines.append(f"[{section}]")
+        default = _default_text(k.default)
+        lines.append(f"  --{k.dotted:<36} {type_name(k.type):<24} default {default}  {plain_text(k.help)}")
+    return "\n".join(lines)
+
+
+def markdown() -> str:
+    """docs/configuration.md."""
+    out = [INTRO]
+    for section in SECTIONS:
+        out.append(f"## [{section}]\n")
+        if section in SECTION_NOTES:
+            out.append(SECTION_NOTES[section] + "\n")
+        out += ["| key | default | meaning |", "|---|---|---|"]
+        for k in keys().values():
+            if k.section == section:
+                default = "—" if k.default == PRESET_DEFAULT else f"`{toml_value(k.default)}`"
+                meaning = k.help.replace("|", "\\|")
+                out.append(f"| `{k.name}` | {default} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,152 @@
+"""What a run executes: ``RunPlan``, the user's config resolved once against the world it
+runs in (``World``: device, world size, torch and the installed extras).
+
+Every automatic value is replaced by what runs, and every decision the layout implies (FSDP2
+or DDP, autocast or cast-once, fp8 all-gather, bf16 ZeRO-1) is taken once, in resolve.py, and
+stored here; the trainer, ``parallelize``, the planner's ``--config``, the fit check and the
+report read the plan and derive nothing again. ``to_toml`` is the run directory's config.toml:
+the concrete config, with the decisions and every forced change (and why) as comments, so
+rerunning it reproduces the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshforge.config import Config, to_toml
+from meshforge.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DiLoCoConfig,
+    HealthConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimConfig,
+    ProfileConfig,
+    RunConfig,
+    TrainConfig,
+)
+from meshforge.layout import Layout
+from meshforge.models.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class World:
+    """What a run is resolved against besides the config."""
+
+    size: int
+    device: str  # "cpu" | "cuda"
+    ranks_per_node: int | None = None
+    torch: str = ""
+    fp8_native: bool = False  # the device has fp8 matmuls (CUDA compute capability >= 8.9); else emulated
+    split_backward_custom_functions: bool = True  # compat: a zero-bubble weight pass crosses autograd.Functions
+
+
+@dataclass(frozen=True)
+class Change:
+    """A value the resolution set differently from what the config asked, and why."""
+
+    key: str
+    given: object
+    used: object
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.key} = {self.given!r} runs as {self.used!r}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A resolved run: a concrete config (no ``auto`` left), the world, and the decisions."""
+
+    config: Config
+    world: World
+    fsdp: bool  # data parallelism (and a world of one's cast-once or offload) on FSDP2
+    autocast: bool  # bf16 from torch.autocast (else from FSDP2's policy, or fp32)
+    fp8_all_gather: bool  # FSDP2 gathers fp8 weights (scales precomputed before each forward)
+    flat_zero1: bool  # bf16/fp8 ZeRO-1 on FlatZero1 (it reduces in its own step)
+    ddp: bool  # the model is wrapped in DDP
+    changes: tuple[Change, ...] = ()
+
+    # the config's parts, read the same way everywhere: plan.layout.tp, plan.shape.hidden, plan.train.seq_len
+    @property
+    def model(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.config.shape
+
+    @property
+    def layout(self) -> Layout:
+        return self.config.layout
+
+    @property
+    def train(self) -> TrainConfig:
+        return self.config.train
+
+    @property
+    def optim(self) -> OptimConfig:
+        return self.config.optim
+
+    @property
+    def data(self) -> DataConfig:
+        return self.config.data
+
+    @property
+    def checkpoint(self) -> CheckpointConfig:
+        return self.config.checkpoint
+
+    @property
+    def metrics(self) -> MetricsConfig:
+        return self.config.metrics
+
+    @property
+    def run(self) -> RunConfig:
+        return self.config.run
+
+    @property
+    def health(self) -> HealthConfig:
+        return self.config.health
+
+    @property
+    def profile(self) -> ProfileConfig:
+        return self.config.profile
+
+    @property
+    def diloco(self) -> DiLoCoConfig:
+        return self.config.diloco
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences per optimizer step on one data-parallel rank (DiLoCo islands take their own slices)."""
+        return self.train.global_batch_size // self.layout.data_ranks
+
+    @property
+    def microbatches(self) -> int:
+        """Forward passes per step on one rank: accumulation, or a pipeline's micro-batches."""
+        return self.local_batch // self.layout.micro_batch_size
+
+    def with_run_dir(self, run_dir: str) -> RunPlan:
+        """The same plan writing into ``run_dir`` (picked by rank 0, after resolution)."""
+        run = dataclasses.replace(self.config.run, dir=run_dir)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, run=run))
+
+    def decisions(self) -> dict[str, object]:
+        return {
+            "device": self.world.device,
+            "world_size": self.world.size,
+            "fsdp": self.fsdp,
+            "ddp": self.ddp,
+            "autocast": self.autocast,
+            "fp8_all_gather": self.fp8_all_gather,
+            "flat_zero1": self.flat_zero1,
+        }
+
+    def to_toml(self) -> str:
+        """config.toml: the concrete config, headed by the decisions and the changes as comments."""
+        said = ", ".join(f"{k} = {v}" for k, v in self.decisions().items())
+        head = [f"resolved by meshforge (torch {self.world.torch}): {said}"]
+        head += [f"changed: {c.line()}" for c in self.changes]
+        return to_toml(self.config, {"model": head})
