@@ -37,7 +37,7 @@ def _model(seq: int, cp: int, rank: int, balance: str, rotate: str):
 
     from meshforge.models.llama import Transformer, init_weights
     from meshforge.models.presets import get_preset
-    from meshforge.parallel.context_parallel import RingAttention
+    from meshforge.parallel.context.ring import RingAttention
 
     args = dataclasses.replace(get_preset("debug"), max_seq_len=seq)
     model = Transformer(args)
@@ -50,7 +50,7 @@ def _model(seq: int, cp: int, rank: int, balance: str, rotate: str):
 
 def _timed_kernels() -> dict[str, float]:
     """Wrap the ring's block kernels to add up this rank's attention compute time (no waits)."""
-    import meshforge.parallel.context_parallel as ring
+    import meshforge.parallel.context.ring as ring
 
     spent = {"s": 0.0}
     for name in ("block_forward", "block_backward"):
@@ -100,7 +100,7 @@ def worker(rank: int, cp: int, port: int, seq: int, balance: str, rotate: str, o
     import torch
     import torch.distributed as dist
 
-    from meshforge.parallel.context_parallel import shard_index
+    from meshforge.parallel.context.ring import shard_index
 
     torch.set_num_threads(1)  # one core per rank, as one device per rank (and no spinning OpenMP on a busy machine)
     if cp > 1:

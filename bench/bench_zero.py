@@ -32,7 +32,7 @@ RESULT_TAG = "RESULT "
 
 def formulas(stage: int, n: int, precision: str = "fp32") -> tuple[float, float]:
     """(meshforge's accounting at ``precision``, ZeRO paper mixed precision) in bytes per parameter.
-    bf16: stage 0 is autocast over fp32 weights; stage 1 holds the paper's bytes (parallel/zero1.py);
+    bf16: stage 0 is autocast over fp32 weights; stage 1 holds the paper's bytes (parallel/data/zero1.py);
     stages 2/3 keep fp32 shards and gather bf16 copies (2Ψ kept gathered fwd -> bwd under stage 2)."""
     ours = {0: 16, 1: 8 + 8 / n, 2: 4 + 16 / n, 3: 16 / n}[stage]
     if precision == "bf16":

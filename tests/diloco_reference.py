@@ -1,7 +1,7 @@
 """The single-process DiLoCo reference for tests/test_diloco.py: M islands stepped one after
 another in one process (each a world-of-one Trainer with its own AdamW), their
 pseudo-gradients averaged and the outer Nesterov update applied by hand -- written from
-the papers, not from parallel/diloco.py."""
+the papers, not from parallel/diloco/outer.py."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "lifeline": set(),
     "peer_lost": {"health", "launch_env"},
     # the top: what drives the rest
-    "calibration": {"config", "errors", "models", "parallel", "planner", "resolve", "train"},
+    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
     "launch": {"errors", "lifeline"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
@@ -78,15 +78,15 @@ SHARED_CORE = {
     "meshforge.errors",
     "meshforge.config",  # plan --config reads a train config; --emit-config writes one
     "meshforge.parallel.dims",  # the layout rules: the package and every module in it (in_core)
-    "meshforge.parallel.schedules",  # the pipeline schedules' facts (chunks per rank, bubble)
+    "meshforge.parallel.pipeline.schedules",  # the pipeline schedules' facts (chunks per rank, bubble)
     "meshforge.layout",  # Layout: the one layout type
     "meshforge.models.shape",  # ModelShape: the one model-shape type
     "meshforge.models.flops",  # the one FLOP/parameter counter
     "meshforge.models.presets",
     "meshforge.models.llama",  # the model, as a type
     "meshforge.models.moe",  # is_moe_layer, expert_ffn: which blocks are MoE, an expert's size
-    "meshforge.parallel.expert_parallel",  # a2a_bytes_formula: the planner prices what training sends
-    "meshforge.parallel.context_parallel_cost",  # ring attention's cost formulas
+    "meshforge.parallel.expert.dispatch",  # a2a_bytes_formula: the planner prices what training sends
+    "meshforge.parallel.context.cost",  # ring attention's cost formulas
     "meshforge.models.chunked_loss",  # DEFAULT_CHUNK: the planner's logits term counts one chunk
     "meshforge.metrics.mfu",  # PEAK_TFLOPS: the datasheet peaks MFU and the planner share
 }

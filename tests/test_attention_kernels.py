@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from meshforge.parallel import attention_kernels as ak
+from meshforge.parallel.context import kernels as ak
 
 CASES = [  # (heads, kv_heads, q_len, k_len, head_dim, causal)
     (4, 2, 8, 8, 8, True),

@@ -19,7 +19,7 @@ def _plan(schedule: str, able: bool, pp: int = 2):
 @pytest.mark.parametrize("able", [True, False])
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev", "1f1b", "gpipe"])
 def test_the_chunked_loss_yields_to_a_split_backward_only_where_torch_needs_it(schedule, able):
-    from meshforge.parallel.schedules import SCHEDULES
+    from meshforge.parallel.pipeline.schedules import SCHEDULES
 
     if schedule not in SCHEDULES:
         pytest.skip(f"{schedule} is not in this torch")

@@ -165,7 +165,7 @@ def test_ring_attention_block_kernels_on_cuda():
     """bf16 blocks run on the fused CUDA kernel (not the math fallback) and agree with math."""
     import math
 
-    from meshforge.parallel import attention_kernels as ak
+    from meshforge.parallel.context import kernels as ak
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -1,4 +1,4 @@
-"""DiLoCo and Streaming DiLoCo (parallel/diloco.py) against the single-process reference
+"""DiLoCo and Streaming DiLoCo (parallel/diloco/outer.py) against the single-process reference
 (tests/diloco_reference.py: islands stepped one after another, the outer update by hand),
 fp32 on CPU/gloo: one island with outer lr 1 and no momentum is plain training bit for bit;
 islands fed identical data are one island; 2 islands x an inner layout (DDP, FSDP, one
@@ -19,7 +19,7 @@ from diloco_reference import island_trainers, simulate
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.parallel.diloco import DiLoCo, fp8_decode, fp8_encode
+from meshforge.parallel.diloco.outer import DiLoCo, fp8_decode, fp8_encode
 from meshforge.resolve import resolve
 
 H = 4

@@ -34,7 +34,7 @@ from meshforge.models.loss import drain_aux
 from meshforge.models.moe import MoE
 from meshforge.models.presets import get_preset
 from meshforge.parallel.comm_stats import CommCounter
-from meshforge.parallel.expert_parallel import AllToAllDispatch, a2a_bytes_formula
+from meshforge.parallel.expert.dispatch import AllToAllDispatch, a2a_bytes_formula
 from meshforge.resolve import resolve
 from meshforge.train import train
 
@@ -173,10 +173,10 @@ LAYOUTS = {  # name: (ranks, overrides); the reference is the single process wit
         4,
         {"parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 2},
     ),
-    # the first stage's balance and z-losses enter its own backward (parallel/pipeline_aux.py)
+    # the first stage's balance and z-losses enter its own backward (parallel/pipeline/stage_aux.py)
     "ep2-pp2-1f1b": (4, {"parallel.ep": 2, **STAGES, "parallel.pp_schedule": "1f1b"}),
     "pp2-gpipe": (2, {**STAGES, "parallel.pp_schedule": "gpipe"}),
-    # f_i of the balance loss counts the whole micro-batch: summed over cp (parallel/moe_context_parallel.py)
+    # f_i of the balance loss counts the whole micro-batch: summed over cp (parallel/context/moe.py)
     "cp2": (2, {"parallel.cp": 2}),
     "ep2-cp2": (2, {"parallel.ep": 2, "parallel.cp": 2}),
 }

@@ -136,7 +136,7 @@ def test_config_imports_nothing_from_parallel_or_planner():
             todo.append(n)
     assert not {m for m in reach if m.startswith(("meshforge.parallel", "meshforge.planner"))}, reach
     # and the layout rules are pure: no process groups, no torch at all; they read the shared core only
-    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.layout", "meshforge.parallel.schedules"}
+    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.layout", "meshforge.parallel.pipeline.schedules"}
     package = [m for m in graph if m == "meshforge.parallel.dims" or m.startswith("meshforge.parallel.dims.")]
     assert len(package) > 1  # the rules' package and its modules by axis group
     for mod in package:

@@ -20,7 +20,7 @@ from meshforge.models.llama import (
 )
 from meshforge.models.loss import LanguageModelLoss, drain_aux, report_aux
 from meshforge.models.presets import PRESETS, check_model_args
-from meshforge.parallel.pipeline import give_positions
+from meshforge.parallel.pipeline.split import give_positions
 
 # Published parameter counts (Meta's model cards / HF configs).
 PUBLISHED = {

@@ -23,9 +23,10 @@ from conftest import (
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.loss import drain_aux, report_aux
-from meshforge.parallel.pipeline import Action, Timeline, balanced_split, chunk_ranks
-from meshforge.parallel.pipeline_aux import StageAux
-from meshforge.parallel.schedules import bubble_fraction
+from meshforge.parallel.pipeline.runtime import Action, Timeline
+from meshforge.parallel.pipeline.schedules import bubble_fraction
+from meshforge.parallel.pipeline.split import balanced_split, chunk_ranks
+from meshforge.parallel.pipeline.stage_aux import StageAux
 from meshforge.resolve import resolve
 from meshforge.train import train
 

@@ -12,7 +12,7 @@ from meshforge.errors import ConfigError
 from meshforge.models import flops
 from meshforge.models.presets import PRESETS
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.expert_parallel import a2a_bytes_formula
+from meshforge.parallel.expert.dispatch import a2a_bytes_formula
 from meshforge.planner import kernel_costs, moe_costs, output
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
@@ -101,7 +101,7 @@ def test_emitted_ep_config_resolves(tmp_path):
 
 def test_ep_times_tp_pays_the_slot_all_reduces():
     """Under ep x tp every MoE block all-reduces its slots over tp (forward and backward,
-    parallel/moe_tensor_parallel.py): the planner's tp time carries exactly that on top of
+    parallel/tensor/moe.py): the planner's tp time carries exactly that on top of
     the dense block's collectives, and it grows with the number of slots (top-k)."""
     s = from_preset("mixtral-8x7b")
     lay = {"tp": 4, "dp": 16, "ep": 8, "zero_stage": 2, "activation_checkpoint": "selective", "micro_batch_size": 4}
@@ -149,8 +149,8 @@ def test_expert_gemms_slow_down_as_rows_per_expert_shrink():
 def test_rows_per_expert_follow_the_dispatch():
     """Mean rows per local expert as expert_parallel's dispatch and moe_tensor_parallel's tp
     shares hand them out, against the planner's formula."""
-    from meshforge.parallel.expert_parallel import _by_local_expert
-    from meshforge.parallel.moe_tensor_parallel import _share
+    from meshforge.parallel.expert.dispatch import _by_local_expert
+    from meshforge.parallel.tensor.moe import _share
 
     s = from_preset("debug-moe")
     e, k, tokens_mb = s.num_experts, s.experts_per_token, 96

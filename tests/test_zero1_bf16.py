@@ -1,4 +1,4 @@
-"""bf16 ZeRO-1 at the ZeRO paper's bytes (parallel/zero1.py), on CPU/gloo with 3 ranks.
+"""bf16 ZeRO-1 at the ZeRO paper's bytes (parallel/data/zero1.py), on CPU/gloo with 3 ranks.
 
 One 3-rank run checks: the losses follow the single-process bf16 run within bf16 noise;
 state bytes are 4Ψ + 12 Σ_g ceil(Ψ_g / N) (bf16 params and grads, fp32 master + Adam

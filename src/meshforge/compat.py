@@ -17,9 +17,13 @@ needs it; when the floor (pyproject.toml) passes that version, the entry goes.
 - ``functional_collectives``: the functional collectives DTensor calls (a private module,
   imported only here), which 2.11 names differently (``all_gather_tensor`` where 2.13 has
   ``all_gather_single``); communication counting (parallel/comm_stats.py) wraps them.
+- ``all_gather_flat`` / ``reduce_scatter_flat``: torch 2.13 renamed
+  ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``*_single`` and deprecates the old
+  names; 2.11 has only those. Looked up per call, because the communication counter swaps
+  wrappers into the module attributes on measured steps.
 
 Other private torch names are used where they are wrapped and listed here: the stage's
-``_post_metadata_inference_cleanup`` (parallel/pipeline_aux.py), the stager's ``_config``
+``_post_metadata_inference_cleanup`` (parallel/pipeline/stage_aux.py), the stager's ``_config``
 (checkpoint/sharded.py), ``torch._grouped_mm`` (models/moe.py).
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
 # the oldest torch the whole CPU suite was run on (pyproject.toml's floor; .ci/compat runs it)
@@ -94,3 +99,13 @@ def mesh_slice_names(dims: tuple[str, ...], flattened: dict[str, tuple[str, ...]
             name = big[0] if len(big) == 1 else parts[-1] if not big else name
         out.append(name)
     return tuple(out)
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``inp`` concatenated into ``out`` (world × inp elements)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+    """The sum over ranks of ``inp``, each rank keeping its 1/world slice in ``out``."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)

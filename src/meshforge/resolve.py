@@ -19,7 +19,7 @@ from meshforge.errors import ConfigError
 from meshforge.layout import Layout
 from meshforge.parallel import dims
 from meshforge.parallel.dims import Batch, DiLoCoRules
-from meshforge.parallel.schedules import SPLIT_BACKWARD, schedule_name
+from meshforge.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule_name
 from meshforge.run_plan import Change, RunPlan, World
 
 

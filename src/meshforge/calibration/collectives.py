@@ -13,8 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshforge.calibration.compute import timed
-from meshforge.parallel.collectives import all_gather_flat
-from meshforge.parallel.data_parallel import AllReduceScatter
+from meshforge.compat import all_gather_flat
+from meshforge.parallel.data.apply import AllReduceScatter
 from meshforge.planner.hardware import cost_coefficients
 
 # collectives the way training issues them: DDP all-reduces, ZeRO-1 all-gathers, FSDP2

@@ -31,7 +31,7 @@ from meshforge.launch_env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.diloco import DiLoCo
+from meshforge.parallel.diloco.outer import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
 from meshforge.run_plan import RunPlan

@@ -77,7 +77,7 @@ def plain(state: Any) -> Any:
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer tensors to save, by parameter name (plain data: see ``plain``)."""
-    if hasattr(optimizer, "full_training_state"):  # bf16 ZeRO-1 (parallel/zero1.py): full fp32 tensors
+    if hasattr(optimizer, "full_training_state"):  # bf16 ZeRO-1 (parallel/data/zero1.py): full fp32 tensors
         return plain(optimizer.full_training_state(model))
     msd = get_model_state_dict(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):

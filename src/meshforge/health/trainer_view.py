@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from meshforge.models.shape import ModelShape
     from meshforge.parallel.comm_stats import CommCounter
     from meshforge.parallel.mesh import Mesh
-    from meshforge.parallel.pipeline import Pipeline
+    from meshforge.parallel.pipeline.runtime import Pipeline
     from meshforge.train.state import TrainState
     from meshforge.train.step import PipelineStep, PlainStep
 

@@ -1,7 +1,7 @@
 """Bytes a rank holds for training state, counted from the tensors themselves.
 
 Sharded tensors (DTensor) count their local shard only, so the numbers can be checked
-against the ZeRO formulas directly (see parallel/data_parallel.py).
+against the ZeRO formulas directly (see parallel/data/apply.py).
 """
 
 from __future__ import annotations

@@ -92,12 +92,12 @@ class LanguageModelLoss:
 
     def discard(self) -> None:
         """Forget this step's calls so far (a pipeline schedule's shape inference on stand-in
-        tensors, parallel/pipeline_aux.py)."""
+        tensors, parallel/pipeline/stage_aux.py)."""
         self._sums, self._calls, self._elsewhere = {}, 0, {}
 
     def add_step_terms(self, terms: dict[str, torch.Tensor]) -> None:
         """This step's means per micro-batch of terms whose gradient entered elsewhere (the MoE
-        layers of pipeline stages before the last, parallel/pipeline_aux.py): logged with the
+        layers of pipeline stages before the last, parallel/pipeline/stage_aux.py): logged with the
         step's parts by ``end_step``."""
         for k, v in terms.items():
             self._elsewhere[k] = self._elsewhere[k] + v if k in self._elsewhere else v

@@ -9,16 +9,16 @@ see the checkpointed block, and data parallelism goes last so its hooks see the 
 parameters. The model arrives on the meta device and is materialised here, after
 sharding, so a rank only ever allocates its own shards; every shard is filled from the
 seed-determined full values, so any layout starts from the single-process weights.
-With pp > 1 the model is first split into pipeline chunks (parallel/pipeline.py) and each
+With pp > 1 the model is first split into pipeline chunks (parallel/pipeline/runtime.py) and each
 chunk then goes through the same steps as a whole model. Context parallelism swaps each
-block's attention core for ring attention (parallel/context_parallel.py) and makes MoE
-balance losses count the whole micro-batch (parallel/moe_context_parallel.py); its parameters
+block's attention core for ring attention (parallel/context/ring.py) and makes MoE
+balance losses count the whole micro-batch (parallel/context/moe.py); its parameters
 are replicated over cp, so data parallelism reduces over dp x cp. Expert parallelism splits
 each MoE layer's experts over ep data-parallel ranks and swaps its dispatcher for an
-all-to-all one (parallel/expert_parallel.py); FSDP then shards the experts over the
+all-to-all one (parallel/expert/dispatch.py); FSDP then shards the experts over the
 remaining (edp) ranks and everything else as usual. Under tp an MoE block's router runs
 replicated over tp and each tp rank dispatches its share of the slots
-(parallel/moe_tensor_parallel.py).
+(parallel/tensor/moe.py).
 
 With tp > 1 every parameter is a DTensor on the tp mesh, which DDP does not take; the
 data-parallel stages then all run on FSDP2: stages 2/3 shard over dp as usual, and stage
@@ -40,24 +40,18 @@ from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import compile_blocks
-from meshforge.parallel.context_parallel import apply_cp
-from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
-from meshforge.parallel.expert_parallel import apply_ep, shard_experts
+from meshforge.parallel.context.moe import apply_moe_cp
+from meshforge.parallel.context.ring import apply_cp
+from meshforge.parallel.data.apply import apply_ddp, apply_fsdp, fill_param
+from meshforge.parallel.expert.dispatch import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.moe_context_parallel import apply_moe_cp
-from meshforge.parallel.moe_tensor_parallel import split_over_tp
-from meshforge.parallel.pipeline import (
-    Pipeline,
-    balanced_split,
-    chunk_ranks,
-    give_positions,
-    model_view,
-    split_model,
-)
+from meshforge.parallel.pipeline.runtime import Pipeline
+from meshforge.parallel.pipeline.schedules import chunks_per_rank, schedule_name
+from meshforge.parallel.pipeline.split import balanced_split, chunk_ranks, give_positions, model_view, split_model
 from meshforge.parallel.precision import autocast
-from meshforge.parallel.schedules import chunks_per_rank, schedule_name
-from meshforge.parallel.tensor_parallel import apply_tp, loss_context
+from meshforge.parallel.tensor.apply import apply_tp, loss_context
+from meshforge.parallel.tensor.moe import split_over_tp
 from meshforge.run_plan import RunPlan
 
 

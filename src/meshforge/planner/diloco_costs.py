@@ -14,7 +14,7 @@ fast-link traffic). On top of it:
   ``delay`` inner steps: exposed F x max(0, t_sync / F - delay x t_step) / H per step.
 
 Latency is left out: with one sync per round it is amortised over H steps, and DDP is
-bandwidth-bound on such links. Same formulas as parallel/diloco.py's traffic (the tests
+bandwidth-bound on such links. Same formulas as parallel/diloco/outer.py's traffic (the tests
 check the bytes against the communication counters).
 """
 

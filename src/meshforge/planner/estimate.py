@@ -49,13 +49,13 @@ from typing import Any
 from meshforge.layout import Layout
 from meshforge.models import flops
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.context_parallel_cost import (
+from meshforge.parallel.context.cost import (
     local_tokens,
     ring_bytes,
     ring_messages,
 )
-from meshforge.parallel.schedules import SCHEDULES as DIMS_SCHEDULES
-from meshforge.parallel.schedules import V_SHAPED, bubble_fraction
+from meshforge.parallel.pipeline.schedules import SCHEDULES as DIMS_SCHEDULES
+from meshforge.parallel.pipeline.schedules import V_SHAPED, bubble_fraction
 from meshforge.planner import kernel_costs, moe_costs, offload_costs, time_terms
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.memory import (
@@ -332,7 +332,7 @@ def _dp_time(
         return 0.0
     if lay.zero_stage == 0 and group is None:
         return dp_coll("all_reduce", grad_bytes)
-    if lay.zero_stage == 1 and group is None:  # a distributed optimizer (parallel/zero1.py)
+    if lay.zero_stage == 1 and group is None:  # a distributed optimizer (parallel/data/zero1.py)
         return dp_coll("reduce_scatter", psi * REDUCE_BYTES[lay.grad_reduce_dtype]) + dp_coll("all_gather", psi * w)
     gathers = (2 if lay.zero_stage == 3 else 1) * lay.num_microbatches
     units = max(1, round(stage_layers(shape, lay.pp)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from meshforge.layout import Layout
 from meshforge.models.chunked_loss import DEFAULT_CHUNK
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.context_parallel_cost import (
+from meshforge.parallel.context.cost import (
     local_tokens,
     ring_extra_saved_bytes_per_token,
 )
@@ -38,7 +38,7 @@ def allocated_state_bytes(shape: ModelShape, lay: Layout, psi: float, precision:
     and stage 2 without its replicated 2Ψ (FSDP2 holds it gathered only from forward to
     backward). DDP and ZeRO-1 follow the paper. fp32 ZeRO-1 (``ZeroRedundancyOptimizer``)
     splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded
-    rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/zero1.py) splits flat buffers evenly."""
+    rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/data/zero1.py) splits flat buffers evenly."""
     n = lay.dp * lay.cp
     if lay.zero_stage >= 2 and (n > 1 or lay.offload == "cpu"):  # FSDP2 (a world of one: when offloading)
         return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}

@@ -2,7 +2,7 @@
 parameters and optimizer state under expert parallelism and FSDP, the MoE block's
 activations, the experts' gathers, and the token all-to-alls on the link the ep group uses.
 
-As meshforge runs it (parallel/expert_parallel.py): under ep > 1 each rank holds E/ep
+As meshforge runs it (parallel/expert/dispatch.py): under ep > 1 each rank holds E/ep
 experts of every MoE block, and FSDP2 shards those over the ``edp`` = dp x cp / ep ranks
 that hold the same experts, so the expert states per GPU are 16 bytes x Ψe / (dp x cp) in
 any precision (the fp32 shards of parameters and gradients plus Adam's), but a gather
@@ -26,7 +26,7 @@ from typing import Any
 from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.expert_parallel import a2a_bytes_formula
+from meshforge.parallel.expert.dispatch import a2a_bytes_formula
 from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import Hardware
 
@@ -63,7 +63,7 @@ def expert_state_bytes(shape: ModelShape, lay: Layout, psi_e: float, precision: 
     if lay.ep <= 1:
         return dense_states(psi_e)
     # 1/ep of the experts, sharded over edp = dp x cp / ep; replicated over tp (each tp rank runs
-    # them on its share of the slots: parallel/moe_tensor_parallel.py), so x tp of the /tp ``psi_e``
+    # them on its share of the slots: parallel/tensor/moe.py), so x tp of the /tp ``psi_e``
     local = psi_e * lay.tp / (lay.dp * lay.cp)
     return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
 
@@ -119,7 +119,7 @@ def a2a_seconds(
 def tp_seconds(
     shape: ModelShape, lay: Layout, tokens_mb: float, bpe: int, coll: Callable[[str, float], float]
 ) -> float:
-    """What ep x tp adds to a step's tensor-parallel traffic (parallel/moe_tensor_parallel.py):
+    """What ep x tp adds to a step's tensor-parallel traffic (parallel/tensor/moe.py):
     per MoE block and micro-batch one all-reduce over tp of the slots' outputs in forward and
     one of their input gradients in backward (tokens x k x hidden each; again in forward under
     full recomputation), and once per step the all-reduce over tp that sums the expert
@@ -137,8 +137,8 @@ def tp_seconds(
 def rows_per_expert(shape: ModelShape, lay: Layout, tokens_mb: float) -> float:
     """Rows of one local expert's GEMM per micro-batch of ``tokens_mb`` tokens on a rank, at
     balance: the rank routes tokens x k slots over E experts; under ep its E/ep experts take the
-    slots of its ep group's ep ranks (parallel/expert_parallel.py), and under ep x tp each tp
-    rank takes 1/tp of them (parallel/moe_tensor_parallel.py; its tokens_mb is the whole
+    slots of its ep group's ep ranks (parallel/expert/dispatch.py), and under ep x tp each tp
+    rank takes 1/tp of them (parallel/tensor/moe.py; its tokens_mb is the whole
     micro-batch, gathered in front of the MoE block)."""
     return tokens_mb * shape.experts_per_token * lay.ep / (shape.num_experts * lay.tp)
 

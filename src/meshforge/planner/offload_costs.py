@@ -1,6 +1,6 @@
 """What CPU offload (``parallel.offload = "cpu"``) changes in the planner's memory and time.
 
-As meshforge runs it (parallel/data_parallel.py), FSDP2's CPUOffloadPolicy keeps the whole
+As meshforge runs it (parallel/data/apply.py), FSDP2's CPUOffloadPolicy keeps the whole
 sharded state on the host: the fp32 parameter shard (pinned; the master copy), the fp32
 gradient shard (pinned) and AdamW's two moments, i.e. what ``allocated_state_bytes`` counts
 for ZeRO-2/3 (16 bytes x Ψ / N). What stays on the device, per unit (block) and step:

@@ -18,10 +18,10 @@ from torch import nn
 
 from meshforge.data.dataset import TokenSplit
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.parallel.context_parallel import cp_index
+from meshforge.parallel.context.ring import cp_index
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.pipeline import Pipeline
-from meshforge.parallel.tensor_parallel import local_value
+from meshforge.parallel.pipeline.runtime import Pipeline
+from meshforge.parallel.tensor.apply import local_value
 from meshforge.run_plan import RunPlan
 
 

@@ -28,7 +28,7 @@ from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics
 from meshforge.metrics.time_breakdown import PhaseTimer
 from meshforge.parallel.comm_stats import CommCounter
-from meshforge.parallel.diloco import build_diloco
+from meshforge.parallel.diloco.outer import build_diloco
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context
 from meshforge.run_plan import RunPlan

@@ -19,7 +19,7 @@ from meshforge.models.loss import LanguageModelLoss
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.parallelize import parallelize, parallelize_pipeline
-from meshforge.parallel.pipeline import Pipeline
+from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.run_plan import RunPlan
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.models.moe import end_step, is_moe_layer, moe_layers
-from meshforge.parallel.expert_parallel import a2a_bytes_formula
+from meshforge.parallel.expert.dispatch import a2a_bytes_formula
 from meshforge.parallel.mesh import Mesh
 
 

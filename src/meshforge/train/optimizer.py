@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from meshforge.parallel.data_parallel import make_optimizer
+from meshforge.parallel.data.apply import make_optimizer
 from meshforge.parallel.mesh import Mesh
 from meshforge.run_plan import RunPlan
 

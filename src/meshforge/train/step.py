@@ -24,13 +24,13 @@ from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.compile import compile_loss
-from meshforge.parallel.context_parallel import cp_index
-from meshforge.parallel.data_parallel import gradient_sync
+from meshforge.parallel.context.ring import cp_index
+from meshforge.parallel.data.apply import gradient_sync
 from meshforge.parallel.fp8 import precompute_fp8_scales
 from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.pipeline import Pipeline
-from meshforge.parallel.tensor_parallel import local_value, match_grad_layouts
+from meshforge.parallel.pipeline.runtime import Pipeline
+from meshforge.parallel.tensor.apply import local_value, match_grad_layouts
 from meshforge.run_plan import RunPlan
 from meshforge.train.optimizer import current_lr
 

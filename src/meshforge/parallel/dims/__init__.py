@@ -27,8 +27,8 @@ divide the heads), ``unsupported`` ones could, but this version of meshforge doe
 them (ZeRO-1 under tp, a mixture of experts under tp). Each problem names the key
 and the fix.
 
-The rules live in this package, one module per axis group: ``data`` (DDP/ZeRO/HSDP, offload,
-the batch), ``tensor`` (tp, sequence parallelism, async TP, cp), ``pipeline``, ``experts``,
+The rules live in this package, one module per axis: ``data`` (DDP/ZeRO/HSDP, offload, the
+batch), ``tensor`` (tp, sequence parallelism, async TP), ``context`` (cp), ``pipeline``, ``experts``,
 ``diloco``, ``degrees`` (inferring a -1 degree, each rank's coordinates) and ``partial``
 (a partial layout's fixed choices, judged before a search). ``core`` holds the vocabulary.
 """
@@ -41,6 +41,7 @@ from meshforge.errors import ConfigError
 from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
 from meshforge.models.shape import ModelShape
 
+from .context import _context_parallel
 from .core import SYNC_DTYPES, Batch, DiLoCoRules, Problem
 from .data import _batch, _data_parallel, _offload, casts_once, gathers_weights, offload_problem, uses_flat_zero1
 from .degrees import rank_layout, resolve_degrees
@@ -48,7 +49,7 @@ from .diloco import diloco_problems
 from .experts import _experts
 from .partial import CONFIG, OFFLOAD, RECOMPUTE, Spelling, partial_problems
 from .pipeline import _pipeline
-from .tensor import _async_tp, _context_parallel, _tensor_parallel, tp_divides_heads
+from .tensor import _async_tp, _tensor_parallel, tp_divides_heads
 
 __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
     "CONFIG",

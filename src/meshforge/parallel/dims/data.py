@@ -15,7 +15,7 @@ def casts_once(d: Layout, precision: str, mixed_precision: str) -> bool:
     offload, and -- for bf16/fp8 with ``train.mixed_precision = "cast_once"`` -- a world of one
     (a one-rank mesh) and DDP's layouts (stage 0: replicated over dp), so that FSDP2's
     mixed-precision policy casts each weight to bf16 once per micro-batch instead of autocast
-    at every use. (bf16 ZeRO-1 holds bf16 working weights of its own: parallel/zero1.py.)"""
+    at every use. (bf16 ZeRO-1 holds bf16 working weights of its own: parallel/data/zero1.py.)"""
     if d.uses_fsdp():
         return False
     if d.world_size == 1 and d.offload == "cpu" and d.zero_stage >= 2:
@@ -34,7 +34,7 @@ def gathers_weights(d: Layout) -> bool:
 
 def uses_flat_zero1(d: Layout, precision: str) -> bool:
     """bf16 (and fp8: bf16 around fp8 matmuls) ZeRO-1 over more than one data-parallel rank runs on
-    FlatZero1 (parallel/zero1.py: bf16 working weights, fp32 master shards); fp32 ZeRO-1 keeps
+    FlatZero1 (parallel/data/zero1.py: bf16 working weights, fp32 master shards); fp32 ZeRO-1 keeps
     ZeroRedundancyOptimizer."""
     return precision in ("bf16", "fp8") and d.zero_stage == 1 and d.dp_cp > 1
 

@@ -71,7 +71,7 @@ def _moe_unsupported(d: Layout) -> Iterator[Problem]:
 
 def _moe_context_parallel(d: Layout, model: ModelShape) -> Iterator[Problem]:
     """Under cp a rank routes its shard of each sequence; the balance statistics are summed
-    over the cp ranks (parallel/moe_context_parallel.py), but capacity drops the lowest
+    over the cp ranks (parallel/context/moe.py), but capacity drops the lowest
     scores per expert among a micro-batch's tokens, which no rank sees whole."""
     capacity = getattr(model, "capacity_factor", 0)
     if d.cp > 1 and capacity > 0:

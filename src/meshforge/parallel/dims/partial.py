@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.schedules import SCHEDULES, V_SHAPED
+from meshforge.parallel.pipeline.schedules import SCHEDULES, V_SHAPED
 
 from .core import Problem, product
 from .data import offload_problem

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from meshforge.errors import suggest
 from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.schedules import SCHEDULES, schedule_available, schedule_name
+from meshforge.parallel.pipeline.schedules import SCHEDULES, schedule_available, schedule_name
 
 from .core import Batch, Problem
 

@@ -1,4 +1,4 @@
-"""The axes that split a block's activations: tensor (and sequence) parallelism, async TP, context parallelism."""
+"""Tensor (and sequence) parallelism and async TP."""
 
 from __future__ import annotations
 
@@ -64,27 +64,6 @@ def _tensor_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem
             f"model.qk_norm = true with parallel.tp = {tp}: the QK-norm weights are not yet sharded by the "
             "tensor-parallel plan; set parallel.tp = 1 or model.qk_norm = false",
             "unsupported",
-        )
-
-
-def _context_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
-    if d.cp == 1:
-        return
-    chunks = 2 * d.cp if d.cp_balance == "zigzag" else d.cp
-    if t.seq_len % chunks:
-        what = f"2 x parallel.cp = {chunks}" if d.cp_balance == "zigzag" else f"parallel.cp = {chunks}"
-        why = "2 x cp load-balanced chunks (cp_balance = zigzag)" if d.cp_balance == "zigzag" else "cp slices"
-        yield Problem(
-            "train.seq_len",
-            f"train.seq_len = {t.seq_len} must be a multiple of {what} (context parallelism splits each sequence "
-            f"into {why}); use e.g. {-(-t.seq_len // chunks) * chunks}",
-        )
-    elif d.tp > 1 and d.sequence_parallel and t.seq_len % (d.cp * d.tp):
-        yield Problem(
-            "train.seq_len",
-            f"train.seq_len = {t.seq_len} must be a multiple of parallel.cp x parallel.tp = {d.cp * d.tp} (sequence "
-            f"parallelism splits each cp rank's seq_len / cp tokens over the tp ranks); use e.g. "
-            f"{-(-t.seq_len // (d.cp * d.tp * 2)) * d.cp * d.tp * 2} or set parallel.sequence_parallel = false",
         )
 
 

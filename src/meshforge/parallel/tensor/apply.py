@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshforge.models.llama import Transformer
 from meshforge.models.moe import MoE
-from meshforge.parallel.moe_tensor_parallel import apply_moe_tp, is_moe_plan_key
+from meshforge.parallel.tensor.moe import apply_moe_tp, is_moe_plan_key
 
 
 class ReplicateParallel(ParallelStyle):
@@ -133,7 +133,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     (rows of the embedding, output features of the head), so after sharding the head is
     re-pointed at the embedding's DTensor and the two stay one parameter. A block with a
     mixture-of-experts feed-forward keeps the attention entries and takes its feed-forward's
-    plan from parallel/moe_tensor_parallel.py.
+    plan from parallel/tensor/moe.py.
     """
     parallelize_module(model, tp_mesh, _present(model, outer_plan(sequence_parallel)))
     plan = block_plan(sequence_parallel)

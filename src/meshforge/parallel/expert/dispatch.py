@@ -23,7 +23,7 @@ the gradient entering the experts is scaled by 1/ep and the gradient leaving the
 tokens by ep, which leaves the token gradients exact and the weight gradients x 1/ep
 (an FSDP gradient divide factor would do the same, but its PREMUL_SUM reduction does not
 exist on gloo). Under tp the experts are replicated over tp and each tp rank runs them on
-its share of the slots (parallel/moe_tensor_parallel.py): their gradients are summed over
+its share of the slots (parallel/tensor/moe.py): their gradients are summed over
 tp after FSDP's reduce-scatter. Under HSDP FSDP also averages them over dp_replicate.
 """
 
@@ -38,11 +38,11 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from meshforge.compat import all_gather_flat
 from meshforge.models.moe import GroupedExperts, is_moe_layer, moe_layers
-from meshforge.parallel.collectives import all_gather_flat
-from meshforge.parallel.data_parallel import AllReduceScatter
+from meshforge.parallel.data.apply import AllReduceScatter
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.moe_tensor_parallel import sum_over_tp
+from meshforge.parallel.tensor.moe import sum_over_tp
 
 
 class _AllToAll(torch.autograd.Function):

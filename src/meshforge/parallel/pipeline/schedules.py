@@ -1,7 +1,7 @@
 """Pipeline schedules: their names, the model chunks each runs per rank, and their bubble.
 
 Facts about the schedules, shared by the layout rules (parallel/dims/), the pipeline
-(parallel/pipeline.py) and the planner; which schedule a layout may use is a rule in dims/.
+(parallel/pipeline/runtime.py) and the planner; which schedule a layout may use is a rule in dims/.
 """
 
 from __future__ import annotations

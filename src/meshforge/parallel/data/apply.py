@@ -34,8 +34,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from meshforge.parallel.data.zero1 import FlatZero1
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.zero1 import FlatZero1
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Module:
@@ -146,7 +146,7 @@ def make_optimizer(
     """Stage 1 shards the optimizer over the ``dp`` group (``dp_cp`` under cp > 1: cp ranks hold
     the same parameters and gradients, so they share the state like dp ranks); sharded stages
     shard it through their params. ``flat_zero1`` (the run plan's bf16 stage 1) holds bf16
-    working state and shards fp32 master + Adam (parallel/zero1.py)."""
+    working state and shards fp32 master + Adam (parallel/data/zero1.py)."""
     group = mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
     if flat_zero1:
         return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype)

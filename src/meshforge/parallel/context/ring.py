@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshforge.parallel.attention_kernels import block_backward, block_forward, pick_kernel
+from meshforge.parallel.context.kernels import block_backward, block_forward, pick_kernel
 from meshforge.parallel.mesh import Mesh
 
 

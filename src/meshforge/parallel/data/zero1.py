@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from meshforge.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from meshforge.compat import all_gather_flat, reduce_scatter_flat
 
 CHUNK_BYTES = 32 * 2**20  # the largest fp32 copy of gradients made for one reduce-scatter
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,5 +1,5 @@
 """Mixture-of-experts blocks under tensor parallelism: attention and dense layers stay
-tensor-parallel (parallel/tensor_parallel.py), the routed experts are expert-parallel.
+tensor-parallel (parallel/tensor/apply.py), the routed experts are expert-parallel.
 
 What an MoE block sees on each tp rank: the block's input is gathered to the whole
 micro-batch first (under sequence parallelism an all-gather of the sequence shards, as in
@@ -16,7 +16,7 @@ of the other shares are zeros, and one all-reduce over tp (Megatron's "g") gives
 all slots' outputs; the gradient of the slots' inputs is all-reduced the same way in
 backward ("f"). The expert weights are replicated over tp (sharded over ep, and by FSDP
 over edp), each tp rank computing on other slots, so their gradients are partial sums over
-tp: ``sum_over_tp`` adds them after FSDP's reduce-scatter (parallel/expert_parallel.py).
+tp: ``sum_over_tp`` adds them after FSDP's reduce-scatter (parallel/expert/dispatch.py).
 
 The router's weight is a replicated DTensor read locally (its computation is replicated,
 so is its gradient); shared experts are a dense SwiGLU and are Megatron column/row
