@@ -78,7 +78,7 @@ class RunCheckpoints:
         step = self.state.step
         if self.interval == 0:
             return None
-        if self.interval == "auto":  # measure one save early, then follow Young/Daly
+        if self.interval == "young_daly":  # (checkpoint.interval = "auto") one save early, then Young/Daly
             return step + max(1, min(10, self.cfg.train.steps // 10))
         return (step // self.interval + 1) * self.interval
 
@@ -109,7 +109,7 @@ class RunCheckpoints:
         if self.next_save is None or (self.state.step < self.next_save and not last):
             return
         self.save()
-        if self.interval != "auto":
+        if self.interval != "young_daly":
             self.next_save = self._first_save_step()
             return
         blocking = self.checkpointer.last_blocking_s or 0.0
