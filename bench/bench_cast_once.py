@@ -32,7 +32,7 @@ def trainer(args: argparse.Namespace, mode: str):
     from meshforge.config import load_config
     from meshforge.launch_env import rank, world_size
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.resolve import layout, resolve
+    from meshforge.resolve import resolve
     from meshforge.train.loop import Trainer
     from meshforge.train.run_dir import agree_on_start, preflight
 
@@ -45,7 +45,7 @@ def trainer(args: argparse.Namespace, mode: str):
     }  # fmt: skip
     cfg = load_config(None, over)
     cfg = preflight(cfg, world_size()) if rank() == 0 else resolve(cfg, world_size())
-    mesh = build_mesh(layout(cfg, world_size()), "cpu")
+    mesh = build_mesh(cfg.layout, "cpu")
     cfg, _ = agree_on_start(cfg, mesh)
     return Trainer(cfg, mesh)
 

@@ -29,7 +29,6 @@ def build(args: argparse.Namespace) -> tuple[dict, dict, int]:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.resolve import layout
     from meshforge.train import Trainer, preflight, prepare_run_dir
 
     tmp = tempfile.mkdtemp()
@@ -46,7 +45,7 @@ def build(args: argparse.Namespace) -> tuple[dict, dict, int]:
         o = {**base, "checkpoint.interval": interval, "checkpoint.async": background, "run.dir": f"{tmp}/{name}"}
         cfg = preflight(load_config(None, o), 1)
         prepare_run_dir(cfg)
-        tr = Trainer(cfg, build_mesh(layout(cfg, 1), cfg.train.device))
+        tr = Trainer(cfg, build_mesh(cfg.layout, cfg.train.device))
         saves[name] = []
         tr.checkpoints.checkpointer.event = lambda event, _name=name, **f: saves[_name].append(f)  # total write times
         trainers[name] = tr

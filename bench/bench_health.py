@@ -33,7 +33,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.health.flight_recorder import ENV
     from meshforge.launch_env import rank, world_size
     from meshforge.parallel.mesh import build_mesh, shutdown
-    from meshforge.resolve import layout, resolve
+    from meshforge.resolve import resolve
     from meshforge.train.loop import Trainer
     from meshforge.train.run_dir import agree_on_start, preflight
 
@@ -48,10 +48,10 @@ def worker(args: argparse.Namespace) -> None:
     }  # fmt: skip
     cfg = load_config(None, over)
     cfg = preflight(cfg, world_size()) if rank() == 0 else resolve(cfg, world_size())
-    mesh = build_mesh(layout(cfg, world_size()), "cpu")
+    mesh = build_mesh(cfg.layout, "cpu")
     cfg, _ = agree_on_start(cfg, mesh)
     tr = Trainer(cfg, mesh)
-    guard, in_guard = tr.watch.health.guard, [0.0]
+    guard, in_guard = tr.health.guard, [0.0]
     check = guard.allow_update
 
     def timed_check(*a, **k):  # the guard's own time, inside the "on" blocks: a second, direct figure
@@ -65,19 +65,23 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     for block in range(args.blocks + 1):
         on = block % 2 == 1  # block 0 (warm-up, off) is not counted
-        tr.watch.health.pause(not on)
+        tr.health.pause(not on)
         t_block = time.perf_counter()
         for _ in range(args.block_steps):
             n = tr.state.step + 1
-            tr.watch.before_step(n)
-            result = tr.step_once(measure=n % args.block_steps == 0)
-            tr.watch.after_step(n)
-            if n % args.block_steps == 0:
-                tr.metrics.add(1e-3, result)
-                tr.metrics.record(n, tr.state.tokens_seen, result, {})  # the logged step's gathers
+            logged = n % args.block_steps == 0
+            tr.health.before_step(n, logged)
+            tr.instruments.before_step(n, time.perf_counter(), measured=logged)
+            result = tr.step_once(measure=logged)
+            tr.instruments.after_step(n)
+            tr.health.after_step(n)
+            if logged:
+                tr.log.metrics.add(1e-3, result)
+                tr.log.metrics.record(n, tr.state.tokens_seen, result, {})  # the logged step's gathers
         if block:
             times[on].append((time.perf_counter() - t_block) / args.block_steps)
-    tr.watch.close()
+    tr.health.close()
+    tr.instruments.close()
     if mesh.is_main:
         report(args, times, in_guard[0])
     shutdown(True)

@@ -74,7 +74,7 @@ def make_trainer(args, precision: str, run_dir: str) -> Trainer:
 def bench(args, precision: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tr = make_trainer(args, precision, tmp)
-        a = tr.args
+        a = tr.plan.shape
         device = torch.device("cpu")
         batch = tr.data.train.get(list(range(args.batch))).to(device)
         x, y = batch[:, :-1], batch[:, 1:]

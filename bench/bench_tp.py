@@ -45,7 +45,6 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.resolve import layout
     from meshforge.train import Trainer, preflight, prepare_run_dir
 
     world = int(os.environ["WORLD_SIZE"])
@@ -71,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     for name, extra in LAYOUTS.items():
         o = {**base, **extra, "run.dir": f"{tmp}/{len(trainers)}"}
         cfg = preflight(load_config(None, o), world)
-        mesh = build_mesh(layout(cfg, world), cfg.train.device)
+        mesh = build_mesh(cfg.layout, cfg.train.device)
         if rank == 0:
             prepare_run_dir(cfg)
         dist.barrier()
@@ -95,7 +94,8 @@ def worker(args: argparse.Namespace) -> None:
             times[name].append(timed(tr, args.steps))
     if rank == 0:
         for name, tr in trainers.items():
-            row = {"layout": name, "psi": psi, "step": statistics.median(times[name]), "comm": tr.comm_bytes}
+            comm = tr.measures.extra.get("comm_bytes_by_kind", {})
+            row = {"layout": name, "psi": psi, "step": statistics.median(times[name]), "comm": comm}
             print(RESULT_TAG + json.dumps(row), flush=True)
     dist.barrier()
 

@@ -47,7 +47,6 @@ def build_trainers(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     from meshforge.config import load_config
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.resolve import layout
     from meshforge.train import Trainer, preflight, prepare_run_dir
 
     tmp = tempfile.mkdtemp()
@@ -62,7 +61,7 @@ def build_trainers(args: argparse.Namespace, world: int, rank: int) -> dict:
     for stage in range(4):
         o = {**base, "parallel.zero_stage": stage, "run.dir": f"{tmp}/s{stage}"}
         cfg = preflight(load_config(None, o), world)  # the corpus is cached after the first rank builds it
-        mesh = build_mesh(layout(cfg, world), cfg.train.device)
+        mesh = build_mesh(cfg.layout, cfg.train.device)
         if rank == 0:
             prepare_run_dir(cfg)
         dist.barrier()
@@ -129,7 +128,7 @@ def measure_stage(args: argparse.Namespace, stage: int, trainers: dict, world: i
     return {
         "n": world, "stage": stage, "psi": psi, "mem": mem, "ours": ours * psi, "paper": paper * psi,
         "step": statistics.median(t_mf), "ds": statistics.median(t_ds) if t_ds else None,
-        "comm": sum(sum(k.values()) for k in tr.comm_bytes.values()),
+        "comm": sum(sum(k.values()) for k in tr.measures.extra.get("comm_bytes_by_kind", {}).values()),
     }  # fmt: skip
 
 

@@ -17,7 +17,8 @@ ALLOWED: dict[str, set[str]] = {
     "compat": set(),  # the one home of torch version differences
     "launch_env": set(),
     "manifest": {"errors"},
-    "faults": {"errors", "launch_env"},
+    "hooks": set(),  # the run's attachment points (fault injection fills them)
+    "faults": {"errors", "hooks", "launch_env"},
     "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
     "models": {"errors"},
     "config": {"errors", "layout", "models"},  # the keys: sections, plus Layout's and ModelShape's fields
@@ -28,12 +29,13 @@ ALLOWED: dict[str, set[str]] = {
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
     "metrics": {"config", "data", "errors", "models", "parallel", "run_plan"},
     "checkpoint": {
-        *("compat", "config", "errors", "faults", "launch_env", "manifest", "metrics", "models", "parallel"),
+        *("compat", "config", "data", "errors", "hooks", "launch_env", "manifest", "metrics", "models", "parallel"),
         "run_plan",
     },
-    "health": {"checkpoint", "config", "data", "errors", "faults", "metrics", "parallel"},
+    "health": {"checkpoint", "config", "data", "errors", "hooks", "metrics", "parallel", "run_plan"},
     "train": {
-        *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "launch_env", "metrics", "models"),
+        *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "hooks", "launch_env", "metrics"),
+        "models",
         *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
@@ -57,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 # imports under ``if TYPE_CHECKING:`` (names of types, never run) may also point up
-TYPE_ONLY: dict[str, set[str]] = {"metrics": {"train"}, "checkpoint": {"train"}, "health": {"models", "train"}}
+TYPE_ONLY: dict[str, set[str]] = {}  # no upward import, not even for type checking
 
 ANALYSING = ("planner", "explore", "report")
 RUNNING = (
@@ -183,11 +185,12 @@ def test_the_wall_test_can_fail():
     graph = import_graph()
     graph["meshforge.planner.search"]["meshforge.train.step"] = False
     graph["meshforge.metrics.sinks"]["meshforge.train.loop"] = False
-    graph["meshforge.health.keeper"]["meshforge.train.optimizer"] = True  # for types only: allowed
+    graph["meshforge.health.keeper"]["meshforge.train.optimizer"] = True  # for types only: still refused
     graph["meshforge.explore.params"]["meshforge.parallel.mesh"] = False
     graph["meshforge.explore.params"]["meshforge.parallel.dims.partial"] = False  # the rules' package: core
     assert wall_breaches(graph) == [
         "meshforge.explore.params -> meshforge.parallel.mesh (not in the shared core)",
+        "meshforge.health.keeper -> meshforge.train.optimizer (health/ may not import train/ even for types)",
         "meshforge.metrics.sinks -> meshforge.train.loop (metrics/ may not import train/)",
         "meshforge.planner.search -> meshforge.train.step (planner/ may not import train/)",
         "meshforge.planner.search -> meshforge.train.step (not in the shared core)",

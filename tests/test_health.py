@@ -68,7 +68,7 @@ def reference_weights(tmp_path, corpus, skip: int | None):
             tr.scheduler.step()
         else:
             tr.step_once(measure=False)
-    tr.logger.close()
+    tr.log.close()
     names = [n for n, _ in tr.model.named_parameters()]
     return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}, names, batches
 

@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from meshforge.health.step_watch import StepWatch
-from meshforge.metrics.progress import is_logged
 from meshforge.train import loop
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
@@ -27,24 +25,16 @@ def host_reads(monkeypatch):
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, wrapped)
-    step_once, after = loop.Trainer.step_once, StepWatch.after_step
+    one_step = loop.Trainer._one_step
 
-    def counted_step(self, measure=True):
-        on[0] = not measure
+    def counted(self, n, logged, last):  # the whole step: watchers, the step, its record, checkpoints
+        on[0] = not (logged or last)
         try:
-            return step_once(self, measure)
+            return one_step(self, n, logged, last)
         finally:
             on[0] = False
 
-    def counted_after(self, n):
-        on[0] = not is_logged(n, self.t.cfg.metrics.log_interval, self.t.cfg.train.steps)
-        try:
-            return after(self, n)
-        finally:
-            on[0] = False
-
-    monkeypatch.setattr(loop.Trainer, "step_once", counted_step)
-    monkeypatch.setattr(StepWatch, "after_step", counted_after)
+    monkeypatch.setattr(loop.Trainer, "_one_step", counted)
     return counts
 
 

@@ -35,14 +35,18 @@ def test_a_host_that_joined_later_shares_the_store_scope_of_the_survivors(monkey
 
 
 def test_pace_fault_sleeps_on_every_attempt(monkeypatch):
+    from meshforge.hooks import RunHooks
+
     monkeypatch.setenv("MESHFORGE_FAULT", "pace:ms=20")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    hooks = RunHooks()
+    faults.attach(hooks, 0, [])
     t = time.perf_counter()
-    faults.pace()
+    hooks.run_after(1)
     assert time.perf_counter() - t >= 0.02
     monkeypatch.setenv("MESHFORGE_FAULT", "pace:ms=x")
     with pytest.raises(Exception, match="pace:ms=M"):
-        faults.pace()
+        faults.attach(RunHooks(), 0, [])
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -14,7 +14,8 @@
 
 Faults other than pace fire only on the first attempt (``launch_env.restart_count()`` = 0), so a restarted
 group runs clean, and nan / spike only once (a step redone after a rollback runs clean).
-Nothing happens when the variable is unset.
+Nothing happens when the variable is unset. ``attach`` puts them on a run's hooks (hooks.py):
+the loop, the checkpoint saver and the health guard never call a fault themselves.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ import functools
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
 
 from meshforge import launch_env
 from meshforge.errors import ConfigError
+from meshforge.hooks import RunHooks
 
 # kind -> the fields it takes, in order
 KINDS = {"kill": ("rank", "step|save"), "nan": ("rank", "step"), "spike": ("step",), "hang": ("rank", "step")}
@@ -67,19 +73,80 @@ def active(kind: str) -> dict[str, float] | None:
     return None
 
 
-def configured() -> tuple[str, int, int] | None:
-    """A kill fault as (point, rank, step), for the kill points."""
-    f = active("kill")
-    if f is None:
-        return None
-    point = "save" if "save" in f else "step"
-    return point, int(f["rank"]), int(f[point])
+def attach(hooks: RunHooks, rank: int, forward_modules: list[nn.Module]) -> None:
+    """Put the configured faults (first attempt only; pace on every attempt) on a run's hooks;
+    ``forward_modules``: the modules this rank's forward calls (the last one is poisoned by nan)."""
+    for spec in filter(None, os.environ.get("MESHFORGE_FAULT", "").split(",")):
+        parse(spec)  # a malformed spec is refused even on a restart
+    pause = _pace_s(os.environ.get("MESHFORGE_FAULT", ""))
+    if pause > 0:
+        hooks.after_step.append(lambda _step: time.sleep(pause))
+    for kind, fields in _mine(rank).items():
+        at = int(fields.get("step", fields.get("save", 0)))
+        if kind == "kill":
+            (hooks.shards_written if "save" in fields else hooks.after_step).append(_at(at, _kill))
+        elif kind == "hang":
+            hooks.before_step.append(_at(at, _hang))
+        elif kind == "nan" and forward_modules:
+            hooks.before_step.append(_at(at, functools.partial(_poison, forward_modules[-1]), once="nan"))
+        elif kind == "spike":
+            hooks.loss.append(functools.partial(_spike, at))
+        elif kind == "slow":
+            for m in forward_modules:
+                _slow_down(m, float(fields["factor"]))
 
 
-def maybe_kill(point: str, rank: int, step: int) -> None:
-    fault = configured()
-    if fault is not None and fault == (point, rank, step):
-        os.kill(os.getpid(), signal.SIGKILL)
+def _mine(rank: int) -> dict[str, dict[str, float]]:
+    """The active faults (first attempt) that concern ``rank`` (spike concerns every rank)."""
+    out = {}
+    for kind in ("kill", "hang", "nan", "spike", "slow"):
+        f = active(kind)
+        if f is not None and f.get("rank", rank) == rank:
+            out[kind] = f
+    return out
+
+
+def _at(step: int, action: Callable[[], None], once: str = "") -> Callable[[int], None]:
+    """A step hook that runs ``action`` at ``step`` (only the first time, for ``once``)."""
+
+    def hook(n: int) -> None:
+        if n == step and (not once or _once(once, True)):
+            action()
+
+    return hook
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _spike(at: int, step: int, loss: Any) -> Any:
+    return loss * SPIKE_FACTOR if _once("spike", step == at) else loss
+
+
+def _hang() -> None:
+    """Never return (the hang watchdog ends the run)."""
+    while True:
+        time.sleep(3600)
+
+
+def _poison(module: nn.Module) -> None:
+    """The module's next output times NaN: its loss and, through backward and the gradient
+    reduction, every rank's gradients turn non-finite, as a real overflow does."""
+
+    def poison(_module: nn.Module, _args: Any, out: Any) -> Any:
+        handle.remove()
+        return (out[0] * float("nan"), *out[1:]) if isinstance(out, tuple) else out * float("nan")
+
+    handle = module.register_forward_hook(poison)
+
+
+def _slow_down(module: nn.Module, factor: float) -> None:
+    """Each forward of ``module`` lasts ``factor`` times as long. The sleep runs inside the
+    forward's timing hooks (registered earlier by the health keeper), so it counts as compute."""
+    start = [0.0]
+    module.register_forward_pre_hook(lambda *_: start.__setitem__(0, time.perf_counter()))
+    module.register_forward_hook(lambda *_: time.sleep((time.perf_counter() - start[0]) * (factor - 1)), prepend=True)
 
 
 _fired: set[str] = set()  # a step redone after a rollback runs clean
@@ -92,40 +159,9 @@ def _once(kind: str, hit: bool) -> bool:
     return True
 
 
-def nan_now(rank: int, step: int) -> bool:
-    f = active("nan")
-    return _once("nan", f is not None and (f["rank"], f["step"]) == (rank, step))
-
-
-def spike_now(step: int) -> bool:
-    f = active("spike")
-    return _once("spike", f is not None and f["step"] == step)
-
-
-def maybe_hang(rank: int, step: int) -> None:
-    """Never return when rank ``rank`` is about to run step ``step`` (the watchdog ends it)."""
-    f = active("hang")
-    if f is not None and (f["rank"], f["step"]) == (rank, step):
-        while True:
-            time.sleep(3600)
-
-
-def slow_factor(rank: int) -> float:
-    """How much slower this rank's forward passes are made (1.0: not at all)."""
-    f = active("slow")
-    return float(f["factor"]) if f is not None and f["rank"] == rank else 1.0
-
-
 @functools.cache
 def _pace_s(spec: str) -> float:
     for one in spec.split(","):
         if one.startswith("pace:"):
             return parse(one)[1]["ms"] / 1000
     return 0.0
-
-
-def pace() -> None:
-    """Sleep after a step when ``pace:ms=M`` is configured (on every attempt, every rank)."""
-    s = _pace_s(os.environ.get("MESHFORGE_FAULT", ""))
-    if s:
-        time.sleep(s)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
+from meshforge.checkpoint.train_state import TrainState
 from meshforge.checkpoint.weights import save_weights, shape_mismatch
+from meshforge.hooks import RunHooks
 from meshforge.launch_env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
@@ -35,9 +37,6 @@ from meshforge.parallel.diloco.outer import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
 from meshforge.run_plan import RunPlan
-
-if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
-    from meshforge.train.state import TrainState
 
 
 def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tuple[dict[str, Any] | None, int]:
@@ -55,23 +54,22 @@ class RunCheckpoints:
 
     def __init__(
         self,
-        cfg: RunPlan,
+        plan: RunPlan,
         mesh: Mesh,
-        args: ModelShape,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         state: TrainState,
         event: Callable[..., None],
         diloco: DiLoCo | None = None,
+        hooks: RunHooks | None = None,
     ):
-        self.cfg, self.mesh, self.args, self.event = cfg, mesh, args, event
+        self.cfg, self.mesh, self.shape, self.event = plan, mesh, plan.shape, event
         self.diloco = diloco  # DiLoCo: outer state, and each island's own model and optimizer
         self.model, self.optimizer, self.state = model, optimizer, state
-        self.run_dir = Path(cfg.run.dir)
-        self.checkpointer = CheckpointSaver(
-            self.run_dir / "checkpoints", mesh.rank, mesh.distributed, cfg.checkpoint.keep, event, mesh.device
-        )
-        self.interval = cfg.checkpoint.interval
+        self.run_dir = Path(plan.run.dir)
+        c = plan.checkpoint
+        self.checkpointer = CheckpointSaver(self.run_dir / "checkpoints", mesh, c.keep, event, hooks or RunHooks())
+        self.interval = c.interval
         self.next_save = self._first_save_step()
 
     def _first_save_step(self) -> int | None:
@@ -86,8 +84,8 @@ class RunCheckpoints:
         """meta.json: the train state, the model's shape, the layout it was saved under."""
         return {
             **self.state.state_dict(),
-            "model": dataclasses.asdict(self.args),
-            "model_hash": model_shape_hash(dataclasses.asdict(self.args)),
+            "model": dataclasses.asdict(self.shape),
+            "model_hash": model_shape_hash(dataclasses.asdict(self.shape)),
             "world_size": self.mesh.world_size,
             "degrees": self.mesh.degrees,
             "zero_stage": self.cfg.layout.zero_stage,
@@ -131,7 +129,7 @@ class RunCheckpoints:
     def resume(self, path: Path, meta: dict[str, Any], dropped: int) -> str:
         """Load model, optimizer and train state from ``path`` (any layout: DCP reshards);
         returns the line to print."""
-        diff = shape_mismatch(ModelShape(**meta["model"]), self.args)
+        diff = shape_mismatch(ModelShape(**meta["model"]), self.shape)
         if diff:
             raise CheckpointError(
                 f"checkpoint {path / 'meta.json'} was written for another model shape ({'; '.join(diff)}); set [model] "
@@ -184,10 +182,10 @@ class RunCheckpoints:
         if not self.mesh.is_main:
             return
         if c.save_final:
-            path = save_weights(self.args, state, self.run_dir / "final")
+            path = save_weights(self.shape, state, self.run_dir / "final")
             self.event("final_weights", path=str(path), step=self.state.step)
         if c.export_hf:
-            path = save_hf_state(self.args, state, self.run_dir / "final-hf")
+            path = save_hf_state(self.shape, state, self.run_dir / "final-hf")
             self.event("export_hf", path=str(path), step=self.state.step)
 
     def _full_state(self) -> dict[str, torch.Tensor]:

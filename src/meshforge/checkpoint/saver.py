@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshforge import faults
 from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.store import CheckpointError
+from meshforge.hooks import RunHooks
 
 Event = Callable[..., None]
 
@@ -57,10 +57,11 @@ class CheckpointSaver:
     """One per rank. ``event`` logs to events.jsonl (rank 0) and may be a no-op elsewhere.
     ``device`` is unused: DCP's own stager makes the host copy of a background save."""
 
-    def __init__(self, root: Path, rank: int, distributed: bool, keep: int, event: Event, device: torch.device):
-        self.root, self.rank, self.keep, self.event = root, rank, keep, event
-        self.distributed = distributed
-        self.group = dist.new_group(backend="gloo") if distributed else None  # for saves only
+    def __init__(self, root: Path, mesh: Any, keep: int, event: Event, hooks: RunHooks):
+        """``mesh``: this rank's place (rank, distributed); ``hooks``: the run's (shards_written)."""
+        self.root, self.rank, self.keep, self.event, self.hooks = root, mesh.rank, keep, event, hooks
+        self.distributed = mesh.distributed
+        self.group = dist.new_group(backend="gloo") if mesh.distributed else None  # for saves only
         self._pending: Future | None = None
         self._lock = threading.Lock()
         self.last_blocking_s: float | None = None
@@ -90,7 +91,7 @@ class CheckpointSaver:
     ) -> SaveStats:
         """After this rank's shards are written: hash them, meet the other ranks on the save
         group, and on rank 0 mark the checkpoint complete (rename into place) and retain."""
-        faults.maybe_kill("save", self.rank, stats.step)  # tests: die with the shards written, unmarked
+        self.hooks.run_shards_written(stats.step)  # (tests: a fault dies here, its shards written, unmarked)
         mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
         store.write_json_atomic(
             tmp / f"rank-{self.rank:05d}.json", {**rank_meta, "files": store.describe_files(tmp, mine)}

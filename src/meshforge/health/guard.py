@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge import faults
 from meshforge.config.sections import HealthConfig
 from meshforge.health.nonfinite import diagnose
 from meshforge.health.spike import SpikeDetector
+from meshforge.hooks import RunHooks
 
 
 class StepGuard:
@@ -37,34 +37,20 @@ class StepGuard:
         rank: int,
         distributed: bool,
         reduce: Callable[[torch.Tensor], torch.Tensor],
+        hooks: RunHooks | None = None,
     ):
         self.cfg, self.model, self.rank, self.distributed, self.reduce = cfg, model, rank, distributed, reduce
         self.spikes = SpikeDetector(cfg.spike_threshold, cfg.spike_window) if cfg.spike_threshold > 0 else None
-        self.forward_module = model  # the module the nan fault poisons (under pp: a stage's part)
+        self.hooks = hooks or RunHooks()
         self.step = 0
         self.skipped = 0
         self.verdict: dict[str, Any] | None = None  # what the loop reports after the step
         self.late: list[dict[str, Any]] = []  # logged spikes of earlier steps, judged on this logged step
         self.pending: list[tuple[int, torch.Tensor]] = []  # (step, local loss) not yet judged: on_spike = log
 
-    def arm(self, step: int) -> None:
-        """Step ``step`` is about to run: set the injected nan fault (tests) on this rank's
-        forward, so its loss and, through backward and the gradient reduction, every rank's
-        gradients turn non-finite, as a real overflow does."""
-        self.step = step
-        if faults.nan_now(self.rank, step):
-
-            def poison(_module: nn.Module, _args: Any, out: Any) -> Any:
-                hook.remove()
-                return _nan_like(out)
-
-            hook = self.forward_module.register_forward_hook(poison)
-
     def after_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Apply the injected spike fault (tests); returns the loss the step reports."""
-        if faults.spike_now(self.step):
-            loss = loss * faults.SPIKE_FACTOR
-        return loss
+        """The loss the step reports (the run's loss hooks: the injected spike fault in tests)."""
+        return self.hooks.run_loss(self.step, loss)
 
     def allow_update(self, loss: torch.Tensor, grad_norm: torch.Tensor, global_loss: float | None) -> bool:
         """Whether the optimizer may step; a refusal (or a logged spike) leaves its reason in ``verdict``.
@@ -109,10 +95,3 @@ class StepGuard:
             found["reason"] = f"more than health.max_skipped = {self.cfg.max_skipped} bad steps"
         self.verdict = {"event": event, "step": self.step, "action": action, **found}
         return False
-
-
-def _nan_like(out: Any) -> Any:
-    """The module's output (a tensor, or a tuple led by one) times NaN."""
-    if isinstance(out, tuple):
-        return (out[0] * float("nan"), *out[1:])
-    return out * float("nan")

@@ -13,20 +13,18 @@ import math
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
+from meshforge.metrics.step_result import StepResult
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.fp8 import fp8_emulated
 from meshforge.run_plan import RunPlan as Config
-
-if TYPE_CHECKING:  # train/ imports this module: its types are for the type checker only
-    from meshforge.train.step import StepResult
 
 SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 

@@ -1,15 +1,17 @@
-"""The training loop: one rank's Trainer ties the parts together, ``train`` runs it.
+"""The training loop: one rank's Trainer holds the run's parts, ``train`` runs it.
 
-Parts: train state (state.py), optimizer and LR schedule (optimizer.py), the step runner
-(step.py), the evaluator (evaluate.py), checkpoints (checkpoint/run_checkpoints.py), step
-records and the run's announcements (metrics/), the run directory (run_dir.py). A step is
-*measured* (syncs, collectives, comm counting) only when logged, last, or the pipeline
-step drawn as a Gantt chart; see docs/metrics.md.
+Parts, each given only what it needs: the train state (checkpoint/train_state.py), the
+optimizer and LR schedule (optimizer.py), the step runner (step.py), the evaluator
+(evaluate.py), checkpoints (checkpoint/run_checkpoints.py), the run log (run_log.py: events,
+console, records, summary), what a measured step gathers (measure.py), the health keeper
+(health/keeper.py), the profiler and step clock (metrics/instruments.py), and the run's
+hooks, where fault injection attaches (hooks.py, faults.py). A step is *measured* (syncs,
+collectives, comm counting) only when logged, last, or drawn as a Gantt chart; see
+docs/metrics.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,30 +21,40 @@ import torch.distributed as dist
 
 from meshforge import faults, launch_env, run_lock
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
+from meshforge.checkpoint.train_state import TrainState
 from meshforge.config import Config
+from meshforge.data.dataset import TokenDataset
 from meshforge.data.sampler import GlobalBatchSampler
-from meshforge.health.step_watch import StepWatch
-from meshforge.metrics.mfu import peak_flops
+from meshforge.health.keeper import HealthKeeper
+from meshforge.hooks import RunHooks
+from meshforge.metrics.instruments import StepInstruments
 from meshforge.metrics.progress import is_logged
-from meshforge.metrics.sinks import MetricsLogger
-from meshforge.metrics.step_metrics import StepMetrics
-from meshforge.metrics.time_breakdown import PhaseTimer
-from meshforge.parallel.comm_stats import CommCounter
+from meshforge.metrics.step_result import StepResult
 from meshforge.parallel.diloco.outer import build_diloco
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context
 from meshforge.run_plan import RunPlan
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.failure import on_failure
+from meshforge.train.measure import StepMeasures
 from meshforge.train.model_setup import build_rank_model
-from meshforge.train.moe_stats import install_step_hook, moe_record
+from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
-from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
+from meshforge.train.rollback import roll_back
 from meshforge.train.run_dir import agree_on_start, launch_plan, open_data
-from meshforge.train.run_records import announce, finish_run, log_step
-from meshforge.train.state import TrainState
-from meshforge.train.step import PipelineStep, PlainStep, StepResult
+from meshforge.train.run_log import RunLog
+from meshforge.train.step import PipelineStep, PlainStep
 from meshforge.train.stop import StopRequest
+
+
+def open_data_in_turn(plan: RunPlan, mesh: Mesh) -> TokenDataset:
+    """The corpus's token shards: rank 0 prepares (or reuses) them first, the others then read them."""
+    if mesh.distributed and not mesh.is_main:
+        dist.barrier()
+    data = open_data(plan, plan.shape)
+    if mesh.distributed and mesh.is_main:
+        dist.barrier()
+    return data
 
 
 class Trainer:
@@ -50,114 +62,91 @@ class Trainer:
 
     def __init__(self, plan: RunPlan, mesh: Mesh, stream: TextIO | None = None, resume: Path | None = None):
         """``plan`` is the run resolved once per launch by ``train``; ``mesh`` is built from its layout."""
-        cfg = plan
-        self.cfg, self.plan, self.mesh, self.device = plan, plan, mesh, mesh.device
-        self.args = plan.shape
+        self.plan, self.mesh = plan, mesh
         t = plan.train
-        self.precision = t.precision
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(t.seed)
-        if mesh.distributed and not mesh.is_main:
-            dist.barrier()  # let rank 0 build the data cache first
-        self.data = open_data(cfg, self.args)
-        if mesh.distributed and mesh.is_main:
-            dist.barrier()
+        self.data = open_data_in_turn(plan, mesh)
         self.loss = build_loss(plan)
         built = build_rank_model(plan, mesh, self.loss)
         self.model, self.pipeline = built.model, built.pipeline
-        self.optimizer = build_optimizer(self.model, cfg, mesh)
+        self.optimizer = build_optimizer(self.model, plan, mesh)
         install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
         self.diloco = build_diloco(plan.diloco, plan.shape.layers, mesh, self.model, self.optimizer)  # islands > 1
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
-        self.local_batch = plan.local_batch  # DiLoCo islands take their own slices
-        self.micro = plan.layout.micro_batch_size
-        self.accum = 1 if self.pipeline else plan.microbatches  # the pipeline schedule runs its micro-batches
-        self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
-        self.state_mem: dict[str, int] = {}  # the last measured step's figures
-        self.comm_bytes: dict[str, dict[str, float]] = {}
-        self.pp_stats: dict[str, Any] = {}
-        self.moe_stats: dict[str, Any] = {}
-        self.gantt_step = min(3, t.steps) if self.pipeline else 0  # past the first steps' warm-up
-        self.peak = peak_flops(self.device, self.precision)
-        self.metrics = StepMetrics(cfg, self.args, mesh.world_size, self.peak, self.device)
-        self.phases = PhaseTimer()  # host time of checkpoint, eval and logging (time_breakdown)
-        self._start_run(stream, resume, built.train_model)
+        self.log = RunLog(plan, mesh, stream)
+        self.hooks = RunHooks()
+        parts = (self.model, self.optimizer, self.state)
+        self.checkpoints = RunCheckpoints(plan, mesh, *parts, self.log.event, self.diloco, self.hooks)
+        self._resume(resume)
+        self.scheduler = build_scheduler(self.optimizer, plan, self.state.step)
+        self.runner = self._runner(built.train_model)
+        self._watch()
 
-    def _start_run(self, stream: TextIO | None, resume: Path | None, train_model: torch.nn.Module) -> None:
-        """Logger, checkpoints and resume, then the schedule, step runner and evaluator at the resumed step."""
-        cfg, mesh = self.cfg, self.mesh
-        meta, dropped = read_resume_point(Path(cfg.run.dir), resume, mesh.is_main)
-        self.logger = None
-        if mesh.is_main:
-            m = cfg.metrics
-            self.logger = MetricsLogger(Path(cfg.run.dir), cfg.train.steps, m.console, m.jsonl, m.tensorboard, stream)
-        self.checkpoints = RunCheckpoints(
-            cfg, mesh, self.args, self.model, self.optimizer, self.state, self.event, self.diloco
-        )
-        where = {"world_size": mesh.world_size, "resume_from": str(resume) if resume else None}
+    def _watch(self) -> None:
+        """The evaluator and what watches the steps: measures, health, instruments, fault hooks."""
+        plan, mesh, report = self.plan, self.mesh, (self.log.event, self.log.say)
+        forward = forward_context(plan, mesh.device)
+        batches = (plan.local_batch, plan.layout.micro_batch_size)
+        self.evaluate = Evaluator(self.data.val, plan, mesh, self.model, self.loss, forward, self.pipeline, batches)
+        parts = (self.model, self.loss, self.pipeline)
+        self.measures = StepMeasures(plan, mesh, parts, self.runner.reduce_loss, self.log.event)
+        called = list(self.pipeline.parts) if self.pipeline else [self.model]  # the modules a forward calls
+        keeper = (self.runner, self.model, called, report, self.hooks, self._samples_before)
+        self.health = HealthKeeper(plan, mesh, *keeper)
+        logs = (self.log.logger, self.log.metrics, *report)
+        first = _first_forward(self.model, self.pipeline)
+        self.instruments = StepInstruments(plan, mesh, first, self.optimizer, self.measures.comm, logs)
+        faults.attach(self.hooks, mesh.rank, called)
+
+    def _resume(self, resume: Path | None) -> None:
+        """Load the checkpoint to resume from (if any) and say where the run starts."""
+        meta, dropped = read_resume_point(Path(self.plan.run.dir), resume, self.mesh.is_main)
+        where = {"world_size": self.mesh.world_size, "resume_from": str(resume) if resume else None}
         if launch_env.restart_count():
-            self.event("restart", attempt=launch_env.restart_count(), **where)
-        self.event("world", attempt=launch_env.restart_count(), **where)  # each (re)start: elastic change points
+            self.log.event("restart", attempt=launch_env.restart_count(), **where)
+        self.log.event("world", attempt=launch_env.restart_count(), **where)  # each (re)start: elastic change points
         if resume:
-            self.say(self.checkpoints.resume(resume, meta, dropped))
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.state.step)
-        forward = forward_context(self.plan, mesh.device)
+            self.log.say(self.checkpoints.resume(resume, meta, dropped))
+
+    def _runner(self, train_model: torch.nn.Module) -> PlainStep | PipelineStep:
         common = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "loss": self.loss}
-        common.update(plan=self.plan, mesh=mesh)
+        common.update(plan=self.plan, mesh=self.mesh)
         if self.pipeline:
-            self.runner: PlainStep | PipelineStep = PipelineStep(self.pipeline, **common)
-        else:
-            sync_all = self.plan.layout.sync_every_microbatch
-            self.runner = PlainStep(train_model, forward, self.micro, self.accum, sync_all, **common)
-        batches = (self.local_batch, self.micro)
-        self.evaluate = Evaluator(self.data.val, cfg, mesh, self.model, self.loss, forward, self.pipeline, batches)
-        self.watch = StepWatch(self)  # health checks, profiler, time breakdown
+            return PipelineStep(self.pipeline, **common)
+        lay, forward = self.plan.layout, forward_context(self.plan, self.mesh.device)
+        micro = (lay.micro_batch_size, self.plan.microbatches)
+        return PlainStep(train_model, forward, *micro, lay.sync_every_microbatch, **common)
 
-    def reposition_schedule(self) -> None:
-        """The LR schedule at the current step (after a rollback loaded an older checkpoint)."""
-        self.scheduler = self.runner.scheduler = build_scheduler(self.optimizer, self.cfg, self.state.step)
-
-    def event(self, name: str, **fields: Any) -> None:
-        if self.logger:
-            self.logger.event(name, **fields)
-
-    def say(self, text: str) -> None:
-        if self.logger:
-            self.logger.print(text)
+    def _samples_before(self, lag: int) -> list[int]:
+        """The sample indices of the batch ``lag`` steps before the last one taken (for spike events)."""
+        sampler = self.state.sampler
+        return sampler.indices(sampler.consumed - (1 + lag) * sampler.batch, sampler.batch).tolist()
 
     def step_once(self, measure: bool = True) -> StepResult:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
         idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.layout.data_ranks)
-        batch = self.data.train.get(idx).to(self.device, non_blocking=True)
+        batch = self.data.train.get(idx).to(self.mesh.device, non_blocking=True)
         if self.diloco:
             warm = self.diloco.in_warmup(self.state.step + 1)
             self.runner.pre_update = self.diloco.average_grads if warm else None
-        with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
+        with self.measures.counting(measure):
             result = self.runner.run(batch, measure)
             if self.diloco:  # the outer sync (counted on the "island" axis)
                 self.diloco.after_step(self.state.step + 1)
-        if measure:
-            self.state_mem = result.state_mem or {}
-            self.comm_bytes = self.comm.snapshot() if self.comm else {}
-            if self.pipeline:
-                self.pp_stats = gather_pipeline_stats(self.pipeline, self.mesh)
-            tokens = self.local_batch * self.cfg.train.seq_len // self.mesh.layout.cp
-            self.moe_stats = moe_record(self.model, self.loss, self.mesh, self.runner.reduce_loss, self.args, tokens)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        extra = self.measures.take() if measure else None
         self.state.advance()
-        if self.pipeline and measure and self.state.step == self.gantt_step:
-            bubble = self.pp_stats["bubble_fraction"]
-            write_gantt(self.pipeline, self.mesh, self.state.step, bubble, Path(self.cfg.run.dir), self.event)
+        if extra is not None:
+            self.measures.gantt(self.state.step)
         return result
 
     def fit(self) -> dict[str, Any]:
         """Train to train.steps (or a stop request); returns the summary."""
         try:
-            with StopRequest(self.mesh, self.say) as stop:
+            with StopRequest(self.mesh, self.log.say) as stop:
                 result = self._fit(stop)
             self.checkpoints.checkpointer.close()
             return result
@@ -165,52 +154,87 @@ class Trainer:
             self.checkpoints.checkpointer.abandon()
             raise
         finally:
-            if self.logger:
-                self.logger.close()
+            self.log.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, Any]:
-        t, st = self.cfg.train, self.state
+        t, st = self.plan.train, self.state
         if st.step >= t.steps:  # resumed from a checkpoint at (or past) the end
-            self.event("nothing_to_do", step=st.step, steps=t.steps)
-            self.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
+            self.log.event("nothing_to_do", step=st.step, steps=t.steps)
+            self.log.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
             return {"steps": st.step, "interrupted": False, "tokens": st.tokens_seen, "already_done": True}
-        announce(self)
+        self.log.announce(self.model, self.data, self.plan.layout.micro_batch_size, self.runner_accum())
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
             n = st.step + 1
-            logged = is_logged(n, self.cfg.metrics.log_interval, t.steps)
+            logged = is_logged(n, self.plan.metrics.log_interval, t.steps)
             last = n == t.steps or stop.stop_after(n, logged)
-            t0 = self.watch.before_step(n)
-            result = self.step_once(measure=logged or last or n == self.gantt_step)
-            if self.watch.after_step(n):  # went back to a checkpoint
+            if not self._one_step(n, logged, last):  # went back to a checkpoint
                 continue
-            faults.maybe_kill("step", self.mesh.rank, st.step)  # tests: die right after this step
-            faults.pace()  # tests: a run that lasts (nothing unless MESHFORGE_FAULT has pace:ms=M)
-            dt = time.perf_counter() - t0
-            self.metrics.add(dt, result)
-            with self.phases("logging"):
-                log_step(self, n, result, logged or last, dt)
-            with self.phases("checkpoint"):
-                self.checkpoints.checkpointer.poll()
-                self.checkpoints.maybe_save(last, self.metrics.recent_step_time())
             if t.eval_interval and n % t.eval_interval == 0 and not last:
                 self._evaluate_and_log()
             if last and n < t.steps:
                 interrupted = True
-                self.event("interrupted", step=n)
+                self.log.event("interrupted", step=n)
                 break
-        self.watch.close()
-        with self.phases("checkpoint"):
+        self.health.close()
+        self.instruments.close()
+        with self.log.phases("checkpoint"):
             self.checkpoints.checkpointer.wait()
         val_loss = self._evaluate_and_log() if t.eval_batches else None
-        return finish_run(self, interrupted, time.perf_counter() - t_start, val_loss)
+        return self._finish(interrupted, time.perf_counter() - t_start, val_loss)
+
+    def runner_accum(self) -> int:
+        return 1 if self.pipeline else self.plan.microbatches  # a pipeline's schedule runs its micro-batches
+
+    def _one_step(self, n: int, logged: bool, last: bool) -> bool:
+        """Step ``n`` with its watchers, record and checkpoint; False when it rolled back instead."""
+        self.health.before_step(n, logged)
+        self.hooks.run_before(n)
+        t0 = time.perf_counter()
+        self.instruments.before_step(n, t0, measured=logged)
+        result = self.step_once(measure=self.measures.wanted(n, logged, last))
+        self.instruments.after_step(n)
+        if self.health.after_step(n):
+            self.health.guard.pending = []  # steps about to be undone
+            roll_back(n, self.checkpoints, self.state, self.mesh, (self.log.event, self.log.say))
+            self.reposition_schedule()
+            return False
+        self.hooks.run_after(self.state.step)
+        dt = time.perf_counter() - t0
+        with self.log.phases("logging"):
+            extra = self.measures.extra if (logged or last) else None
+            self.log.step(n, result, self.state.tokens_seen, dt, extra)
+        with self.log.phases("checkpoint"):
+            self.checkpoints.checkpointer.poll()
+            self.checkpoints.maybe_save(last, self.log.metrics.recent_step_time())
+        return True
+
+    def reposition_schedule(self) -> None:
+        """The LR schedule at the current step (after a rollback loaded an older checkpoint)."""
+        self.scheduler = self.runner.scheduler = build_scheduler(self.optimizer, self.plan, self.state.step)
 
     def _evaluate_and_log(self) -> float | None:
-        with self.phases("eval"):
+        with self.log.phases("eval"):
             v = self.evaluate()
-        if self.logger and v is not None:
-            self.logger.log_eval(self.state.step, v)
+        self.log.evaluation(self.state.step, v)
         return v
+
+    def _finish(self, interrupted: bool, wall: float, val_loss: float | None) -> dict[str, Any]:
+        """The summary (a collective), the final weights, then the last lines."""
+        st = self.state
+        fields = {"steps": st.step, "tokens": st.tokens_seen, "val_loss": val_loss}
+        summary = self.log.summary(self.runner.reduce_loss, interrupted, wall, **fields)
+        self.checkpoints.export_final(pipelined=self.pipeline is not None)
+        self.log.finish(summary)
+        return summary
+
+
+def _first_forward(model: torch.nn.Module, pipe: Any) -> list[torch.nn.Module]:
+    """Where a step's data time ends: the model's forward, or under pp the first stage's part
+    (a later stage's first forward waits for the pipeline to fill: that is bubble, not data)."""
+    if pipe is None:
+        return [model]
+    return [pipe.parts[pipe.chunks.index(0)]] if pipe.has_first else []
 
 
 def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
@@ -219,10 +243,8 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
     mesh = build_mesh(plan.layout, plan.train.device, cpu_backend=plan.layout.offload == "cpu")
-    cfg = plan
     try:
         plan, resume = agree_on_start(plan, mesh)
-        cfg = plan
         try:
             result = Trainer(plan, mesh, stream, resume=Path(resume) if resume else None).fit()
             clean = True
@@ -230,7 +252,7 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            instead = on_failure(cfg, mesh.rank, mesh.world_size, e)
+            instead = on_failure(plan, mesh.rank, mesh.world_size, e)
             if instead is not None:
                 raise instead from None
             raise
@@ -238,4 +260,4 @@ def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
         torch.use_deterministic_algorithms(was_deterministic)
         shutdown(clean)
         if launch_env.rank() == 0:
-            run_lock.release(Path(cfg.run.dir))
+            run_lock.release(Path(plan.run.dir))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
+from meshforge.metrics.step_result import StepResult
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.compile import compile_loss
 from meshforge.parallel.context.ring import cp_index
@@ -33,20 +33,6 @@ from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.parallel.tensor.apply import local_value, match_grad_layouts
 from meshforge.run_plan import RunPlan
 from meshforge.train.optimizer import current_lr
-
-
-@dataclass
-class StepResult:
-    """What a step leaves: device tensors always, host values only on measured steps."""
-
-    loss: torch.Tensor  # this rank's share of the loss, not reduced (see StepRunner.reduce_loss)
-    grad_norm: torch.Tensor  # the global pre-clip norm, equal on every rank
-    lr: float  # the LR this step used
-    measured: bool
-    global_loss: float | None = None  # measured: the loss over the whole global batch
-    state_mem: dict[str, int] | None = None  # measured: bytes of params, grads, optimizer state, gathered params
-    state_mem_host: dict[str, int] | None = None  # measured, under CPU offload: the part of state_mem in host memory
-    skipped: bool = False  # the health guard refused the update (its loss stays out of the summary's)
 
 
 class StepRunner:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,13 +21,11 @@ from torch import nn
 
 from meshforge.compat import pipeline_stage_fixups
 from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.schedules import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
 from meshforge.parallel.pipeline.split import chunk_ranks
 from meshforge.parallel.pipeline.stage_aux import StageAux, forget_metadata_inference
 from meshforge.parallel.tensor.apply import local_value
-
-if TYPE_CHECKING:
-    from meshforge.parallel.mesh import Mesh
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # activations sent between stages in eval
 

@@ -1,0 +1,67 @@
+"""What a measured step gathers beyond its result: the communication it made (counted per
+axis while it runs), the pipeline's bubble and in-flight counts, the MoE figures, and once
+per run the pipeline's Gantt chart. All of it reduces or gathers over ranks, so it runs on
+measured steps only (logged, last, or the Gantt step): the same steps on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshforge.models.loss import LanguageModelLoss
+from meshforge.parallel.comm_stats import CommCounter
+from meshforge.parallel.mesh import Mesh
+from meshforge.parallel.pipeline.runtime import Pipeline
+from meshforge.run_plan import RunPlan
+from meshforge.train.moe_stats import moe_record
+from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
+
+
+class StepMeasures:
+    def __init__(
+        self,
+        plan: RunPlan,
+        mesh: Mesh,
+        parts: tuple[nn.Module, LanguageModelLoss, Pipeline | None],
+        reduce_loss: Callable[[torch.Tensor], torch.Tensor],
+        event: Callable[..., None],
+    ):
+        """``parts``: this rank's model, the loss and the pipeline (None without one)."""
+        self.plan, self.mesh, self.reduce_loss, self.event = plan, mesh, reduce_loss, event
+        self.model, self.loss, self.pipeline = parts
+        self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
+        self.gantt_step = min(3, plan.train.steps) if self.pipeline else 0  # past the first steps' warm-up
+        self.tokens_per_rank = plan.local_batch * plan.train.seq_len // plan.layout.cp
+        self.extra: dict[str, Any] = {}
+
+    def wanted(self, n: int, logged: bool, last: bool) -> bool:
+        """Whether step ``n`` is measured (every rank agrees: the same steps everywhere)."""
+        return logged or last or n == self.gantt_step
+
+    @contextlib.contextmanager
+    def counting(self, measure: bool) -> Iterator[None]:
+        """Count the collectives of a measured step (nothing is wrapped on other steps)."""
+        with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
+            yield
+
+    def take(self) -> dict[str, Any]:
+        """The measured step's figures (collectives: every rank calls it)."""
+        pp_stats = gather_pipeline_stats(self.pipeline, self.mesh) if self.pipeline else {}
+        moe = moe_record(self.model, self.loss, self.mesh, self.reduce_loss, self.plan.shape, self.tokens_per_rank)
+        if self.mesh.device.type == "cuda":
+            torch.cuda.synchronize(self.mesh.device)
+        comm = self.comm.snapshot() if self.comm else {}
+        self.extra = {"comm_bytes_by_kind": comm, "pp_stats": pp_stats, "moe": moe}
+        return self.extra
+
+    def gantt(self, step: int) -> None:
+        """At the Gantt step (measured), the pipeline's timeline of that step to rank 0's run dir."""
+        if self.pipeline and step == self.gantt_step:
+            bubble = self.extra["pp_stats"]["bubble_fraction"]
+            write_gantt(self.pipeline, self.mesh, step, bubble, Path(self.plan.run.dir), self.event)
