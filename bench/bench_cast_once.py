@@ -34,7 +34,8 @@ def trainer(args: argparse.Namespace, mode: str):
     from meshforge.parallel.mesh import build_mesh
     from meshforge.resolve import resolve
     from meshforge.train.loop import Trainer
-    from meshforge.train.run_dir import agree_on_start, preflight
+    from meshforge.train.preflight import preflight
+    from meshforge.train.start import agree_on_start
 
     over = {
         **small_model(args.hidden, args.layers, args.seq_len),

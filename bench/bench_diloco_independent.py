@@ -32,7 +32,7 @@ from meshforge.config import load_config
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.models.llama import build_model
 from meshforge.models.presets import model_shape
-from meshforge.train.run_dir import open_data
+from meshforge.train.corpus import open_data
 
 
 def lr_at(a: argparse.Namespace, step: int, peak: float) -> float:

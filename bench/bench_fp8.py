@@ -35,7 +35,7 @@ from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import DEFAULT_EXCLUDE, fp8_config, fp8_plan, require_torchao
 from meshforge.parallel.precision import autocast
 from meshforge.train import train
-from meshforge.train.run_dir import open_data
+from meshforge.train.corpus import open_data
 
 RUNS = (("bf16", "tensorwise"), ("fp8", "tensorwise"), ("fp8", "rowwise"))
 

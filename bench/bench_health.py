@@ -35,7 +35,8 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.parallel.mesh import build_mesh, shutdown
     from meshforge.resolve import resolve
     from meshforge.train.loop import Trainer
-    from meshforge.train.run_dir import agree_on_start, preflight
+    from meshforge.train.preflight import preflight
+    from meshforge.train.start import agree_on_start
 
     os.environ.setdefault(*ENV)
     steps = args.block_steps * (args.blocks + 1)

@@ -12,8 +12,8 @@ import time
 
 from meshforge.layout import open_layout
 from meshforge.planner.hardware import get_hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
-from meshforge.planner.shape import from_preset
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "hooks": set(),  # the run's attachment points (fault injection fills them)
     "faults": {"errors", "hooks", "launch_env"},
     "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
-    "models": {"errors"},
+    "models": {"compat", "errors"},
     "config": {"errors", "layout", "models"},  # the keys: sections, plus Layout's and ModelShape's fields
     "run_plan": {"config", "layout", "models"},  # RunPlan: what every part reads of a resolved run
     "data": {"errors", "manifest"},
@@ -47,14 +47,14 @@ ALLOWED: dict[str, set[str]] = {
     "disk": {"errors", "models", "planner"},
     "fit": {"config", "errors", "models", "planner"},  # the pre-flight fit check: the planner's estimate vs free memory
     "run_lock": {"disk", "errors"},
-    "lifeline": set(),
+    "launcher_tie": set(),
     "peer_lost": {"health", "launch_env"},
     # the top: what drives the rest
     "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
-    "launch": {"errors", "lifeline"},
+    "launch": {"errors", "launcher_tie"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
-        *("planner", "report", "resolve", "train", "disk", "lifeline", "peer_lost", "run_lock", "fit"),
+        *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
     },
     "__main__": {"cli"},
 }
@@ -71,7 +71,7 @@ RUNNING = (
     "cli",
     "disk",
     "run_lock",
-    "lifeline",
+    "launcher_tie",
     "peer_lost",
     "fit",
 )

@@ -170,7 +170,7 @@ def test_planner_counts_one_chunk_of_logits():
     from meshforge.planner.estimate import plan_layout
     from meshforge.planner.hardware import get_hardware
     from meshforge.planner.memory import memory
-    from meshforge.planner.shape import from_preset
+    from meshforge.planner.model_flags import from_preset
 
     shape, hw = from_preset("llama3.2-1b"), get_hardware("h100-sxm")
     lay = plan_layout(activation_checkpoint="full")

@@ -1,6 +1,5 @@
 """The command line as a newcomer meets it: --help, --dry-run and the errors for common slips."""
 
-
 import pytest
 import torch
 

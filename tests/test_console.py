@@ -17,7 +17,7 @@ from meshforge.cli import main
 from meshforge.errors import DataError
 from meshforge.explore import make_server
 from meshforge.health.text_check import non_text_share, refuse_binary
-from meshforge.metrics.progress import SLOW_STEP_S, is_logged, slow_step_line
+from meshforge.metrics.logged_steps import SLOW_STEP_S, is_logged, slow_step_line
 from meshforge.train import train
 
 

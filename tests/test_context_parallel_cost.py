@@ -15,7 +15,7 @@ from meshforge.parallel.context.cost import (
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import GIB, get_hardware
 from meshforge.planner.memory import activation_bytes_per_layer
-from meshforge.planner.shape import from_preset
+from meshforge.planner.model_flags import from_preset
 
 H100 = get_hardware("h100-sxm")
 

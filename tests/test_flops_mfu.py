@@ -12,7 +12,7 @@ from meshforge.models.flops import (
 from meshforge.models.llama import ModelShape, build_model
 from meshforge.models.presets import PRESETS
 from meshforge.parallel.pipeline.split import _costs
-from meshforge.planner.shape import check_flags, from_preset
+from meshforge.planner.model_flags import check_flags, from_preset
 
 A = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
 

@@ -16,7 +16,8 @@ from meshforge.faults import parse
 from meshforge.health.spike import SpikeDetector
 from meshforge.parallel.mesh import build_mesh
 from meshforge.train.loop import Trainer
-from meshforge.train.run_dir import agree_on_start, preflight
+from meshforge.train.preflight import preflight
+from meshforge.train.start import agree_on_start
 
 STEPS = 8
 COMMON = {"train.steps": STEPS, "optim.warmup_steps": 0}
@@ -202,7 +203,7 @@ def test_hang_report_names_the_rank_behind_or_silent():
 
 def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys):
     from meshforge.health.text_check import not_text_files
-    from meshforge.train.run_dir import event_writer
+    from meshforge.train.start import event_writer
 
     (tmp_path / "prose.txt").write_text("plain text, ünïcödé too\n" * 100)
     (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 64)
@@ -210,7 +211,7 @@ def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys)
     assert path.name == "blob.txt" and 0.3 < share < 0.7
     assert not_text_files(str(tmp_path / "prose.txt"), 0.05) == []
     cfg = tiny_config(tmp_path, tmp_path)
-    event_writer(cfg)("checkpoint_skipped", path="ckpt/step-8", reason="shard hash does not match")
+    event_writer(cfg.run.dir)("checkpoint_skipped", path="ckpt/step-8", reason="shard hash does not match")
     assert "warning: skipped checkpoint ckpt/step-8 (shard hash does not match)" in capsys.readouterr().err
 
 

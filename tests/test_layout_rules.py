@@ -29,7 +29,7 @@ def _verdicts(shape: ModelShape, seq: int, fixed: Layout):
     for lay in candidates(shape, GPUS, BATCH, seq, fixed, PER_NODE):
         exists, reason = judge(lay, shape, seq, BATCH, PER_NODE)
         e = estimate(shape, lay, seq, BATCH, "bf16", hw, PER_NODE)
-        yield lay, exists, reason, output.train_config(e, shape, seq, BATCH, "bf16", None)
+        yield lay, exists, reason, output.emitted_config(e, shape, seq, BATCH, "bf16", None)
 
 
 @pytest.mark.slow

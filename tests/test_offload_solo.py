@@ -11,8 +11,8 @@ from conftest import tiny_config
 from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
 from meshforge.planner.hardware import get_hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
-from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 from meshforge.train import run_dir, train
 

@@ -17,8 +17,8 @@ from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import cost_coefficients, get_hardware
 from meshforge.planner.memory import activation_bytes_per_layer, in_flight, model_state_bytes
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
-from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
 # GPT-3 175B: the model Korthikanti et al. 2022 work through (a = 96, h = 12288, s = 2048)

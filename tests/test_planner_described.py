@@ -9,8 +9,8 @@ import pytest
 
 from meshforge.planner.estimate import _dp_time, plan_layout
 from meshforge.planner.hardware import get_hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, plan_from_args
-from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
 SHAPE = from_preset("llama3.1-8b")

@@ -10,9 +10,9 @@ import pytest
 from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
 from meshforge.planner.hardware import PRESETS, get_hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, run
 from meshforge.planner.search import search
-from meshforge.planner.shape import from_preset
 
 FIXED_70B = ["--model", "llama3.1-70b", "--gpus", "8", "--tp", "8", "--pp", "1", "--dp", "1", "--zero", "0"]
 FIXED_70B += ["--micro-batch", "1", "--global-batch", "8", "--seq-len", "4096", "--recompute", "full"]

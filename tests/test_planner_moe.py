@@ -16,8 +16,8 @@ from meshforge.parallel.expert.dispatch import a2a_bytes_formula
 from meshforge.planner import kernel_costs, moe_costs, output
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, plan_from_args, run
-from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 
 

@@ -18,9 +18,9 @@ from meshforge.planner import offload_costs
 from meshforge.planner.estimate import GIB, estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.memory import stage_params, stage_state_bytes
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, run
 from meshforge.planner.search import search
-from meshforge.planner.shape import from_preset
 from meshforge.resolve import resolve
 
 SHAPE = from_preset("llama3.2-1b")  # 1.2B parameters: ~18.5 GiB of model states (16 bytes each)

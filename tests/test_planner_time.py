@@ -14,8 +14,8 @@ from meshforge.planner import time_terms
 from meshforge.planner.estimate import _dp_time, collective_time, estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.memory import stage_params
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import _schedules
-from meshforge.planner.shape import from_preset
 
 H100 = get_hardware("h100-sxm")
 SHAPE = from_preset("llama3.1-8b")

@@ -17,7 +17,7 @@ from typing import Any
 
 from meshforge import __version__, launch_env
 from meshforge.errors import ConfigError, MeshforgeError, suggest
-from meshforge.lifeline import tie_to_launcher
+from meshforge.launcher_tie import tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
                        [--section.key=value ...]
@@ -176,7 +176,7 @@ def write_run_report(cfg: Any) -> None:
     event (``report_failed``), never raised over the run's own outcome."""
     from meshforge.disk import describe
     from meshforge.report import write_report
-    from meshforge.train.run_dir import event_writer
+    from meshforge.train.start import event_writer
 
     run_dir = Path(cfg.run.dir)
     if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
@@ -187,7 +187,7 @@ def write_run_report(cfg: Any) -> None:
         why = describe(run_dir / "report.html", e, "write") if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         print(f"meshforge: note: report.html skipped ({why})", file=sys.stderr)
         try:
-            event_writer(cfg)("report_failed", error=why[:2000])
+            event_writer(cfg.run.dir)("report_failed", error=why[:2000])
         except OSError:
             pass
 

@@ -24,7 +24,7 @@ needs it; when the floor (pyproject.toml) passes that version, the entry goes.
 
 Other private torch names are used where they are wrapped and listed here: the stage's
 ``_post_metadata_inference_cleanup`` (parallel/pipeline/stage_aux.py), the stager's ``_config``
-(checkpoint/sharded.py), ``torch._grouped_mm`` (models/moe.py).
+(checkpoint/sharded.py); ``torch._grouped_mm`` is probed and called here (``grouped_mm``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ import torch
 import torch.distributed as dist
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
-# the oldest torch the whole CPU suite was run on (pyproject.toml's floor; .ci/compat runs it)
-TORCH_FLOOR = "2.11.0"
 
 
 def torch_at_least(major: int, minor: int) -> bool:
@@ -109,3 +107,41 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
     """The sum over ranks of ``inp``, each rank keeping its 1/world slice in ``out``."""
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
+
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here (probed once per device
+    type and dtype on a tiny problem with an empty group; a private API, wrapped here only).
+
+    The probe runs in the first MoE forward, which may be inside an activation-checkpointed
+    block: its own saved tensors are kept from the checkpoint's hooks (else the recomputation,
+    which skips the cached probe, saves fewer tensors and checkpointing refuses it), and it
+    draws no random numbers."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), torch.enable_grad():
+                    x = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+                    w = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([8, 8, 32], device=device, dtype=torch.int32)
+                    grouped_mm(x, w, offs).backward(torch.ones(32, 16, device=device, dtype=dtype))
+                ok = w.grad is not None and bool(torch.isfinite(w.grad).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` (private; probed by ``grouped_mm_supported``): one GEMM per group of
+    rows of ``x`` (its ends in ``offs``) with the matching matrix of ``w``."""
+    return torch._grouped_mm(x, w, offs=offs)

@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from meshforge.errors import ConfigError
-from meshforge.lifeline import LAUNCHER_ENV
+from meshforge.launcher_tie import LAUNCHER_ENV
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -51,7 +51,7 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
             *child_argv,
         ]
     )
-    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (lifeline.py)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launcher_tie.py)
     try:
         run(args)
     except ChildFailedError as e:

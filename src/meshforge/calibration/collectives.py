@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshforge.calibration.compute import timed
-from meshforge.compat import all_gather_flat
+from meshforge.compat import all_gather_flat, reduce_scatter_flat
 from meshforge.parallel.data.apply import AllReduceScatter
 from meshforge.planner.hardware import cost_coefficients
 
@@ -51,8 +51,7 @@ def _collective_call(kind: str, nbytes: int, dev: torch.device, mesh):
         if dist.get_backend() == "gloo":  # FSDP2 reduces gradients this way on gloo
             rs = AllReduceScatter()
             return lambda: rs(out, x, None, dist.ReduceOp.SUM)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(out, x)
+        return lambda: reduce_scatter_flat(out, x)
     if kind == "send_recv":  # a stage boundary: each rank sends to the next, receives from the previous
         rank = dist.get_rank()
         x, y = torch.zeros(n, device=dev), torch.empty(n, device=dev)

@@ -123,10 +123,14 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def to_toml(cfg: Config, comments: dict[str, list[str]] | None = None) -> str:
-    """TOML text of the config, every key written; ``comments``: lines put above a section."""
+def to_toml(cfg: Config, comments: dict[str, list[str]] | None = None, only: set[str] | None = None) -> str:
+    """TOML text of the config: every key, or the dotted keys in ``only``; ``comments``: lines
+    put above a section."""
     lines = []
     for section, body in to_dict(cfg).items():
+        body = {k: v for k, v in body.items() if only is None or f"{section}.{k}" in only}
+        if not body:
+            continue
         lines += [f"# {c}" for c in (comments or {}).get(section, [])]
         lines.append(f"[{section}]")
         lines += [f"{k} = {toml_value(v)}" for k, v in body.items() if v is not None]

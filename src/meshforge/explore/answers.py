@@ -19,9 +19,9 @@ from meshforge.planner import output
 from meshforge.planner.estimate import Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.offload_costs import can_offload
 from meshforge.planner.search import search
-from meshforge.planner.shape import from_preset
 
 from .params import SPECS, BadRequest, hardware_of, shape_of
 
@@ -200,7 +200,7 @@ def best(
     return out | {"layouts": rows, "considered": considered, "message": note, "partial": partial}
 
 
-def train_config(v: dict[str, Any]) -> str:
+def config_file(v: dict[str, Any]) -> str:
     """The ``meshforge train`` TOML of this layout (``meshforge plan --emit-config``'s writer);
     refused when train would not run it or it does not fit."""
     shape, hw = shape_of(v), hardware_of(v)
@@ -211,7 +211,7 @@ def train_config(v: dict[str, Any]) -> str:
     if not e.fits:
         raise BadRequest(f"this layout does not fit: it {e.overflow} per GPU; pick one that fits")
     preset = None if v["model"] == "custom" else v["model"]
-    return output.train_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
+    return output.emitted_config(e, shape, v["seq_len"], v["global_batch"], v["precision"], preset)
 
 
 def _shape_fields(shape: ModelShape) -> dict[str, Any]:

@@ -19,12 +19,11 @@ from meshforge.parallel.dims import RECOMPUTE
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware, get_hardware
+from meshforge.planner.model_flags import check_flags, from_preset
 from meshforge.planner.offload_costs import can_offload
-from meshforge.planner.shape import check_flags, from_preset
 
 MAX_GPUS = 16384
 SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
-HW_KEYS = ("hbm_gib", "peak_tflops", "intra_bw_gbs", "inter_bw_gbs")
 
 
 class BadRequest(ValueError):

@@ -84,7 +84,7 @@ def route(target: str, gone: Gone = None, budget_s: float = SEARCH_BUDGET_S) -> 
     if url.path in API:
         return json_reply(200, API[url.path](parse(query), gone, budget_s))
     if url.path == "/api/config":
-        text = answers.train_config(parse(query))
+        text = answers.config_file(parse(query))
         disposition = 'attachment; filename="meshforge-train.toml"'
         return Reply(200, "application/toml; charset=utf-8", text.encode(), {"Content-Disposition": disposition})
     return json_reply(404, {"error": f"no such page: {url.path}; the API is /api/estimate, /api/best, /api/config"})

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.compat import grouped_mm, grouped_mm_supported
 from meshforge.models.loss import report_aux
 
 ArgsLike = Any  # a ModelShape (duck-typed: this file must not import llama.py, which imports it)
@@ -75,38 +76,6 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward here (probed once per device
-    type and dtype on a tiny problem with an empty group; a private API, wrapped here only).
-
-    The probe runs in the first MoE forward, which may be inside an activation-checkpointed
-    block: its own saved tensors are kept from the checkpoint's hooks (else the recomputation,
-    which skips the cached probe, saves fewer tensors and checkpointing refuses it), and it
-    draws no random numbers."""
-    key = (device.type, dtype)
-    if key not in _GROUPED_OK:
-        ok = hasattr(torch, "_grouped_mm")
-        if ok:
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), torch.enable_grad():
-                    x = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
-                    w = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                    offs = torch.tensor([8, 8, 32], device=device, dtype=torch.int32)
-                    torch._grouped_mm(x, w, offs=offs).backward(torch.ones(32, 16, device=device, dtype=dtype))
-                ok = w.grad is not None and bool(torch.isfinite(w.grad).all())
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _GROUPED_OK[key] = ok
-    return _GROUPED_OK[key]
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
     """Rows of ``x`` (sorted by group, ``counts[g]`` rows in group g) times ``w[g].T``:
     (T, k) x (G, n, k) -> (T, n). ``grouped``: force the grouped GEMM (True) or the loop
@@ -115,7 +84,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group
         grouped = grouped_mm_supported(x.device, x.dtype) and x.dtype == w.dtype
     if grouped and x.shape[0]:
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        return _ContiguousGrad.apply(grouped_mm(x, w.transpose(-2, -1), offs))
     outs = [xi @ w[g].t() for g, xi in enumerate(torch.split(x, counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 

@@ -158,9 +158,6 @@ class CommCounter:
         with self._lock:
             return {axis: dict(kinds) for axis, kinds in self.bytes.items()}
 
-    def by_axis(self) -> dict[str, float]:
-        return {axis: sum(kinds.values()) for axis, kinds in self.snapshot().items()}
-
     @contextlib.contextmanager
     def counting(self) -> Iterator[CommCounter]:
         """Count (from zero) the collectives called inside the block; outside it nothing is wrapped."""

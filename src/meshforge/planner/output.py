@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from meshforge.config import build, to_toml
 from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import Estimate
 
@@ -169,55 +170,45 @@ def runnable(e: Estimate) -> bool:
     return not e.not_runnable
 
 
-def moe_keys(shape: ModelShape) -> str:
-    """The [model] keys of a mixture of experts given by its shape (none for a dense model)."""
-    if shape.num_experts <= 0:
-        return ""
-    keys = ("num_experts", "experts_per_token", "moe_ffn_hidden", "num_shared_experts", "moe_interval")
-    lines = [f"{k} = {getattr(shape, k)}" for k in (*keys, "first_dense_layers")]
-    if shape.head_dim != shape.hidden // shape.heads:
-        lines.append(f"head_dim = {shape.head_dim}")
-    if shape.qk_norm:
-        lines.append("qk_norm = true")
-    if shape.capacity_factor > 0:
-        lines.append(f"capacity_factor = {shape.capacity_factor}")
-    return "\n".join(lines) + "\n"
-
-
-def train_config(
+def emitted_config(
     e: Estimate, shape: ModelShape, seq: int, global_batch: int, precision: str, preset: str | None
 ) -> str:
-    """A `meshforge train` TOML for this layout (dp ranks shard under ZeRO-2/3, else replicate)."""
+    """A `meshforge train` TOML for this layout, written by the config's own writer: what was
+    priced is what train runs (dp ranks shard under ZeRO-2/3, else replicate)."""
     L = e.layout
-    model = (
-        f'preset = "{preset}"\n'
-        if preset
-        else (
-            f"hidden = {shape.hidden}\nlayers = {shape.layers}\nheads = {shape.heads}\nkv_heads = {shape.kv_heads}\n"
-            f"ffn_hidden = {shape.ffn_hidden}\nvocab_size = {shape.vocab_size}\n"
-            f"tie_embeddings = {str(shape.tie_embeddings).lower()}\nmax_seq_len = {max(seq, 1)}\n" + moe_keys(shape)
-        )
-    )
-    ac = L.activation_checkpoint
+    values: dict[str, object] = {"model.preset": preset} if preset else _shape_values(shape, seq)
+    if preset and shape.max_seq_len < seq:  # a longer context than the preset's: train refuses it otherwise
+        values["model.max_seq_len"] = seq
+    values |= {f"parallel.{k}": getattr(L, k) for k in ("tp", "cp", "ep", "zero_stage", "sequence_parallel")}
+    values |= {"parallel.dp_shard": L.dp, "parallel.dp_replicate": 1}
     if L.pp > 1:  # the schedule runs the micro-batches
-        pipe = (
-            f'pp = {L.pp}\npp_schedule = "{L.pp_schedule}"\npp_virtual_stages = {L.pp_virtual_stages}\n'
-            f"num_microbatches = {L.num_microbatches}\n"
-        ) + (f"pp_layers = {list(L.pp_layers)}\n" if L.pp_layers else "")
-        micro = 0
-    else:
-        pipe, micro = "", L.micro_batch_size
-    off = f'offload = "{L.offload}"\n' if L.offload == "cpu" else ""  # FSDP2's CPU offload (parallel/dims/)
-    return (
+        pipe = ("pp", "pp_schedule", "pp_virtual_stages", "num_microbatches")
+        values |= {f"parallel.{k}": getattr(L, k) for k in pipe}
+        if L.pp_layers:
+            values["parallel.pp_layers"] = tuple(L.pp_layers)
+    if L.offload == "cpu":  # FSDP2's CPU offload (parallel/dims/)
+        values["parallel.offload"] = "cpu"
+    if L.async_tp:
+        values["parallel.async_tp"] = True
+    micro = 0 if L.pp > 1 else L.micro_batch_size
+    values |= {"train.seq_len": seq, "train.global_batch_size": global_batch, "train.micro_batch_size": micro}
+    values |= {"train.precision": precision, "train.activation_checkpoint": L.activation_checkpoint}
+    head = (
         f"# written by meshforge plan: predicted {e.step_time_s:.3f} s/step, "
         f"{e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f}%, {e.memory['total']:.1f} GiB/GPU\n"
         f"# run with: meshforge train --config THIS_FILE --nproc {L.tp * L.dp * L.pp * L.cp} (or torchrun)\n\n"
-        f"[model]\n{model}\n"
-        f"[parallel]\ntp = {L.tp}\n{pipe}cp = {L.cp}\nep = {L.ep}\ndp_shard = {L.dp}\ndp_replicate = 1\n"
-        f"zero_stage = {L.zero_stage}\n{off}"
-        f"sequence_parallel = {str(L.sequence_parallel).lower()}\n"
-        + ("async_tp = true\n" if L.async_tp else "")
-        + "\n"
-        + f"[train]\nseq_len = {seq}\nglobal_batch_size = {global_batch}\nmicro_batch_size = {micro}\n"
-        f'precision = "{precision}"\nactivation_checkpoint = "{ac}"\n'
     )
+    return head + to_toml(build(values), only=set(values))
+
+
+def _shape_values(shape: ModelShape, seq: int) -> dict[str, object]:
+    """An explicit shape's config keys: the dense ones, and the MoE ones where it has experts."""
+    keys = ["hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings"]
+    if shape.head_dim != shape.hidden // shape.heads:
+        keys.append("head_dim")
+    if shape.qk_norm:
+        keys.append("qk_norm")
+    if shape.num_experts:
+        keys += ["num_experts", "experts_per_token", "moe_ffn_hidden", "num_shared_experts", "moe_interval"]
+        keys += ["first_dense_layers"] + (["capacity_factor"] if shape.capacity_factor > 0 else [])
+    return {f"model.{k}": getattr(shape, k) for k in keys} | {"model.max_seq_len": max(seq, 1)}

@@ -25,8 +25,8 @@ from meshforge.parallel.dims import OFFLOAD
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS, Hardware, get_hardware
+from meshforge.planner.model_flags import check_flags, from_preset, named
 from meshforge.planner.search import Ranked, search
-from meshforge.planner.shape import check_flags, from_preset, named
 
 
 def whole(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
                 "no fitting layout is runnable by this version of meshforge train: "
                 f"{results[0].not_runnable}; change the fixed choices or use more GPUs"
             )
-        Path(args.emit_config).write_text(output.train_config(chosen, shape, seq, gb, precision, preset))
+        Path(args.emit_config).write_text(output.emitted_config(chosen, shape, seq, gb, precision, preset))
         if not args.json:
             rank = results.index(chosen) + 1
             print(f"\nwrote {args.emit_config}: layout #{rank}" + (" (the best runnable one)" if rank > 1 else ""))

@@ -2,6 +2,7 @@
 
 from meshforge.train.loop import Trainer, train
 from meshforge.train.optimizer import lr_at
-from meshforge.train.run_dir import preflight, prepare_run_dir
+from meshforge.train.preflight import preflight
+from meshforge.train.start import prepare_run_dir
 
 __all__ = ["Trainer", "lr_at", "preflight", "prepare_run_dir", "train"]

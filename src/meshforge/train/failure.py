@@ -17,7 +17,7 @@ from meshforge.config import Config
 from meshforge.disk import checkpoint_bytes, disk_error
 from meshforge.errors import MeshforgeError
 from meshforge.metrics.step_metrics import resume_hint
-from meshforge.train.run_dir import event_writer
+from meshforge.train.start import event_writer
 
 
 def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseException | None:
@@ -35,7 +35,7 @@ def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseEx
             pass
     shown = disk or exc
     try:
-        event_writer(cfg)("failure", rank=rank, error=f"{type(shown).__name__}: {shown}"[:2000])
+        event_writer(cfg.run.dir)("failure", rank=rank, error=f"{type(shown).__name__}: {shown}"[:2000])
     except OSError:
         pass  # the disk that failed the run may refuse the event too; the console still says it
     if rank == 0 and not isinstance(exc, BrokenPipeError):  # `meshforge train | head`: the reader left, stop quietly

@@ -28,21 +28,23 @@ from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.health.keeper import HealthKeeper
 from meshforge.hooks import RunHooks
 from meshforge.metrics.instruments import StepInstruments
-from meshforge.metrics.progress import is_logged
+from meshforge.metrics.logged_steps import is_logged
 from meshforge.metrics.step_result import StepResult
 from meshforge.parallel.diloco.outer import build_diloco
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context
 from meshforge.run_plan import RunPlan
+from meshforge.train.corpus import open_data
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.failure import on_failure
 from meshforge.train.measure import StepMeasures
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
+from meshforge.train.preflight import launch_plan
 from meshforge.train.rollback import roll_back
-from meshforge.train.run_dir import agree_on_start, launch_plan, open_data
 from meshforge.train.run_log import RunLog
+from meshforge.train.start import agree_on_start
 from meshforge.train.step import PipelineStep, PlainStep
 from meshforge.train.stop import StopRequest
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from meshforge.data.dataset import TokenDataset
+from meshforge.metrics.logged_steps import slow_step_line
 from meshforge.metrics.mfu import peak_flops
-from meshforge.metrics.progress import slow_step_line
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
 from meshforge.metrics.step_result import StepResult

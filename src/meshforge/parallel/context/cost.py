@@ -19,8 +19,6 @@ Recomputing the block in backward (activation checkpointing) runs the forward's 
 
 from __future__ import annotations
 
-ROTATE_MODES = ("ring", "allgather")
-
 
 def local_tokens(seq_len: int, cp: int) -> int:
     """Tokens of each sequence a cp rank holds (both balance modes give every rank the same count)."""

@@ -163,12 +163,6 @@ class DiLoCo:
             if pos == frag.apply_at:
                 self._apply(frag)
 
-    def wire_bytes(self, frag: Fragment) -> int:
-        """Payload bytes one rank puts on the island axis for one sync of ``frag``."""
-        blocks = -(-frag.numel // FP8_BLOCK)
-        return {"fp32": 4 * frag.numel, "bf16": 2 * frag.numel}.get(self.sync_dtype, blocks * (4 + FP8_BLOCK))
-
-    @torch.no_grad()
     def _send(self, frag: Fragment) -> None:
         if not frag.outer:
             return

@@ -52,7 +52,7 @@ def tie_to_launcher() -> bool:
         _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent or not _alive(launcher):  # gone already: no signal will ever come
         os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=_die_with, args=(launcher, parent), name="meshforge-lifeline", daemon=True).start()
+    threading.Thread(target=_die_with, args=(launcher, parent), name="meshforge-launcher-tie", daemon=True).start()
     return True
 
 

@@ -1,0 +1,87 @@
+"""The checks that can refuse a run, all made before anything is written and before any rank
+starts: the config resolved into the run plan, the run directory, the data, the disk and the
+memory fit. ``launch_plan`` is each rank's entry: rank 0 runs the checks, the others resolve
+the same plan (and hold the fit against their own GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from meshforge import launch_env
+from meshforge.checkpoint import store
+from meshforge.config import Config
+from meshforge.disk import check_disk
+from meshforge.errors import ConfigError
+from meshforge.fit import check_fit
+from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
+from meshforge.health.text_check import refuse_binary
+from meshforge.launch_env import restart_count
+from meshforge.resolve import resolve
+from meshforge.run_plan import RunPlan
+from meshforge.train.corpus import open_data
+
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def default_run_dir(cfg: Config) -> str:
+    """runs/<preset>-<time>: a new directory per run unless run.dir names one."""
+    return str(Path("runs") / f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def resuming(cfg: Config) -> bool:
+    """Whether this start continues the run in run.dir (rather than starting a new one):
+    an elastic restart always does; otherwise checkpoint.load = latest with a complete
+    checkpoint there, unless run.overwrite asks for a fresh run."""
+    if restart_count() > 0:
+        return True
+    if cfg.run.overwrite or cfg.checkpoint.load != "latest":
+        return False
+    return bool(store.list_complete(Path(cfg.run.dir) / "checkpoints"))
+
+
+def check_run_dir(cfg: Config) -> Path:
+    """Refuse to write a new run over an old one unless resuming it or run.overwrite is set."""
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite and not resuming(cfg):
+        raise ConfigError(
+            f"run.dir = {run_dir} already holds a run (metrics.jsonl) and no complete checkpoint to resume "
+            "from (checkpoint.load = latest); choose another run.dir or pass --run.overwrite=true to replace it"
+        )
+    return run_dir
+
+
+def preflight(cfg: Config, world_size: int, launcher: bool = False) -> RunPlan:
+    """Resolve the config into the run plan, check that it fits the device's memory, pick the run
+    dir, and make sure the data is usable. ``launcher``: run by `--nproc N`'s launcher, not a rank."""
+    plan = resolve(cfg, world_size)
+    if plan.model.init_from and not Path(plan.model.init_from).is_dir():
+        raise ConfigError(f"model.init_from = {plan.model.init_from} is not a directory of weights")
+    if not plan.run.dir:
+        plan = plan.with_run_dir(default_run_dir(plan))
+    check_run_dir(plan)
+    refuse_binary(plan.data.path, plan.data.allow_binary)
+    check_disk(plan)  # writable, and room for a checkpoint: refused here rather than mid-run
+    open_data(plan, plan.shape)  # (input errors first: a config or data mistake is named before the memory verdict)
+    if not (launcher and plan.world.device == "cuda"):  # a launcher leaves the GPUs to the ranks (no CUDA context)
+        check_fit(plan, launch_env.local_rank(), launch_env.local_world_size() or world_size)
+    return plan
+
+
+def launch_plan(cfg: Config, world: int) -> RunPlan:
+    """This rank's run plan (rank 0 also runs ``preflight``), with the environment that must be
+    set before the process group starts."""
+    for k, v in DETERMINISTIC_ENV.items():
+        if cfg.train.deterministic:
+            os.environ.setdefault(k, v)
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
+    if world == 1 or launch_env.rank() == 0:
+        return preflight(cfg, world)
+    plan = resolve(cfg, world)
+    if plan.world.device == "cuda":  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
+        check_fit(plan, launch_env.local_rank())
+    return plan
