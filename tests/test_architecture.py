@@ -52,9 +52,14 @@ ALLOWED: dict[str, set[str]] = {
     # the top: what drives the rest
     "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
     "launch": {"errors", "launcher_tie"},
+    "cli_train": {
+        *("checkpoint", "config", "errors", "fit", "launch", "launch_env", "launcher_tie", "models", "report"),
+        *("resolve", "run_lock", "train", "disk"),
+    },
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
         *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
+        "cli_train",
     },
     "__main__": {"cli"},
 }
@@ -69,6 +74,7 @@ RUNNING = (
     "calibration",
     "launch",
     "cli",
+    "cli_train",
     "disk",
     "run_lock",
     "launcher_tie",

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from meshforge.cli import main, parse_train_args
+from meshforge.cli import main
+from meshforge.cli_train import parse_train_args
 from meshforge.config import keys, load_config
 from meshforge.errors import ConfigError
 from meshforge.launch import check_nproc

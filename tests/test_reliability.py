@@ -151,7 +151,7 @@ def test_an_every_rank_error_is_said_once_per_node(monkeypatch, capsys, local_ra
 
 
 def test_a_report_that_cannot_be_written_leaves_no_file(tmp_path, corpus, monkeypatch, capsys):
-    from meshforge.cli import write_run_report
+    from meshforge.cli_train import write_run_report
     from meshforge.report import run_report
 
     cfg = tiny_config(tmp_path / "run", corpus)

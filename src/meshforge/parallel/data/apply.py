@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # private: used here only
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -76,6 +77,19 @@ class AllReduceScatter(ReduceScatter):
         return None
 
 
+def _fsdp_mesh(mesh: Mesh, zero_stage: int) -> DeviceMesh:
+    """The mesh FSDP2 shards over: (dp, cp) replicated for stage 0, (dp_replicate, dp_shard x cp)
+    for HSDP, dp_shard x cp otherwise; a world of one's one-rank mesh."""
+    if mesh.device_mesh is None:
+        return mesh.solo_mesh()
+    if zero_stage < 2:
+        return mesh.slice(("dp", "cp"))
+    shard = "dp_shard_cp" if mesh.layout.cp > 1 else "dp_shard"
+    if mesh.layout.dp_replicate > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
+        return mesh.slice(("dp_replicate", shard))
+    return mesh.slice((shard,))
+
+
 def apply_fsdp(
     model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None, offload: bool = False
 ) -> nn.Module:
@@ -97,13 +111,7 @@ def apply_fsdp(
     (pinned) host memory and the optimizer steps there; each unit's parameters are copied to
     the device for its all-gather (ZeRO-Infinity's idea, host memory only).
     """
-    if zero_stage < 2:
-        dims: tuple[str, ...] = ("dp", "cp")
-    elif mesh.layout.dp_replicate > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
-        dims = ("dp_replicate", "dp_shard_cp" if mesh.layout.cp > 1 else "dp_shard")
-    else:
-        dims = ("dp_shard_cp",) if mesh.layout.cp > 1 else ("dp_shard",)
-    fsdp_mesh = mesh.slice(dims) if mesh.device_mesh is not None else mesh.solo_mesh()  # (a world of one)
+    fsdp_mesh = _fsdp_mesh(mesh, zero_stage)
     # Under TP the embedding unit returns a view; the model never changes it in place, which
     # is what FSDP2's warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
