@@ -1,8 +1,8 @@
 """Names vulture reports as unused that an interface requires (read by tests/test_structure.py)."""
 
 # signal handlers take (signum, frame); torch's optimizer API names its arguments
-_.signum  # noqa: F821
-_.frame  # noqa: F821
-_.closure  # noqa: F821
-_.set_to_none  # noqa: F821
-_.async_op  # noqa: F821
+_.signum  # noqa: F821, B018
+_.frame  # noqa: F821, B018
+_.closure  # noqa: F821, B018
+_.set_to_none  # noqa: F821, B018
+_.async_op  # noqa: F821, B018
