@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,7 +41,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100_000)  # private API: wrapped here only
         self.prof = profile(activities=activities, record_shapes=True)
-        self.prof.__enter__()
+        with _native_stderr_quiet():
+            self.prof.__enter__()
 
     def after(self, step: int) -> None:
         if self.prof is None:
@@ -56,7 +61,8 @@ class StepProfiler:
             self.mark.__exit__(None, None, None)
             self.mark = None
         prof, self.prof, self.enabled = self.prof, None, False
-        prof.__exit__(None, None, None)
+        with _native_stderr_quiet():
+            prof.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"rank-{self.rank:05d}.json"
         prof.export_chrome_trace(str(path))
@@ -66,3 +72,20 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(snap))
             torch.cuda.memory._record_memory_history(enabled=None)
             self.written.append(snap)
+
+
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """Silence the profiler library's own lines on stderr (kineto prints ``USDT: ...
+    profiler_start``/``profiler_stop`` from C++, with no setting to turn them off) while it
+    starts and stops; nothing else of this process writes in that moment."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)

@@ -110,6 +110,7 @@ class StepMetrics:
             **out,
             "first_loss": kept[0],
             "final_loss": sum(kept[1:]) / len(kept[1:]),
+            "final_loss_steps": len(kept[1:]),
             "val_loss": fields["val_loss"],
             "tokens_per_s": tps,
             "mfu": utilization(self.flops_per_token, per_device, self.peak),
@@ -151,13 +152,15 @@ def fp8_note(cfg: Config, device: torch.device) -> str:
 
 
 def end_line(summary: dict[str, Any], run_dir: str) -> str:
-    """The console's last line."""
+    """The console's last line (the final loss is the mean of the last steps': one step's is noisy)."""
     val_loss = summary["val_loss"]
     vl = f" | val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})" if val_loss is not None else ""
+    tail = summary.get("final_loss_steps", SUMMARY_TAIL)
+    loss = f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} (mean of the last {tail} steps)"
     return (
         f"{'stopped early' if summary['interrupted'] else 'done'}: {summary['steps']} steps in "
-        f"{summary['wall_time_s']:.1f}s | {summary['tokens'] / 1e6:.2f}M tokens | loss {summary['first_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f}{vl} | {summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
+        f"{summary['wall_time_s']:.1f}s | {summary['tokens'] / 1e6:.2f}M tokens | {loss}{vl} | "
+        f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
         f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
     )
 

@@ -24,7 +24,7 @@ from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import OFFLOAD
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
-from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS, Hardware, get_hardware
+from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS, Hardware, get_hardware, preset_for_device
 from meshforge.planner.model_flags import check_flags, from_preset, named
 from meshforge.planner.search import Ranked, search
 
@@ -153,9 +153,9 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument(
         "--gpu",
-        default="h100-sxm",
         metavar="PRESET",
-        help=f"hardware preset, one of: {', '.join(PRESETS)} (default: h100-sxm)",
+        help=f"hardware preset, one of: {', '.join(PRESETS)} (default: h100-sxm; with --config, the run's "
+        "device: cpu for a CPU run, this machine's GPU for a CUDA one)",
     )
     c.add_argument("--hardware", help="a profile written by meshforge calibrate (overrides --gpu)")
     c.add_argument("--gpus", type=whole(1, MAX_GPUS), metavar="N", help="GPUs in the cluster (required)")
@@ -323,6 +323,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     preset = cfg.model.preset if not any(k in given for k in ("hidden", "layers")) else None
     p, t = cfg.layout, cfg.train
     from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
+    from_cfg["device"] = t.device
     from_cfg["loss_chunk"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
@@ -400,7 +401,9 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     shape, dflt, preset = _model_of(args)
     shape, overridden = _with_moe_flags(shape, args)
     preset = None if overridden else preset  # --emit-config then writes the shape itself
-    hw = get_hardware(args.gpu, args.hardware)
+    if args.gpus is not None:
+        dflt = _for_gpus(dflt, args.gpus)
+    hw = get_hardware(args.gpu or _device_preset(dflt.get("device", "")), args.hardware)
     if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
@@ -428,6 +431,37 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)
     return Planned(results, considered, shape, hw, gb, seq, precision, preset)
+
+
+LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "dp_shard", "micro_batch_size", "pp_schedule", "pp_virtual_stages", "pp_layers")
+
+
+def _for_gpus(dflt: dict, gpus: int) -> dict:
+    """--config's fixed choices for ``gpus`` GPUs: a layout made for another number of ranks
+    (a run's config.toml on 1 rank, re-planned on 8) is searched afresh, the model, batch,
+    precision and ZeRO stage kept, and the note says so."""
+    degrees = [dflt.get(k, 1) for k in ("tp", "pp", "cp", "dp_shard")]
+    if "dp_shard" not in dflt or math.prod(degrees) == gpus:
+        return dflt
+    print(
+        f"meshforge plan: --config's layout is for {math.prod(degrees)} rank(s); searching the layouts for "
+        f"--gpus {gpus} (its model, batch, precision and ZeRO stage kept)",
+        file=sys.stderr,
+    )
+    return {k: v for k, v in dflt.items() if k not in LAYOUT_KEYS}
+
+
+def _device_preset(device: str) -> str:
+    """The hardware preset for --config's device when --gpu is not given: the CPU for a CPU
+    run, this machine's GPU for a CUDA run where one is visible, else an H100."""
+    if device == "cpu":
+        return "cpu"
+    if device in ("cuda", "auto"):
+        import torch  # (only when a CUDA run is planned without --gpu)
+
+        if torch.cuda.is_available():
+            return preset_for_device(torch.cuda.get_device_name(0))
+    return "h100-sxm"
 
 
 def parse_plan_args(argv: list[str]) -> argparse.Namespace:

@@ -62,10 +62,22 @@ class RunLog:
         for change in plan.changes:  # what the resolution set differently from the config, and why
             self.event("config_changed", key=change.key, given=change.given, used=change.used, reason=change.reason)
             self.say(f"note: {change.line()}")
+        self._say_if_no_evaluation(data)
         if precision == "fp8":
             self._announce_fp8()
         if plan.train.compile:  # which blocks compile whole, and why the others do not
             self.event("compile", **compile_plan_event(list(getattr(model, "layers", {}).values())))
+
+    def _say_if_no_evaluation(self, data: TokenDataset) -> None:
+        """Evaluation asked for, but the validation split is smaller than one global batch."""
+        t = self.plan.train
+        if t.eval_batches and len(data.val) < t.global_batch_size:
+            line = (
+                f"no evaluation: the validation split holds {len(data.val)} sequences of {t.seq_len + 1} tokens, "
+                f"fewer than one global batch ({t.global_batch_size}); raise data.val_fraction or add data"
+            )
+            self.event("warning", key="train.eval_batches", message=line)
+            self.say(f"note: {line}")
 
     def _announce_fp8(self) -> None:
         """The fp8 boundary as an event (every converted and excluded module, and why), and
