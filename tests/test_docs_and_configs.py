@@ -30,3 +30,16 @@ def test_readme_starts_with_the_two_commands():
     test_cmd = "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q"
     assert test_cmd in head
     assert test_cmd in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_is_a_front_page():
+    """At most 200 lines, table cells of one short line, and every link it gives resolves."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    cells = [c for line in text.splitlines() if line.startswith("|") for c in line.split("|")]
+    assert max(len(c) for c in cells) <= 200
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith("http"):
+            assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
