@@ -59,18 +59,18 @@ def test_nproc_launcher_refuses_before_any_rank_starts(tmp_path, corpus):
 def test_ranks_on_one_host_share_its_ram(tmp_path, corpus, monkeypatch):
     """Each of N local ranks gets 1/N of the available RAM: what fits one rank may not fit two."""
     cfg = resolve(tiny_config(tmp_path / "run", corpus, **{"train.global_batch_size": 64}), 2)
-    need = fit.estimate_run(cfg, 2, device_memory(False, 0, 2)).estimate.memory["total"]
+    need = fit.estimate_run(cfg, device_memory(False, 0, 2)).estimate.memory["total"]
     monkeypatch.setenv(AVAILABLE_ENV, str(1.5 * need))
-    assert check_fit(cfg, 2, local_ranks=1) is not None  # one rank on the host: fits
+    assert check_fit(cfg, local_ranks=1) is not None  # one rank on the host: fits
     with pytest.raises(FitError, match="(?s)for each of 2 ranks.*fewer ranks on this host"):
-        check_fit(cfg, 2, local_ranks=2)
+        check_fit(cfg, local_ranks=2)
 
 
 def test_an_estimate_near_the_free_memory_warns_but_starts(tmp_path, corpus, monkeypatch, capsys):
     cfg = resolve(tiny_config(tmp_path / "run", corpus), 1)
-    need = fit.estimate_run(cfg, 1, device_memory(False)).estimate.memory["total"]
+    need = fit.estimate_run(cfg, device_memory(False)).estimate.memory["total"]
     monkeypatch.setenv(AVAILABLE_ENV, str(need / 0.9))
-    assert check_fit(cfg, 1) is not None
+    assert check_fit(cfg) is not None
     assert "may still run out of memory" in capsys.readouterr().err
 
 
@@ -90,17 +90,17 @@ def test_cuda_path_holds_the_estimate_against_the_ranks_own_gpu(tmp_path, corpus
     asked: list = []
     _fake_gpu(monkeypatch, 70.0, asked)
     cfg = resolve(tiny_config(tmp_path / "run", corpus, **{"train.device": "cuda"}), 1)
-    assert check_fit(cfg, 1, local_rank=1) is not None  # a tiny model fits 70 GiB
+    assert check_fit(cfg, local_rank=1) is not None  # a tiny model fits 70 GiB
     assert asked == [1]  # local rank 1 asked its own device
     big = resolve(load_config(None, {"train.device": "cuda", "model.preset": "llama3.1-8b"}), 1)
     with pytest.raises(FitError) as e:
-        check_fit(big, 1)
+        check_fit(big)
     msg = str(e.value)
     assert "more than the 70.0 GiB free on NVIDIA H100 80GB HBM3" in msg
     for fix in (*FIXES, "--parallel.offload=cpu", "--gpu h100-sxm", "more GPUs"):
         assert fix in msg, fix
-    big.train.skip_memory_check = True
-    assert check_fit(big, 1) is None
+    over = {"train.device": "cuda", "model.preset": "llama3.1-8b", "train.skip_memory_check": True}
+    assert check_fit(resolve(load_config(None, over), 1)) is None
 
 
 def test_dry_run_names_the_cpu_and_its_ram(tmp_path, capsys, monkeypatch):

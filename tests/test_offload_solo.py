@@ -14,7 +14,7 @@ from meshforge.planner.hardware import get_hardware
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
 from meshforge.resolve import resolve
-from meshforge.train import run_dir, train
+from meshforge.train import train
 
 COMMON = {"train.steps": 4, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.eval_batches": 1}
 OFFLOAD = {"parallel.zero_stage": 3, "parallel.offload": "cpu", "train.precision": "fp32"}
@@ -26,7 +26,9 @@ def metrics(d):
 
 @pytest.fixture
 def cpu_offload_allowed(monkeypatch):
-    monkeypatch.setattr(run_dir, "check_precision_and_offload", lambda cfg, shape: None)
+    from meshforge import resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "_offload_needs_a_gpu", lambda cfg, world: None)
 
 
 def test_world_of_one_offload_equals_plain_run_and_resumes(tmp_path, corpus, cpu_offload_allowed):
@@ -45,9 +47,14 @@ def test_world_of_one_offload_equals_plain_run_and_resumes(tmp_path, corpus, cpu
 
 
 def test_offload_on_one_rank_passes_the_layout_rule_and_stage_is_named(tmp_path, corpus):
-    resolve(tiny_config(tmp_path, corpus, **OFFLOAD), 1)  # no longer refused
+    from meshforge.run_plan import World
+
+    gpu = World(size=1, device="cuda")
+    assert resolve(tiny_config(tmp_path, corpus, **OFFLOAD), world=gpu).fsdp  # a one-rank FSDP2 mesh
     with pytest.raises(ConfigError, match=r"needs FSDP2's sharded state \(parallel.zero_stage = 2 or 3; here "):
-        resolve(tiny_config(tmp_path, corpus, **{**OFFLOAD, "parallel.zero_stage": 0}), 1)
+        resolve(tiny_config(tmp_path, corpus, **{**OFFLOAD, "parallel.zero_stage": 0}), world=gpu)
+    with pytest.raises(ConfigError, match=r"parallel.offload = 'cpu' on a CPU run"):
+        resolve(tiny_config(tmp_path, corpus, **OFFLOAD), world=World(size=1, device="cpu"))
 
 
 def test_planner_offloads_8b_on_one_h100():

@@ -102,4 +102,4 @@ def test_emitted_config_keeps_the_fixed_split_and_async_tp(tmp_path):
     argv += ["--schedule", "interleaved_1f1b", "--virtual-stages", "2", "--pp-layers", "0,16,16,0"]
     run(parse_plan_args([*argv, "--emit-config", str(out)]))
     cfg = load_config(out, {})
-    assert cfg.layout.pp_layers == [0, 16, 16, 0] and cfg.layout.async_tp is True
+    assert cfg.layout.pp_layers == (0, 16, 16, 0) and cfg.layout.async_tp is True

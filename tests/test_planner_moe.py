@@ -96,7 +96,7 @@ def test_emitted_ep_config_resolves(tmp_path):
     out2 = tmp_path / "shape.toml"
     run(parse_plan_args([*shape_argv, *moe, *argv[2:], "--global-batch", "4", "--emit-config", str(out2)]))
     cfg2 = resolve(load_config(str(out2), {}), 2)
-    assert cfg2.model.num_experts == 4 and cfg2.model.moe_ffn_hidden == 32 and cfg2.parallel.ep == 2
+    assert cfg2.shape.num_experts == 4 and cfg2.shape.moe_ffn_hidden == 32 and cfg2.layout.ep == 2
 
 
 def test_ep_times_tp_pays_the_slot_all_reduces():

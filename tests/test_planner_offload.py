@@ -91,7 +91,9 @@ def test_emitted_offload_config_loads_resolves_and_dry_runs(tmp_path, capsys):
     best = json.loads(capsys.readouterr().out)["layouts"][0]
     assert best["offload"] == "cpu"
     assert best["memory_bytes"]["host"] > best["memory_bytes"]["device"] > 0
-    cfg = resolve(load_config(str(out)), GPUS)  # the layout rules take it
+    from meshforge.run_plan import World
+
+    cfg = resolve(load_config(str(out)), world=World(size=GPUS, device="cuda"))  # the layout rules take it
     assert cfg.layout.offload == "cpu" and cfg.layout.zero_stage == best["zero_stage"] >= 2
     assert run(parse_plan_args(["--config", str(out), "--gpus", "2", "--gpus-per-node", "2", "--json"])) == 0
     again = json.loads(capsys.readouterr().out)["layouts"]

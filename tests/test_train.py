@@ -59,7 +59,7 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
     assert summary["val_loss"] is not None and summary["val_loss"] < first - 1.5
     events = [json.loads(e) for e in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events].count("eval") == 3  # steps 10, 20 and the final one
-    assert load_config(run / "config.toml").model.hidden == 64 == cfg.shape.hidden
+    assert load_config(run / "config.toml").shape.hidden == 64 == cfg.shape.hidden
     tb = read_scalars(next((run / "tensorboard").iterdir()))
     assert {tag for _, tag, _ in tb} >= {"loss", "mfu", "val_loss"}
     final = load_weights(run / "final")

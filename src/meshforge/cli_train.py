@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge import launch_env
-from meshforge.errors import ConfigError, suggest
+from meshforge.errors import ConfigError, MeshforgeError, suggest
 from meshforge.launcher_tie import tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
@@ -195,8 +195,12 @@ def dry_run(cfg: Any, world: int) -> int:
     from meshforge.fit import device_memory, estimate_run
     from meshforge.resolve import resolve
 
-    plan = resolve(cfg, world)
+    plan = resolve(cfg, world, machine=False)
     print(f"# meshforge train --dry-run: the run plan for {world} rank(s)\n{plan.to_toml()}")
+    try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
+        resolve(cfg, world)
+    except MeshforgeError as e:
+        print(f"on this machine meshforge train refuses it: {e}")
     cuda = plan.world.device == "cuda"
     mem = device_memory(cuda, 0, 1 if cuda else world)
     print(f"device: {mem.describe()}" + (" (GPU 0; each rank checks its own)" if cuda and world > 1 else ""))

@@ -44,15 +44,19 @@ def detect_world(cfg: Config, size: int | None = None) -> World:
     )
 
 
-def resolve(cfg: Config, world_size: int | None = None, *, world: World | None = None) -> RunPlan:
-    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks)."""
+def resolve(
+    cfg: Config, world_size: int | None = None, *, world: World | None = None, machine: bool = True
+) -> RunPlan:
+    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks);
+    ``machine = False`` leaves out what only the machine refuses (``--dry-run`` says it instead)."""
     world = world or detect_world(cfg, world_size)
     changes: list[Change] = []
     train = _train(cfg, world, changes)
     layout = _layout(cfg, world, train.precision)
     cfg = dataclasses.replace(cfg, train=train, layout=layout, optim=_optim(cfg, world, changes))
     cfg = dataclasses.replace(cfg, checkpoint=_checkpoint(cfg))
-    _machine_checks(cfg, world)
+    if machine:
+        _machine_checks(cfg, world)
     fsdp = layout.uses_fsdp() or dims.casts_once(layout, train.precision, train.mixed_precision)
     flat_zero1 = dims.uses_flat_zero1(layout, train.precision)
     return RunPlan(
@@ -120,15 +124,19 @@ def _checkpoint(cfg: Config) -> CheckpointConfig:
 
 def _machine_checks(cfg: Config, world: World) -> None:
     """What only the machine decides: CPU offload needs a GPU; fp8 needs torchao and an fp8 linear."""
+    _offload_needs_a_gpu(cfg, world)
+    if cfg.train.precision == "fp8":
+        from meshforge.parallel.fp8 import model_fp8_plan
+
+        model_fp8_plan(cfg.shape, list(cfg.train.fp8_exclude))
+
+
+def _offload_needs_a_gpu(cfg: Config, world: World) -> None:
     if cfg.layout.offload == "cpu" and world.device != "cuda":
         raise ConfigError(
             "parallel.offload = 'cpu' on a CPU run: the state already lives in host memory; "
             "use parallel.offload = 'none'"
         )
-    if cfg.train.precision == "fp8":
-        from meshforge.parallel.fp8 import model_fp8_plan
-
-        model_fp8_plan(cfg.shape, list(cfg.train.fp8_exclude))
 
 
 def _fp8_all_gather(cfg: Config, world: World, fsdp: bool) -> bool:
