@@ -91,18 +91,16 @@ def _train(cfg: Config, world: World, changes: list[Change]) -> TrainConfig:
 
 
 def _layout(cfg: Config, world: World, precision: str) -> Layout:
-    """The degrees for this world, checked by the layout rules, with the batch split written in."""
+    """The degrees for this world, checked by the layout rules, with the pipeline's micro-batches written in."""
     lay = dims.resolve_degrees(cfg.layout, world.size)
     d = cfg.diloco
     rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
     t = cfg.train
     batch = Batch(t.seq_len, t.global_batch_size, world.ranks_per_node, device=world.device, diloco=rules)
     dims.check(lay, cfg.shape, batch)
-    local = lay.local_batch(t.global_batch_size)
-    if lay.pp > 1:
-        m = lay.microbatches(t.global_batch_size)
-        return lay.replace(num_microbatches=m, micro_batch_size=local // m)
-    return lay.replace(micro_batch_size=lay.micro_batch_size or local)
+    if lay.pp > 1:  # (train.micro_batch_size = 0 stays: "the whole per-rank batch" is a rule, not a choice)
+        return lay.replace(num_microbatches=lay.microbatches(t.global_batch_size))
+    return lay
 
 
 def _optim(cfg: Config, world: World, changes: list[Change]) -> OptimConfig:

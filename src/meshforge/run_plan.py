@@ -124,9 +124,18 @@ class RunPlan:
         return self.train.global_batch_size // self.layout.data_ranks
 
     @property
+    def micro_batch(self) -> int:
+        """Sequences per forward pass on one rank (train.micro_batch_size, or what 0 means: the
+        whole per-rank batch; under a pipeline, the per-rank batch over its micro-batches)."""
+        lay = self.layout
+        if lay.pp > 1:
+            return self.local_batch // lay.num_microbatches
+        return lay.micro_batch_size or self.local_batch
+
+    @property
     def microbatches(self) -> int:
         """Forward passes per step on one rank: accumulation, or a pipeline's micro-batches."""
-        return self.local_batch // self.layout.micro_batch_size
+        return self.local_batch // self.micro_batch
 
     def with_run_dir(self, run_dir: str) -> RunPlan:
         """The same plan writing into ``run_dir`` (picked by rank 0, after resolution)."""

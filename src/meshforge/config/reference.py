@@ -15,8 +15,9 @@ as `--section.key=value` or `--section.key value`. Unknown keys, wrong types, no
 impossible values are refused before training with a message naming the key (and the nearest valid
 one). A run resolves its config once, for its world size and machine, into a run plan; the run
 directory's `config.toml` is that plan written out: every preset field and every automatic value
-(`auto`, `-1`, `0` where it means "choose") replaced by what ran, with the decisions taken from
-them and any value the resolution changed (and why) as comments. Rerunning it reproduces the run.
+(`auto`, an inferred `-1` degree, the pipeline's micro-batches) replaced by what ran, with the
+decisions taken from them and any value the resolution changed (and why) as comments. Rerunning
+it reproduces the run.
 Model shape fields default to the preset's value (shown as `—`).
 
 This page is generated from the fields' docstrings (`src/meshforge/config/sections.py`,

@@ -91,7 +91,7 @@ class Trainer:
         """The evaluator and what watches the steps: measures, health, instruments, fault hooks."""
         plan, mesh, report = self.plan, self.mesh, (self.log.event, self.log.say)
         forward = forward_context(plan, mesh.device)
-        batches = (plan.local_batch, plan.layout.micro_batch_size)
+        batches = (plan.local_batch, plan.micro_batch)
         self.evaluate = Evaluator(self.data.val, plan, mesh, self.model, self.loss, forward, self.pipeline, batches)
         parts = (self.model, self.loss, self.pipeline)
         self.measures = StepMeasures(plan, mesh, parts, self.runner.reduce_loss, self.log.event)
@@ -119,7 +119,7 @@ class Trainer:
         if self.pipeline:
             return PipelineStep(self.pipeline, **common)
         lay, forward = self.plan.layout, forward_context(self.plan, self.mesh.device)
-        micro = (lay.micro_batch_size, self.plan.microbatches)
+        micro = (self.plan.micro_batch, self.plan.microbatches)
         return PlainStep(train_model, forward, *micro, lay.sync_every_microbatch, **common)
 
     def _samples_before(self, lag: int) -> list[int]:
@@ -164,7 +164,7 @@ class Trainer:
             self.log.event("nothing_to_do", step=st.step, steps=t.steps)
             self.log.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
             return {"steps": st.step, "interrupted": False, "tokens": st.tokens_seen, "already_done": True}
-        self.log.announce(self.model, self.data, self.plan.layout.micro_batch_size, self.runner_accum())
+        self.log.announce(self.model, self.data, self.plan.micro_batch, self.runner_accum())
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
             n = st.step + 1
