@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from meshforge import __version__, launch_env
+from meshforge.disk import DiskError, describe
 from meshforge.errors import ConfigError, MeshforgeError
+from meshforge.out_paths import check_out_dir, check_report_out
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -40,12 +42,19 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    check_out_dir(out)
+    try:
+        return _convert(args, out)
+    except OSError as e:
+        writing = not e.filename or str(Path(e.filename).absolute()).startswith(str(out.absolute()))
+        raise DiskError(describe(out, e, "write" if writing else "read", "--out")) from None
+
+
+def _convert(args: argparse.Namespace, out: Path) -> int:
     from meshforge.checkpoint.weights import load_pretrained, save_model_weights
     from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise MeshforgeError(f"--out {out} exists and is not empty; choose a new directory")
     if args.from_checkpoint:
         from meshforge.checkpoint.export import checkpoint_to_hf
 
@@ -73,7 +82,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from meshforge.report import write_report
 
-    path = write_report(args.run_dirs, args.out)
+    if args.out:
+        check_report_out(Path(args.out))
+    try:
+        path = write_report(args.run_dirs, args.out)
+    except OSError as e:
+        raise DiskError(describe(args.out or "report.html", e, "write the report to", "--out")) from None
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser: file://{path.resolve()}")
     return 0
 

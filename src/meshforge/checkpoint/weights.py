@@ -18,7 +18,7 @@ from torch import nn
 
 from meshforge.errors import MeshforgeError
 from meshforge.manifest import read_manifest
-from meshforge.models.hf import load_hf_checkpoint, read_hf_config, unwrap
+from meshforge.models.hf import args_from_hf_config, load_hf_checkpoint, read_hf_config, unwrap
 from meshforge.models.llama import Transformer, build_model
 from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
@@ -47,10 +47,30 @@ def save_model_weights(model: nn.Module, path: str | Path) -> Path:
     return save_weights(m.args, m.state_dict(), path)
 
 
+def _weights_shape(p: Path) -> ModelShape:
+    """The model shape meshforge.json describes (checked: a hand-edited file is named, not a traceback)."""
+    meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
+    try:
+        return ModelShape(**meta["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MeshforgeError(
+            f"{p / 'meshforge.json'} holds no readable model shape ({e}); re-export the weights"
+        ) from None
+
+
+def pretrained_shape(path: str | Path) -> ModelShape:
+    """The shape of the weights at ``path`` (meshforge or Hugging Face), read without the weights."""
+    p = Path(path)
+    if (p / "meshforge.json").is_file():
+        return _weights_shape(p)
+    if (p / "config.json").is_file():
+        return args_from_hf_config(read_hf_config(p), str(p / "config.json"))
+    raise MeshforgeError(f"{p} holds neither meshforge.json nor a Hugging Face config.json")
+
+
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
     p = Path(path)
-    meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
-    args = ModelShape(**meta["model"])
+    args = _weights_shape(p)
     model = build_model(args, device=device, seed=None)
     try:
         tensors = load_file(str(p / "model.safetensors"), device=str(device))

@@ -10,12 +10,12 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from meshforge.config.keys import keys, value_of
+from meshforge.config.keys import keys, plain_text, value_of
+from meshforge.config.ranges import MAX_STEPS, check_ranges
 from meshforge.config.sections import Config
 from meshforge.errors import ConfigError
 from meshforge.models.presets import check_model_args
 
-MAX_STEPS = 10**9  # a billion steps: years of training at any step time
 MAX_INT = 2**40  # no count or size meshforge takes comes near it
 
 
@@ -27,6 +27,8 @@ def _need(cond: bool, msg: str) -> None:
 def check_values(cfg: Config) -> None:
     """Refuse values that are wrong whatever the layout, naming the key and the fix."""
     _check_magnitudes(cfg)
+    table = keys()
+    check_ranges(lambda k: value_of(cfg, k), lambda k: plain_text(table[k].help).split(";")[0][:100])
     check_model_args(cfg.shape)
     _check_train(cfg)
     _check_optim(cfg)

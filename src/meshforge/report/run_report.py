@@ -63,11 +63,31 @@ def load_run(path: str | Path) -> Run:
         raise MeshforgeError(f"{p} is not a meshforge run directory (it has no metrics.jsonl and no events.jsonl)")
     run = Run(p, p.resolve().name, read_jsonl(p / "metrics.jsonl"), read_jsonl(p / "events.jsonl"))
     if (p / "config.toml").is_file():
-        run.config_text = (p / "config.toml").read_text(errors="replace")
+        run.config_text = config_text(p / "config.toml")
     run.summary = _read_json(p / "summary.json") or {}
     tl = _read_json(p / "pipeline_timeline.json")
     run.timeline = tl if isinstance(tl, list) else []
     return run
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config.toml is a few KiB; more is not a config
+
+
+def config_text(path: Path) -> str:
+    """config.toml as the report shows it: its text, or a word why it is not shown (not UTF-8
+    text, control characters, too large) -- never a binary file dropped into the page."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            return f"(config.toml not shown: {size:,} bytes, more than a config holds)"
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        return f"(config.toml not shown: {e.strerror or e})"
+    except UnicodeDecodeError:
+        return "(config.toml not shown: it is not UTF-8 text; the file is damaged or not a config)"
+    if any(ord(c) < 32 and c not in "\t\n\r" or ord(c) == 127 for c in text):
+        return "(config.toml not shown: it holds control characters; the file is damaged or not a config)"
+    return text
 
 
 def _timeline_caption(ev: dict[str, Any]) -> str:
