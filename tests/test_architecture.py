@@ -61,7 +61,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
         *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
-        *("cli_train", "run_files", "out_paths"),
+        *("cli_train", "run_files", "out_paths", "health"),
     },
     "__main__": {"cli"},
 }

@@ -60,6 +60,8 @@ def existing_ancestor(path: Path) -> Path:
 def check_name_length(path: Path, key: str = "run.dir") -> None:
     """Refuse (ENAMETOOLONG) a path with a name longer than its filesystem allows, or too long as
     a whole, before anything looks it up (``Path.exists`` raises on such a name)."""
+    if "\x00" in str(path):
+        raise DiskError(f"{key} = {str(path)!r} holds a NUL character, which no filesystem allows; choose a plain name")
     path = Path(path).absolute()
     where = Path(path.anchor)
     for part in path.parts[1:]:  # the deepest part that exists, looked up one name at a time
@@ -75,9 +77,10 @@ def check_name_length(path: Path, key: str = "run.dir") -> None:
     longest = max((len(os.fsencode(p)) for p in path.parts), default=0)
     size = len(os.fsencode(str(path)))
     if longest > name_max or size >= path_max:
+        sep = " " if key.startswith("-") else " = "  # --out PATH, run.dir = PATH
         what = f"a name of {longest} bytes (at most {name_max})" if longest > name_max else f"{size} bytes in all"
         raise DiskError(
-            f"{key} = {str(path)[:80]}... is too long for its filesystem ({what}): {os.strerror(errno.ENAMETOOLONG)} "
+            f"{key}{sep}{str(path)[:80]}... is too long for its filesystem ({what}): {os.strerror(errno.ENAMETOOLONG)} "
             f"(ENAMETOOLONG); choose a shorter {key}"
         )
 

@@ -18,6 +18,8 @@ from meshforge.checkpoint.saver import resolve_load
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
 from meshforge.checkpoint.weights import shape_mismatch
+from meshforge.errors import ConfigError
+from meshforge.models.presets import check_model_args
 from meshforge.models.shape import ModelShape
 from meshforge.run_plan import ResumePoint, RunPlan
 
@@ -64,11 +66,13 @@ def check_resumable(path: Path, meta: dict[str, Any], plan: RunPlan, sequences: 
 def checkpoint_shape(meta: dict[str, Any], path: Path) -> ModelShape:
     """The model shape a checkpoint's meta.json describes (a damaged or edited one is named)."""
     try:
-        return ModelShape(**meta["model"])
-    except (KeyError, TypeError, ValueError) as e:
+        shape = ModelShape(**meta["model"])
+        check_model_args(shape)
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
         raise CheckpointError(
             f"{path / 'meta.json'} holds no readable model shape ({e}); the file is damaged"
         ) from None
+    return shape
 
 
 def check_shape(meta: dict[str, Any], shape: ModelShape, path: Path) -> None:

@@ -148,3 +148,12 @@ def check_ranges(value_of: Any, help_of: Any) -> None:
         bad = [x for x in value_of(key) or () if not span.holds(x)]
         if bad:
             raise ConfigError(f"{key} holds {_num(bad[0])}: each entry must be in {span.text()} ({help_of(key)})")
+
+
+def range_text(dotted: str) -> str:
+    """The range of key ``dotted`` as the reference shows it ("" for a key without a number)."""
+    span = RANGES.get(dotted) or STEP_KEYS.get(dotted)
+    if span is not None:
+        return f"range {span.text()}"
+    span = LIST_RANGES.get(dotted)
+    return f"each in {span.text()}" if span is not None else ""

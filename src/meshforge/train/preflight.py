@@ -62,9 +62,14 @@ def check_run_dir(cfg: Config) -> Path:
             "to write the run there anyway (your files are left alone, a config.toml is replaced)"
         )
     if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite and not resuming(cfg):
+        why = (
+            "and no complete checkpoint to resume from (checkpoint.load = latest)"
+            if cfg.checkpoint.load == "latest"
+            else f"and checkpoint.load = {cfg.checkpoint.load!r} starts another run (only latest continues it)"
+        )
         raise ConfigError(
-            f"run.dir = {run_dir} already holds a run (metrics.jsonl) and no complete checkpoint to resume "
-            "from (checkpoint.load = latest); choose another run.dir or pass --run.overwrite=true to replace it"
+            f"run.dir = {run_dir} already holds a run (metrics.jsonl) {why}; choose another run.dir or pass "
+            "--run.overwrite=true to replace it"
         )
     load = cfg.checkpoint.load
     if cfg.run.overwrite and restart_count() == 0 and load not in ("latest", "none", ""):
