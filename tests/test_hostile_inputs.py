@@ -91,6 +91,8 @@ def files(tmp_path_factory) -> Path:
     os.mkfifo(h / "fifo")
     (h / "user").mkdir()
     (h / "user" / "thesis.tex").write_text("mine\n")
+    (h / "run" / "checkpoints").mkdir(parents=True)
+    (h / "run" / "events.jsonl").write_text("")
     (h / "hf-list").mkdir()
     (h / "hf-list" / "config.json").write_text("[1, 2]")
     (h / "hf-huge").mkdir()
@@ -139,6 +141,7 @@ CLI_CASES = [
     ("prepare-out-user-dir", ["data", "prepare", "--input", "{corpus}", "--out", "{h}/user"], 2, "is not empty"),
     ("prepare-out-a-file", ["data", "prepare", "--input", "{corpus}", "--out", "{h}/file.txt"], 2, "is a file"),
     ("prepare-out-too-long", ["data", "prepare", "--input", "{corpus}", "--out", "{h}/" + "y" * 300], 2, "too long"),
+    ("convert-out-in-a-run", ["convert", "--from-hf", "{h}", "--out", "{h}/run/checkpoints/hf"], 2, "own folders"),
     ("convert-out-a-file", ["convert", "--from-hf", "{h}", "--out", "{h}/file.txt"], 2, "is a file, not a directory"),
     ("convert-out-too-long", ["convert", "--from-hf", "{h}", "--out", "{h}/" + "z" * 300], 2, "ENAMETOOLONG"),
     ("convert-out-unwritable", ["convert", "--from-hf", "{h}", "--out", "/proc/mf-out"], 2, "cannot write --out at"),
@@ -269,7 +272,6 @@ REFUSALS = [
     ("bad-value", ["--optim.lr=nan"], None, "optim.lr = nan must be a finite number"),
     ("fit", [], lambda r, mp: mp.setenv("MESHFORGE_TEST_AVAILABLE_GIB", "0.00001"), "skip_memory_check"),
     ("disk-full", [], _disk_full, "(ENOSPC)"),
-    ("a-user-file", [], lambda r, mp: (r / "notes.txt").write_text("mine"), "did not write (notes.txt)"),
     ("only-a-user-config", [], lambda r, mp: _only_user_config(r), "did not write (config.toml)"),
     ("overwrite-loads-inside", ["--run.overwrite=true", "--checkpoint.load={ckpt}"], None, "is inside run.dir"),
     (
@@ -303,6 +305,14 @@ def test_a_refused_run_leaves_its_run_directory_as_it_was(
     assert not (tmp_path / "PWNED").exists(), "the checkpoint ran code"
 
 
+def test_a_file_of_yours_named_run_lock_is_never_written_over(capsys, tmp_path, corpus):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.lock").write_text("my lock notes\n")
+    refused(capsys, ["train", *cli_args(tiny_overrides(run, corpus))], "is not meshforge's lock file")
+    assert (run / "run.lock").read_text() == "my lock notes\n"
+
+
 def test_a_locked_run_dir_is_refused_and_left_as_it_was(capsys, trained, tmp_path, corpus):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
@@ -327,9 +337,10 @@ def test_the_refused_resume_of_the_issue_prints_no_resume_hint_and_the_run_still
     text = refused(capsys, ["train", "--config", str(cfg), "--model.hidden", "256", "--run.dir", str(run)], "hidden")
     assert "to resume from its newest checkpoint" not in text  # the run never started: it did not fail
     assert "hidden = 64" in cfg.read_text() and "hidden = 256" not in (run / "report.html").read_text()
+    (run / "notes.txt").write_text("mine\n")  # a file of yours added to a run: left alone, not refused
     code, text = cli(capsys, ["train", "--config", str(cfg), "--train.steps=5"])
     assert code == 0, text[-3000:]
-    assert '"resumed"' in (run / "events.jsonl").read_text()
+    assert '"resumed"' in (run / "events.jsonl").read_text() and (run / "notes.txt").read_text() == "mine\n"
 
 
 # --- never over what meshforge did not write --------------------------------------------------

@@ -21,6 +21,9 @@ def check_out_dir(out: Path, flag: str = "--out") -> None:
     """A directory to create (``convert --out``): new or empty, its nearest existing parent a
     writable directory."""
     check_name_length(out, flag)
+    run = owning_run(out)
+    if run is not None:
+        raise MeshforgeError(f"{flag} {out} is inside the run {run}'s own folders; give a directory outside them")
     if out.exists() and not out.is_dir():
         raise MeshforgeError(f"{flag} {out} is a file, not a directory; give a new directory to write into")
     if out.is_dir() and any(out.iterdir()):

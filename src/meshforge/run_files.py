@@ -2,10 +2,11 @@
 
 A run directory holds config.toml, metrics.jsonl, events.jsonl, summary.json, report.html,
 hang_report.json, pipeline_timeline.json, run.lock and the folders checkpoints/, tensorboard/,
-profile/, final/, final-hf/ and wandb/ (docs/running.md). Anything else there -- or a
-config.toml that is not a run's -- was put there by someone else: ``meshforge train`` refuses
-such a run.dir unless run.overwrite is set, and ``meshforge report --out`` never writes over a
-run's own files.
+profile/, final/, final-hf/ and wandb/ (docs/running.md). A directory that is not already one of
+meshforge's runs and holds anything else -- or a config.toml meshforge did not write -- belongs
+to someone else: ``meshforge train`` refuses it as run.dir unless run.overwrite is set. Files
+added to a run afterwards are left alone (meshforge writes and removes only its own names), and
+``report``/``convert``/``calibrate``/``plan`` never write over a run's own files.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def _is_runs_config(path: Path) -> bool:
     except OSError:
         return False
     return head == CONFIG_HEAD.encode() or (path.parent / "events.jsonl").is_file()
+
+
+def is_meshforge_run(path: Path) -> bool:
+    """Whether ``path`` holds a run meshforge wrote (its config.toml): files added there later are
+    left alone, never refused (a resume must not be turned away by a README beside it)."""
+    cfg = Path(path) / "config.toml"
+    return cfg.is_file() and not cfg.is_symlink() and _is_runs_config(cfg)
 
 
 def is_run_dir(path: Path) -> bool:

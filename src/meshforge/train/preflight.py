@@ -23,7 +23,7 @@ from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch_env import restart_count
 from meshforge.resolve import resolve
-from meshforge.run_files import foreign_entries
+from meshforge.run_files import foreign_entries, is_meshforge_run
 from meshforge.run_plan import RunPlan
 from meshforge.train.corpus import open_data
 
@@ -53,7 +53,7 @@ def check_run_dir(cfg: Config) -> Path:
     check_name_length(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
-    foreign = foreign_entries(run_dir) if not cfg.run.overwrite else []
+    foreign = [] if cfg.run.overwrite or is_meshforge_run(run_dir) else foreign_entries(run_dir)
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise ConfigError(
