@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {
         *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "hooks", "launch_env", "metrics"),
         "models",
-        *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan"),
+        *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan", "run_files"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
     "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},
@@ -47,6 +47,8 @@ ALLOWED: dict[str, set[str]] = {
     "disk": {"errors", "models", "planner"},
     "fit": {"config", "errors", "models", "planner"},  # the pre-flight fit check: the planner's estimate vs free memory
     "run_lock": {"disk", "errors"},
+    "run_files": set(),  # what meshforge writes into a run directory (never over what it did not)
+    "out_paths": {"disk", "errors", "run_files"},  # where convert and report write, checked first
     "launcher_tie": set(),
     "peer_lost": {"health", "launch_env"},
     # the top: what drives the rest
@@ -59,7 +61,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
         *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
-        "cli_train",
+        *("cli_train", "run_files", "out_paths", "health"),
     },
     "__main__": {"cli"},
 }

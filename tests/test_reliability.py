@@ -133,13 +133,13 @@ def test_a_short_write_with_less_room_than_a_checkpoint_is_a_full_disk(tmp_path,
 
 @pytest.mark.parametrize("local_rank,said", [("0", True), ("1", False)])
 def test_an_every_rank_error_is_said_once_per_node(monkeypatch, capsys, local_rank, said):
-    from meshforge import cli, peer_lost
+    from meshforge import cli, cli_train, peer_lost
     from meshforge.health.keeper import HealthStop
 
     def stop(argv):
         raise HealthStop("non-finite loss at step 3 on rank(s) [1]; stopping the run")
 
-    monkeypatch.setattr(cli, "cmd_train", stop)
+    monkeypatch.setattr(cli_train, "cmd_train", stop)  # (cli.main imports it from there when called)
     monkeypatch.setattr(peer_lost, "GRACE_S", 0.0)
     monkeypatch.setattr(peer_lost.signal, "signal", lambda *a: None)  # the test process keeps its handlers
     monkeypatch.setattr(peer_lost.time, "sleep", lambda s: print("waited", file=sys.stderr))

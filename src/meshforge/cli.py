@@ -15,17 +15,29 @@ import sys
 from pathlib import Path
 
 from meshforge import __version__, launch_env
+from meshforge.disk import DiskError, check_name_length, describe
 from meshforge.errors import ConfigError, MeshforgeError
+from meshforge.out_paths import check_file_out, check_out_dir, check_profile_out, check_report_out
 
 
 def cmd_data(args: argparse.Namespace) -> int:
     from meshforge.data.prepare import prepare
     from meshforge.data.tokenizer import load_tokenizer
+    from meshforge.health.text_check import refuse_binary
 
     if not 0 <= args.val_fraction < 1:
         raise ConfigError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    for path in args.input:
+        refuse_binary(path, args.allow_binary, "--input", "--allow-binary")
+    out = Path(args.out)
+    check_name_length(out, "--out")
+    if not (out / "index.json").is_file():  # (prepared data there is said by prepare itself)
+        check_out_dir(out)
     tok = load_tokenizer(args.tokenizer)
-    out = prepare(args.input, args.out, tok, args.val_fraction)
+    try:
+        out = prepare(args.input, out, tok, args.val_fraction)
+    except OSError as e:
+        raise DiskError(describe(out, e, "write", "--out")) from None
     index = json.loads((out / "index.json").read_text())
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
     print(
@@ -40,12 +52,19 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    check_out_dir(out)
+    try:
+        return _convert(args, out)
+    except OSError as e:
+        writing = not e.filename or str(Path(e.filename).absolute()).startswith(str(out.absolute()))
+        raise DiskError(describe(out, e, "write" if writing else "read", "--out")) from None
+
+
+def _convert(args: argparse.Namespace, out: Path) -> int:
     from meshforge.checkpoint.weights import load_pretrained, save_model_weights
     from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise MeshforgeError(f"--out {out} exists and is not empty; choose a new directory")
     if args.from_checkpoint:
         from meshforge.checkpoint.export import checkpoint_to_hf
 
@@ -73,7 +92,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from meshforge.report import write_report
 
-    path = write_report(args.run_dirs, args.out)
+    if args.out:
+        check_report_out(Path(args.out))
+    try:
+        path = write_report(args.run_dirs, args.out)
+    except OSError as e:
+        raise DiskError(describe(args.out or "report.html", e, "write the report to", "--out")) from None
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser: file://{path.resolve()}")
     return 0
 
@@ -107,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--val-fraction", type=float, default=0.01, help="share of the tokens held out for validation (default 0.01)"
     )
+    prep.add_argument("--allow-binary", action="store_true", help="tokenize inputs that are mostly not text")
     conv = sub.add_parser("convert", help="convert between Hugging Face, meshforge weights and checkpoints")
     g = conv.add_mutually_exclusive_group(required=True)
     g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama-family or Mixtral/Qwen3-MoE directory")
@@ -152,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from meshforge.planner.plan import run
 
+            if args.emit_config:
+                check_file_out(Path(args.emit_config), "--emit-config", None, "a new file")
             return run(args)
         if args.command == "report":
             return cmd_report(args)
@@ -160,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             from meshforge.calibration.measure import run as run_calibrate
 
+            check_profile_out(Path(args.out))
             return run_calibrate(args)
         parser.print_help()
         return 0

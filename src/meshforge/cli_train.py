@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge import launch_env
+from meshforge.disk import check_name_length
 from meshforge.errors import ConfigError, MeshforgeError, suggest
 from meshforge.launcher_tie import tie_to_launcher
 
@@ -30,6 +31,10 @@ examples and docs/configuration.md for what each key means.
 config keys (type, default):"""
 
 _TRAIN_FLAGS = ("--config", "--nproc", "--max-restarts", "--dry-run", "--help")
+_COUNTS = {  # flag -> (lowest, highest, what it counts)
+    "nproc": (1, 4096, "the local ranks to start; under torchrun leave it out"),
+    "max-restarts": (0, 10_000, "restarts after a failure; 0: none"),
+}
 
 
 def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, Any]]:
@@ -60,10 +65,13 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
         if name == "config":
             config = value
         elif name in ("nproc", "max-restarts"):
+            lo, hi, what = _COUNTS[name]
             try:
                 n = int(value)
             except ValueError:
                 raise ConfigError(f"--{name} takes a whole number, got '{value}'") from None
+            if not lo <= n <= hi:
+                raise ConfigError(f"--{name} {n} must be between {lo} and {hi} ({what})")
             if name == "nproc":
                 nproc = n
             else:
@@ -91,6 +99,8 @@ def cmd_train(argv: list[str]) -> int:
     from meshforge import run_lock
 
     early = run_lock.run_dir_in_argv(argv)
+    if early:
+        check_name_length(Path(early))  # (a name too long for the filesystem cannot even be looked up)
     if early and "--dry-run" not in argv and not launch_env.under_launcher() and Path(early).is_dir():
         run_lock.hold(Path(early))  # a second run into a busy run.dir is refused here, before torch loads
     try:
@@ -152,19 +162,15 @@ def train_and_report(cfg: Any) -> dict[str, Any]:
     wrote, also after a failed or stopped run. Written here, above train/, so that training
     never imports the analysis side (report/ reads the planner). Rank 0 checks the run first
     (as the multi-rank launch does): a refused run writes nothing, not even into an old run."""
-    import dataclasses
+    from meshforge.train import train
+    from meshforge.train.preflight import launch_plan
 
-    from meshforge.train import preflight, train
-
-    main = launch_env.rank() == 0
-    if main:  # under torchrun, rank 0's dir is the run's
-        run_dir = preflight(cfg, launch_env.world_size()).run.dir
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
+    plan = launch_plan(cfg, launch_env.world_size())  # a refusal here has written nothing, not even a report
     try:
-        return train(cfg)
+        return train(plan)
     finally:
-        if main:
-            write_run_report(cfg)
+        if launch_env.rank() == 0:  # under torchrun, rank 0's dir is the run's
+            write_run_report(plan)
 
 
 def write_run_report(cfg: Any) -> None:

@@ -39,12 +39,13 @@ class DiskError(MeshforgeError):
     """A filesystem refused a write the run needs (the CLI prints it and exits 2)."""
 
 
-def describe(path: Path | str, err: OSError, doing: str = "write to") -> str:
-    """One paragraph: what failed, on which path, the errno's meaning, and the fix."""
+def describe(path: Path | str, err: OSError, doing: str = "write to", key: str = "run.dir") -> str:
+    """One paragraph: what failed, on which path, the errno's meaning, and the fix (``key``: the
+    setting or flag that names the path, e.g. --out)."""
     code = err.errno or 0
     name = errno.errorcode.get(code, str(code))
     where = err.filename or path
-    fix = FIXES.get(code, "check the path and the filesystem, or choose another run.dir")
+    fix = FIXES.get(code, "check the path and the filesystem, or choose another run.dir").replace("run.dir", key)
     return f"cannot {doing} {where}: {os.strerror(code)} ({name}); {fix}"
 
 
@@ -56,9 +57,38 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
-def probe_run_dir(run_dir: Path) -> Path:
+def check_name_length(path: Path, key: str = "run.dir") -> None:
+    """Refuse (ENAMETOOLONG) a path with a name longer than its filesystem allows, or too long as
+    a whole, before anything looks it up (``Path.exists`` raises on such a name)."""
+    if "\x00" in str(path):
+        raise DiskError(f"{key} = {str(path)!r} holds a NUL character, which no filesystem allows; choose a plain name")
+    path = Path(path).absolute()
+    where = Path(path.anchor)
+    for part in path.parts[1:]:  # the deepest part that exists, looked up one name at a time
+        try:
+            os.stat(where / part)
+        except OSError:
+            break
+        where = where / part
+    try:
+        name_max, path_max = os.pathconf(where, "PC_NAME_MAX"), os.pathconf(where, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    longest = max((len(os.fsencode(p)) for p in path.parts), default=0)
+    size = len(os.fsencode(str(path)))
+    if longest > name_max or size >= path_max:
+        sep = " " if key.startswith("-") else " = "  # --out PATH, run.dir = PATH
+        what = f"a name of {longest} bytes (at most {name_max})" if longest > name_max else f"{size} bytes in all"
+        raise DiskError(
+            f"{key}{sep}{str(path)[:80]}... is too long for its filesystem ({what}): {os.strerror(errno.ENAMETOOLONG)} "
+            f"(ENAMETOOLONG); choose a shorter {key}"
+        )
+
+
+def probe_run_dir(run_dir: Path, key: str = "run.dir") -> Path:
     """Write, fsync and remove a probe file in run.dir (or, before it exists, in the directory
-    it will be created in), leaving nothing behind; returns where it probed. Raises DiskError."""
+    it will be created in), leaving nothing behind; returns where it probed. Raises DiskError
+    (``key``: what names the path: run.dir, --out ...)."""
     run_dir = Path(run_dir)
     where = existing_ancestor(run_dir)
     try:
@@ -74,7 +104,7 @@ def probe_run_dir(run_dir: Path) -> Path:
             Path(probe).unlink(missing_ok=True)
     except OSError as e:
         e.filename = str(where)  # the directory, not the probe's random name
-        raise DiskError(describe(run_dir, e, "write run.dir at")) from None
+        raise DiskError(describe(run_dir, e, f"write {key} at", key)) from None
     return where
 
 

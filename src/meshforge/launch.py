@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -41,22 +43,28 @@ def check_nproc(nproc: int, device: str) -> None:
 def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    args = get_args_parser().parse_args(
+    parser = get_args_parser()
+    forward = Path("/proc/self/stat").exists() and "--signals-to-handle" in parser._option_string_actions
+    own = ["--signals-to-handle=SIGHUP,SIGQUIT"] if forward else []  # SIGINT/SIGTERM: ours (StopForwarding)
+    args = parser.parse_args(
         [
             "--standalone",
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
+            *own,
             "--module",
             "meshforge",
             *child_argv,
         ]
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launcher_tie.py)
+    stop = StopForwarding(forward)
     try:
-        run(args)
+        with stop:
+            run(args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
-        code = exit_code_of(e)
+        code = exit_code_of(e, stop.requested)
         print(
             f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above",
             file=sys.stderr,
@@ -67,13 +75,62 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
     return 0
 
 
-def exit_code_of(e: ChildFailedError) -> int:
+class StopForwarding:
+    """Ctrl-C and SIGTERM at the launcher reach its ranks as they reach a single process: each
+    rank finishes a step, saves what it has and exits 0 (train/stop.py), the launcher waits for
+    them and exits 0 too. torch's agent would instead raise a SignalException (exit 1, a
+    traceback) and kill the ranks after 30 s; it is told to leave these two signals to us. A
+    signal before any rank started aborts (KeyboardInterrupt: exit 130). Linux (/proc) only;
+    elsewhere torch's handling stays."""
+
+    def __init__(self, active: bool) -> None:
+        self.active, self.requested = active, 0
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopForwarding:
+        if self.active:
+            self._old = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _forward(self, signum: int, frame: object) -> None:
+        ranks = child_pids()
+        if not ranks:
+            raise KeyboardInterrupt
+        self.requested += 1
+        for pid in ranks:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def child_pids() -> list[int]:
+    """The processes whose parent is this one (a launcher's ranks: torch's agent runs in-process)."""
+    me, out = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # after the command name (which may hold spaces)
+            out.append(int(entry.name))
+    return out
+
+
+def exit_code_of(e: ChildFailedError, stop_requested: int = 0) -> int:
     """The run's exit code, as docs/health.md documents it: 2 when a rank refused with a
     user-fixable error (a config, data or disk problem, a health stop), else 3 when a rank
-    ended a hang, else 1. The other ranks' codes (killed by the agent, or exiting because
-    they lost that peer) say nothing of the cause."""
+    ended a hang, else 130 when a stop was asked for (Ctrl-C twice: aborted), else 1. The
+    other ranks' codes (killed by the agent, or exiting because they lost that peer) say
+    nothing of the cause."""
     codes = {f.exitcode for f in e.failures.values()}
     for code in (2, 3):
         if code in codes:
             return code
-    return 1
+    return 130 if stop_requested else 1

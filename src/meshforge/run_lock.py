@@ -120,6 +120,12 @@ def acquire(run_dir: Path) -> RunLock | None:
             break
         os.close(fd)  # the holder removed the file as we locked it: lock the new one
     stale = _read(fd)
+    if os.fstat(fd).st_size and not (isinstance(stale, dict) and "pid" in stale):
+        os.close(fd)  # someone's own file named run.lock: never truncated, written or removed
+        raise RunDirLocked(
+            f"{path} is not meshforge's lock file (it holds something else); meshforge does not write over it: "
+            "move it away, or choose another run.dir"
+        )
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv[:8]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode() + b"\n", 0)

@@ -57,6 +57,15 @@ class Change:
 
 
 @dataclass(frozen=True)
+class ResumePoint:
+    """Where the run starts, found and checked by rank 0's pre-flight before anything is written
+    (a checkpoint it cannot load refuses the run there, leaving run.dir as it was)."""
+
+    path: str | None  # the checkpoint to resume from; None: a fresh start
+    skipped: tuple[tuple[str, str], ...] = ()  # (checkpoint, why) passed over for an older one: said at the start
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A resolved run: a concrete config (no ``auto`` left), the world, and the decisions."""
 
@@ -68,6 +77,7 @@ class RunPlan:
     flat_zero1: bool  # bf16/fp8 ZeRO-1 on FlatZero1 (it reduces in its own step)
     ddp: bool  # the model is wrapped in DDP
     changes: tuple[Change, ...] = ()
+    resume: ResumePoint | None = None  # set by rank 0's pre-flight (None: not looked for on this rank)
 
     # the config's parts, read the same way everywhere: plan.layout.tp, plan.shape.hidden, plan.train.seq_len
     @property
@@ -141,6 +151,10 @@ class RunPlan:
         """The same plan writing into ``run_dir`` (picked by rank 0, after resolution)."""
         run = dataclasses.replace(self.config.run, dir=run_dir)
         return dataclasses.replace(self, config=dataclasses.replace(self.config, run=run))
+
+    def with_resume(self, point: ResumePoint) -> RunPlan:
+        """The same plan starting from ``point`` (found by the pre-flight, on rank 0)."""
+        return dataclasses.replace(self, resume=point)
 
     def decisions(self) -> dict[str, object]:
         return {

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
+
 from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.resume_point import checkpoint_shape
+from meshforge.checkpoint.safe_metadata import read_metadata
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.models.hf import save_hf_checkpoint
-from meshforge.models.llama import ModelShape, build_model
+from meshforge.models.llama import build_model
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -24,7 +28,23 @@ def checkpoint_to_hf(path: Path, out: Path) -> Path:
     """Verify a checkpoint, load its full weights on CPU and write them as a Hugging Face Llama."""
     path = resolve_checkpoint(path)
     meta = store.verify(path)
-    model = build_model(ModelShape(**meta["model"]), device="cpu", seed=None)
+    shape = checkpoint_shape(meta, path)
+    check_sizes(build_model(shape, device="meta"), path)  # before any memory is taken for what meta.json claims
+    model = build_model(shape, device="cpu", seed=None)
     sharded.load_model_only(model, path)
     save_hf_checkpoint(model, out)
     return path
+
+
+def check_sizes(model: nn.Module, path: Path) -> None:
+    """Refuse a checkpoint whose shards do not hold ``model``'s parameters at their sizes (a
+    meta.json edited to another shape would otherwise allocate whatever it claims)."""
+    saved = read_metadata(path / ".metadata").state_dict_metadata
+    for name, p in model.named_parameters():
+        entry = saved.get(f"model.{name}")
+        if entry is None or tuple(entry.size) != tuple(p.shape):
+            has = "nothing" if entry is None else f"{tuple(entry.size)}"
+            raise CheckpointError(
+                f"{path / 'meta.json'} describes a model whose {name} is {tuple(p.shape)}, but the shards hold {has}; "
+                "meta.json was edited or belongs to another checkpoint"
+            )

@@ -24,15 +24,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.resume_point import check_shape
 from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
-from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import TrainState
-from meshforge.checkpoint.weights import save_weights, shape_mismatch
+from meshforge.checkpoint.weights import save_weights
 from meshforge.hooks import RunHooks
 from meshforge.launch_env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
-from meshforge.models.shape import ModelShape
 from meshforge.parallel.diloco.outer import DiLoCo
 from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
@@ -129,12 +128,7 @@ class RunCheckpoints:
     def resume(self, path: Path, meta: dict[str, Any], dropped: int) -> str:
         """Load model, optimizer and train state from ``path`` (any layout: DCP reshards);
         returns the line to print."""
-        diff = shape_mismatch(ModelShape(**meta["model"]), self.shape)
-        if diff:
-            raise CheckpointError(
-                f"checkpoint {path / 'meta.json'} was written for another model shape ({'; '.join(diff)}); set [model] "
-                "to the checkpoint's shape, or start a new run (checkpoint.load = none or another run.dir)"
-            )
+        check_shape(meta, self.shape, path)  # (the pre-flight checked it before anything was written)
         t0 = time.perf_counter()
         saved = self.state.tensors() if store.holds_train_state(path) else None  # filled in by the load
         extra = {"train": saved} if saved else None

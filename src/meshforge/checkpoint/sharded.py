@@ -181,3 +181,23 @@ def load_model_only(model: nn.Module, path: Path) -> None:
     msd = get_model_state_dict(model, options=StateDictOptions())
     dcp.load({"model": msd}, storage_reader=_reader(path), no_dist=True)
     set_model_state_dict(model, msd)
+
+
+def read_train_state(path: Path) -> dict[str, torch.Tensor] | None:
+    """The train state the shards carry (step, tokens_seen, consumed: int64 scalars), read in
+    this one process without a model (None: a checkpoint from before they were saved). Under
+    DiLoCo every island saved its own copy; the first is read."""
+    keys = read_metadata(Path(path) / ".metadata").state_dict_metadata
+    found = sorted(k for k in keys if k == "train.step" or k.endswith(".train.step"))
+    if not found:
+        return None
+    names, prefix = ("step", "tokens_seen", "consumed"), found[0].removesuffix("step")
+    if any(prefix + n not in keys for n in names):
+        return None
+    tree: dict[str, Any] = {"train": {n: torch.zeros((), dtype=torch.int64) for n in names}}
+    for part in reversed(found[0].split(".")[:-2]):  # islandN.train.step: nested under islandN
+        tree = {part: tree}
+    dcp.load(tree, storage_reader=_reader(path), no_dist=True)
+    while "train" not in tree:
+        tree = next(iter(tree.values()))
+    return tree["train"]

@@ -141,10 +141,14 @@ def read_meta(path: Path) -> dict[str, Any]:
     return read_manifest(path / "meta.json", FORMAT, VERSION, CheckpointError, fix)
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """meta.json of a complete checkpoint whose every file has its recorded size and hash."""
+def verify(path: Path, hashes: bool = True) -> dict[str, Any]:
+    """meta.json of a complete checkpoint whose every file has its recorded size and hash
+    (``hashes = False``: sizes only, for a second look that must not read every shard again)."""
     meta = read_meta(path)
-    for name, want in meta.get("files", {}).items():
+    files = meta.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(w, dict) for w in files.values()):
+        raise CheckpointError(f"{path / 'meta.json'} has no readable file list; the checkpoint is damaged")
+    for name, want in files.items():
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint file {f} is missing; the checkpoint is damaged")
@@ -153,7 +157,7 @@ def verify(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint file {f} has {size} bytes, {want['bytes']} were written: it is truncated or damaged"
             )
-        if sha256_file(f) != want["sha256"]:
+        if hashes and sha256_file(f) != want.get("sha256"):
             raise CheckpointError(f"checkpoint file {f} does not match the hash recorded when it was written")
     if ".metadata" not in meta.get("files", {}):
         raise CheckpointError(f"{path / 'meta.json'} lists no .metadata; the checkpoint is damaged")

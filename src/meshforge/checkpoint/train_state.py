@@ -51,13 +51,7 @@ class TrainState:
 
     def check_tensors(self, saved: dict[str, torch.Tensor], meta_path: Path) -> None:
         """Refuse a meta.json whose step, tokens or sampler position differ from the shards'."""
-        mine = self.tensors()
-        diff = [f"{k} {int(mine[k])} (the shards say {int(saved[k])})" for k in _TRAIN_KEYS if mine[k] != saved[k]]
-        if diff:
-            raise CheckpointError(
-                f"{meta_path} disagrees with the checkpoint's shards: {'; '.join(diff)}. meta.json was edited "
-                "after the save; restore it (or use another checkpoint) - a resume must start where the weights are"
-            )
+        check_train_state({k: int(v) for k, v in self.tensors().items()}, saved, meta_path)
 
     @staticmethod
     def rng_state() -> dict[str, Any]:
@@ -67,3 +61,13 @@ class TrainState:
     @staticmethod
     def load_rng_state(state: dict[str, Any]) -> None:
         set_rng_state(state)
+
+
+def check_train_state(said: dict[str, int], saved: dict[str, torch.Tensor], meta_path: Path) -> None:
+    """Refuse a meta.json (``said``: its step, tokens_seen, consumed) that differs from the shards'."""
+    diff = [f"{k} {said[k]} (the shards say {int(saved[k])})" for k in _TRAIN_KEYS if said[k] != int(saved[k])]
+    if diff:
+        raise CheckpointError(
+            f"{meta_path} disagrees with the checkpoint's shards: {'; '.join(diff)}. meta.json was edited "
+            "after the save; restore it (or use another checkpoint) - a resume must start where the weights are"
+        )

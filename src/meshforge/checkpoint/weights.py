@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from meshforge.errors import MeshforgeError
+from meshforge.errors import ConfigError, MeshforgeError
 from meshforge.manifest import read_manifest
-from meshforge.models.hf import load_hf_checkpoint, read_hf_config, unwrap
+from meshforge.models.hf import args_from_hf_config, check_weights_hold, load_hf_checkpoint, read_hf_config, unwrap
 from meshforge.models.llama import Transformer, build_model
+from meshforge.models.presets import check_model_args
 from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
 FORMAT = "meshforge-weights"
@@ -47,16 +48,43 @@ def save_model_weights(model: nn.Module, path: str | Path) -> Path:
     return save_weights(m.args, m.state_dict(), path)
 
 
+def _weights_shape(p: Path) -> ModelShape:
+    """The model shape meshforge.json describes (checked: a hand-edited file is named, not a traceback)."""
+    meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
+    try:
+        shape = ModelShape(**meta["model"])
+        check_model_args(shape)
+        return shape
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise MeshforgeError(
+            f"{p / 'meshforge.json'} holds no readable model shape ({e}); re-export the weights"
+        ) from None
+
+
+def pretrained_shape(path: str | Path) -> ModelShape:
+    """The shape of the weights at ``path`` (meshforge or Hugging Face), read without the weights."""
+    p = Path(path)
+    if (p / "meshforge.json").is_file():
+        return _weights_shape(p)
+    if (p / "config.json").is_file():
+        return args_from_hf_config(read_hf_config(p), str(p / "config.json"))
+    raise MeshforgeError(f"{p} holds neither meshforge.json nor a Hugging Face config.json")
+
+
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
     p = Path(path)
-    meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
-    args = ModelShape(**meta["model"])
+    args = _weights_shape(p)
+    check_weights_hold(args, [p / "model.safetensors"], p / "meshforge.json")
     model = build_model(args, device=device, seed=None)
     try:
         tensors = load_file(str(p / "model.safetensors"), device=str(device))
     except Exception as e:  # safetensors raises its own types for truncated/corrupt files
         raise MeshforgeError(f"cannot read {p / 'model.safetensors'}: {e}") from None
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # tensors of other sizes than meshforge.json's shape gives
+        first = str(e).split("\n\t")[1:2] or [str(e)]
+        raise MeshforgeError(f"{p / 'model.safetensors'} does not match meshforge.json: {first[0][:300]}") from None
     missing = [k for k in missing if not (k == "output.weight" and args.tie_embeddings)]
     if missing or unexpected:
         raise MeshforgeError(

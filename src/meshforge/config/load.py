@@ -50,12 +50,19 @@ def _lookup(section: str, key: str, where: str) -> Key:
     raise ConfigError(f"unknown key {section}.{key} in {where}; {suggest(key, section_keys(section))}")
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few KiB
+
+
 def _read_file(p: Path) -> dict[str, Any]:
     if p.is_dir():
         raise ConfigError(f"--config {p} is a directory; pass a TOML file such as configs/debug.toml")
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"--config {p} is not a regular file (a device, FIFO or socket); pass a TOML file")
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass an existing TOML file to --config")
     try:
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p} is {p.stat().st_size:,} bytes, too large for a config (a TOML file)")
         return tomllib.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1

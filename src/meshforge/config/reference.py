@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
+from meshforge.config.ranges import range_text
 from meshforge.config.values import toml_value, type_name
 
 INTRO = """# Configuration reference
@@ -13,7 +14,8 @@ INTRO = """# Configuration reference
 Every key below can be set in a TOML file passed with `--config` and overridden on the command line
 as `--section.key=value` or `--section.key value`. Unknown keys, wrong types, non-finite numbers and
 impossible values are refused before training with a message naming the key (and the nearest valid
-one). A run resolves its config once, for its world size and machine, into a run plan; the run
+one); every number has a range (shown with its meaning), and a value outside it is refused naming the
+key and the range. A run resolves its config once, for its world size and machine, into a run plan; the run
 directory's `config.toml` is that plan written out: every preset field and every automatic value
 (`auto`, an inferred `-1` degree, the pipeline's micro-batches) replaced by what ran, with the
 decisions taken from them and any value the resolution changed (and why) as comments. Rerunning
@@ -45,7 +47,8 @@ def describe_keys() -> str:
             section = k.section
             lines.append(f"[{section}]")
         default = _default_text(k.default)
-        lines.append(f"  --{k.dotted:<36} {type_name(k.type):<24} default {default}  {plain_text(k.help)}")
+        bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
+        lines.append(f"  --{k.dotted:<36} {type_name(k.type):<24} default {default}  {plain_text(k.help)}{bounds}")
     return "\n".join(lines)
 
 
@@ -60,7 +63,8 @@ def markdown() -> str:
         for k in keys().values():
             if k.section == section:
                 default = "—" if k.default == PRESET_DEFAULT else f"`{toml_value(k.default)}`"
-                meaning = k.help.replace("|", "\\|")
+                bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
+                meaning = (k.help + bounds).replace("|", "\\|")
                 out.append(f"| `{k.name}` | {default} | {meaning} |")
         out.append("")
     return "\n".join(out)

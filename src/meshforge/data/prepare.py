@@ -247,6 +247,14 @@ def prepared_dir_for(path: str, tokenizer: Tokenizer, val_fraction: float, cache
             flush=True,
         )
         t0 = time.perf_counter()
-        prepare(files, out, tokenizer, val_fraction, source=source or [path])
+        try:
+            prepare(files, out, tokenizer, val_fraction, source=source or [path])
+        except OSError as e:  # a cache that is a file, read-only, full; an input that cannot be read
+            where = str(e.filename or out)
+            ours = where.startswith(str(cache))
+            fix = "set data.cache_dir to a writable directory" if ours else "check the file's permissions"
+            raise DataError(
+                f"cannot {'write the prepared corpus to' if ours else 'read'} {where}: {e.strerror or e}; {fix}"
+            ) from None
         print(f"meshforge: prepared the corpus in {time.perf_counter() - t0:.1f}s", flush=True)
     return out

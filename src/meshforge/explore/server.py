@@ -108,9 +108,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(self._reply())
 
     def do_HEAD(self) -> None:  # noqa: N802
-        r = self._reply()
-        r.body = b""
-        self._send(r)
+        self._send(self._reply())  # the GET's headers (its Content-Length too), no body (see _send)
 
     def _refuse_method(self) -> None:
         self._send(json_reply(405, {"error": f"{self.command} is not served; the explorer answers GET only"}))

@@ -52,8 +52,11 @@ def non_text_share(data: bytes) -> float:
     return (len(data) - len(valid.encode("utf-8")) + controls) / len(data)
 
 
-def refuse_binary(path: str, allow_binary: bool) -> None:
-    """Refuse ``data.path`` when a file of it is mostly not text, unless ``data.allow_binary``."""
+def refuse_binary(
+    path: str, allow_binary: bool, key: str = "data.path", allow: str = "data.allow_binary = true"
+) -> None:
+    """Refuse ``data.path`` when a file of it is mostly not text, unless ``data.allow_binary``
+    (``key``/``allow``: how the command spells the path and the way around, e.g. --input, --allow-binary)."""
     from meshforge.data.prepare import TEXT_SUFFIXES
 
     p = Path(path)
@@ -67,7 +70,6 @@ def refuse_binary(path: str, allow_binary: bool) -> None:
             share = non_text_share(fh.read(SAMPLE_BYTES))
         if share > REFUSE_FRACTION:
             raise DataError(
-                f"data.path: {f} is not text: {share:.0%} of its bytes are invalid UTF-8 or control characters "
-                f"(more than {REFUSE_FRACTION:.0%}); point data.path at text, or set data.allow_binary = true "
-                "to train on it anyway"
+                f"{key}: {f} is not text: {share:.0%} of its bytes are invalid UTF-8 or control characters "
+                f"(more than {REFUSE_FRACTION:.0%}); point {key} at text, or set {allow} to train on it anyway"
             )

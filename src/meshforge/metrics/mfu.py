@@ -2,22 +2,19 @@
 
 GPU peaks are the vendors' dense (no sparsity) tensor-core figures. "fp32" on a GPU
 means TF32 tensor cores, which is what PyTorch matmuls use when TF32 is allowed. A CPU
-has no datasheet number we can trust, so its peak is measured once by a short matmul
-calibration and cached: MFU on a CPU is then "fraction of the best matmul throughput
-this machine showed", a real and comparable number.
+has no datasheet number we can trust, so its peak is measured by a short matmul
+calibration and cached (metrics/cpu_peak.py: with its age and machine, and checked against
+what a run reaches): MFU on a CPU is then "fraction of the best matmul throughput this
+machine showed", a real and comparable number.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import torch
 
-from meshforge.data.prepare import default_cache_dir
+from meshforge.metrics.cpu_peak import cpu_peak_flops
 
 TFLOPS = 1e12
 
@@ -46,57 +43,6 @@ def gpu_kind(name: str) -> str | None:
     if "mi300x" in n or "mi300" in n:
         return "mi300x"
     return None
-
-
-def _cache_file() -> Path:
-    return default_cache_dir() / "cpu_peak.json"
-
-
-def calibrate_cpu_peak(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5) -> float:
-    """Best observed matmul FLOP/s on this CPU with the current thread count.
-
-    Starts small and grows the matrices only while one matmul stays cheap, so a CPU
-    that is slow in a dtype (bf16 without native support) is measured in well under a second.
-    """
-    n = 128
-    while n < size:
-        a = torch.randn(2 * n, 2 * n, dtype=dtype)
-        t0 = time.perf_counter()
-        a @ a
-        if time.perf_counter() - t0 > seconds / 20:
-            break
-        n *= 2
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = 0.0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-    return best
-
-
-def cpu_peak_flops(precision: str) -> float:
-    """Calibrated CPU peak for ``precision``, cached per CPU model, thread count and torch version."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|{torch.__version__}|{dtype}"
-    f = _cache_file()
-    try:
-        cache = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError):
-        cache = {}
-    if key not in cache:
-        cache[key] = calibrate_cpu_peak(dtype)
-        try:
-            f.parent.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(f)
-        except OSError:
-            pass  # a read-only home only costs a recalibration next time
-    return float(cache[key])
 
 
 def peak_flops(device: torch.device, precision: str) -> float:

@@ -17,7 +17,11 @@ from meshforge.metrics.tb_tags import grouped, health_scalar
 def _fmt_duration(s: float) -> str:
     if not math.isfinite(s):
         return "?"
+    if s >= 2 * 365 * 86400:
+        return f"{s / (365.25 * 86400):,.1f} years"
     s = int(s)
+    if s >= 2 * 86400:
+        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     if s >= 60:

@@ -98,6 +98,17 @@ def _check_hf_family(cfg: dict, source: str) -> bool:
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelShape:
+    """The model shape a Hugging Face config.json describes; a missing key or a value of the wrong
+    type is named (a hand-made or damaged config.json), not a traceback."""
+    try:
+        return _args_from_hf_config(cfg, source)
+    except KeyError as e:
+        raise HFCheckpointError(f"{source} lacks {e}, which a Llama-family config.json holds") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise HFCheckpointError(f"{source} holds a value of the wrong type ({e}); the file is damaged") from None
+
+
+def _args_from_hf_config(cfg: dict, source: str) -> ModelShape:
     qwen3 = _check_hf_family(cfg, source)
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or rope
@@ -176,9 +187,13 @@ def _weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise HFCheckpointError(f"{index} is not a valid safetensors index ({e})") from None
-        return [path / f for f in sorted(set(weight_map.values()))]
+        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
+        if bad:
+            raise HFCheckpointError(f"{index} names {bad[0]!r}, not a file beside it; the index is damaged or crafted")
+        return [path / f for f in names]
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -188,15 +203,30 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
+def check_weights_hold(args: ModelShape, files: list[Path], described_by: Path) -> None:
+    """Refuse a description (config.json, meshforge.json) of a model larger than its weight files
+    could hold at one byte per parameter, before memory is taken for what it claims."""
+    have = sum(f.stat().st_size for f in files if f.is_file())
+    need = args.num_params()
+    if need > have:
+        raise HFCheckpointError(
+            f"{described_by} describes a model of {need:,} parameters, but its weight files hold {have:,} bytes; "
+            "the description is damaged, edited or belongs to other weights"
+        )
+
+
 def read_hf_config(path: str | Path) -> dict:
     p = Path(path)
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise HFCheckpointError(f"{p} is not a Hugging Face model directory (no config.json)")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HFCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise HFCheckpointError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not a model config object")
+    return cfg
 
 
 def load_hf_checkpoint(
@@ -205,10 +235,12 @@ def load_hf_checkpoint(
     """A meshforge model with the weights of the Hugging Face Llama checkpoint at ``path``."""
     p = Path(path)
     args = args_from_hf_config(read_hf_config(p), str(p / "config.json"))
+    files = _weight_files(p)
+    check_weights_hold(args, files, p / "config.json")
     model = build_model(args, device=device, seed=None).to(dtype)
     expected = dict(model.state_dict())
     loaded: set[str] = set()
-    for f in _weight_files(p):
+    for f in files:
         if not f.is_file():
             raise HFCheckpointError(f"weight file {f} listed in the index is missing")
         try:

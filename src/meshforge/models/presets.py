@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.models.shape import ModelShape
@@ -120,7 +121,19 @@ def get_preset(name: str) -> ModelShape:
     return copy.copy(PRESETS[name])  # not dataclasses.replace: that would pin a derived head_dim
 
 
+def _check_types(a: ModelShape) -> None:
+    """Whole numbers where the shape counts, finite numbers where it measures (a shape read from a
+    config.json or meta.json someone wrote by hand)."""
+    for f in dataclasses.fields(ModelShape):
+        v, kind = getattr(a, f.name), str(f.type)
+        if kind == "int" and type(v) is not int:
+            raise ConfigError(f"model.{f.name} = {v!r} must be a whole number")
+        if kind == "float" and (type(v) not in (int, float) or not math.isfinite(v)):
+            raise ConfigError(f"model.{f.name} = {v!r} must be a finite number")
+
+
 def check_model_args(a: ModelShape) -> None:
+    _check_types(a)
     for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
         if getattr(a, k) <= 0:
             raise ConfigError(f"model.{k} = {getattr(a, k)} must be > 0")

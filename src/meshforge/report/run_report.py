@@ -6,6 +6,7 @@ browser, from file:// too."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from html import escape
@@ -63,11 +64,47 @@ def load_run(path: str | Path) -> Run:
         raise MeshforgeError(f"{p} is not a meshforge run directory (it has no metrics.jsonl and no events.jsonl)")
     run = Run(p, p.resolve().name, read_jsonl(p / "metrics.jsonl"), read_jsonl(p / "events.jsonl"))
     if (p / "config.toml").is_file():
-        run.config_text = (p / "config.toml").read_text(errors="replace")
-    run.summary = _read_json(p / "summary.json") or {}
-    tl = _read_json(p / "pipeline_timeline.json")
-    run.timeline = tl if isinstance(tl, list) else []
+        run.config_text = config_text(p / "config.toml")
+    summary = _read_json(p / "summary.json")
+    run.summary = summary if isinstance(summary, dict) else {}
+    run.timeline = _timeline_rows(_read_json(p / "pipeline_timeline.json"))
     return run
+
+
+def _timeline_rows(tl: Any) -> list[dict[str, Any]]:
+    """pipeline_timeline.json's rows, each with only well-formed actions (numbers for start and end):
+    a damaged or hand-written file draws what it holds of a timeline, never a traceback."""
+    rows = []
+    for r in tl if isinstance(tl, list) else []:
+        if isinstance(r, dict):
+            acts = r.get("actions") if isinstance(r.get("actions"), list) else []
+            ok = [a for a in acts if isinstance(a, dict) and all(_number(a.get(k)) for k in ("start", "end"))]
+            rows.append({**r, "actions": ok})
+    return rows
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config.toml is a few KiB; more is not a config
+
+
+def config_text(path: Path) -> str:
+    """config.toml as the report shows it: its text, or a word why it is not shown (not UTF-8
+    text, control characters, too large) -- never a binary file dropped into the page."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            return f"(config.toml not shown: {size:,} bytes, more than a config holds)"
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        return f"(config.toml not shown: {e.strerror or e})"
+    except UnicodeDecodeError:
+        return "(config.toml not shown: it is not UTF-8 text; the file is damaged or not a config)"
+    if any(ord(c) < 32 and c not in "\t\n\r" or ord(c) == 127 for c in text):
+        return "(config.toml not shown: it holds control characters; the file is damaged or not a config)"
+    return text
 
 
 def _timeline_caption(ev: dict[str, Any]) -> str:
@@ -112,6 +149,8 @@ def _predict(run: Run) -> dict[str, Any] | str:
     if not cfg.is_file():
         return "no config.toml in the run directory"
     world = _event(run, "run_start").get("world_size") or 1
+    if type(world) is not int or world < 1:
+        return f"the run's world size ({world!r}, events.jsonl) is not a number of ranks"
     gpu = _gpu_for(run)
     try:
         pl = plan_from_args(parse_plan_args(["--config", str(cfg), "--gpus", str(world), "--gpu", gpu]))

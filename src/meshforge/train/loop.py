@@ -239,9 +239,10 @@ def _first_forward(model: torch.nn.Module, pipe: Any) -> list[torch.nn.Module]:
     return [pipe.parts[pipe.chunks.index(0)]] if pipe.has_first else []
 
 
-def train(cfg: Config, stream: TextIO | None = None) -> dict[str, Any]:
-    """Run training on this rank: ``cfg`` is resolved here, once, for the process group's world."""
-    plan = launch_plan(cfg, launch_env.world_size())
+def train(cfg: Config | RunPlan, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run training on this rank: ``cfg`` is resolved here, once, for the process group's world
+    (or is that plan already: ``launch_plan``'s, whose checks refuse before anything is written)."""
+    plan = cfg if isinstance(cfg, RunPlan) else launch_plan(cfg, launch_env.world_size())
     was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
     clean = False
     mesh = build_mesh(plan.layout, plan.train.device, cpu_backend=plan.layout.offload == "cpu")

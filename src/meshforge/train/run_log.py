@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from meshforge.data.dataset import TokenDataset
+from meshforge.metrics.cpu_peak import estimated_cpu_peak, recheck
 from meshforge.metrics.logged_steps import slow_step_line
 from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.sinks import MetricsLogger
@@ -38,6 +39,7 @@ class RunLog:
             m = plan.metrics
             self.logger = MetricsLogger(Path(plan.run.dir), plan.train.steps, m.console, m.jsonl, m.tensorboard, stream)
         self.peak = peak_flops(mesh.device, plan.train.precision)
+        self._rechecked = False  # the CPU peak was measured again once already (_peak_beaten)
         self.metrics = StepMetrics(plan, plan.shape, mesh.world_size, self.peak, mesh.device)
         self.phases = PhaseTimer()  # host time of checkpoint, eval and logging (time_breakdown)
 
@@ -101,7 +103,29 @@ class RunLog:
             return
         rec = self.metrics.record(n, tokens_seen, result, extra)
         if self.logger:
+            if self.mesh.device.type == "cpu" and max(rec["mfu"], rec["hfu"]) > 1:
+                self._peak_beaten(rec)
             self.logger.log_step(rec)
+
+    def _peak_beaten(self, rec: dict[str, Any]) -> None:
+        """A step beat the CPU's cached peak (MFU > 100%: the peak was measured while the cores
+        were busy): measure it again once, else take the estimate (metrics/cpu_peak.py); say so."""
+        old, precision = self.peak, self.plan.train.precision
+        reached = rec["hfu"] * old  # the hardware FLOP/s per device this step reached
+        if self._rechecked:
+            new, how = max(estimated_cpu_peak(precision), reached), "estimate"
+        else:
+            new, how = recheck(precision, reached)
+        self._rechecked = True
+        self.peak = self.metrics.peak = new
+        rec["mfu"], rec["hfu"] = rec["mfu"] * old / new, rec["hfu"] * old / new
+        self.event("peak_flops", old=old, new=new, source=how, reached=reached, step=rec["step"])
+        self.say(
+            f"note: step {rec['step']} reached {reached / 1e9:.3g} GFLOP/s per device, more than the CPU peak cached "
+            f"for this machine ({old / 1e9:.3g} GFLOP/s: measured while the cores were busy?); MFU now against the "
+            f"peak {'measured again' if how != 'estimate' else 'estimated from cores x clock x FLOPs per cycle'}: "
+            f"{new / 1e9:.3g} GFLOP/s"
+        )
 
     def evaluation(self, step: int, loss: float | None) -> None:
         if self.logger and loss is not None:

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from meshforge import run_lock
 from meshforge.checkpoint import store
-from meshforge.checkpoint.saver import resolve_load
+from meshforge.checkpoint.resume_point import find_resume_point
 from meshforge.launch_env import restart_count
 from meshforge.parallel.mesh import Mesh
 from meshforge.run_plan import RunPlan
+from meshforge.train.corpus import open_data
 from meshforge.train.preflight import check_run_dir, resuming
 
 
@@ -58,14 +59,17 @@ def event_writer(run_dir: str | Path) -> Callable[..., None]:
 
 
 def agree_on_start(plan: RunPlan, mesh: Mesh) -> tuple[RunPlan, str | None]:
-    """Rank 0 prepares run.dir and picks the checkpoint to resume from; every rank gets its
-    run.dir and that checkpoint."""
+    """Rank 0 prepares run.dir and starts from the checkpoint its pre-flight picked (and checked);
+    every rank gets its run.dir and that checkpoint."""
     resume = None
     if mesh.is_main:
+        point = plan.resume
+        if point is None:  # a caller that skipped the pre-flight: look (and refuse) before writing, too
+            point = find_resume_point(plan, resuming(plan), len(open_data(plan, plan.shape).train))
         prepare_run_dir(plan)
-        if resuming(plan) or plan.checkpoint.load not in ("latest", "none", ""):
-            path, _ = resolve_load(plan.checkpoint.load, Path(plan.run.dir) / "checkpoints", event_writer(plan.run.dir))
-            resume = str(path) if path else None
+        for path, why in point.skipped:
+            event_writer(plan.run.dir)("checkpoint_skipped", level="warning", path=path, reason=why)
+        resume = point.path
     if not mesh.distributed:
         return plan, resume
     obj = [plan.run.dir, resume]
