@@ -56,6 +56,7 @@ class RingPlan:
     blocks: dict[tuple[int, int, int], BlockWork | None]  # (source rank, local query chunk, key chunk)
     computed: int  # (row, block) pairs run
     skipped: int  # (row, block) pairs skipped
+    work: float  # the blocks' work in block squares (a plain causal triangle 1/2), summed over rows
 
 
 def _doc_at(ends: np.ndarray, t: int) -> int:
@@ -79,6 +80,7 @@ def plan_ring(documents: Documents, chunk_ids: Any, rank: int, cp: int, n_chunks
     ends = [np.cumsum(r) for r in documents.lengths]
     blocks: dict[tuple[int, int, int], BlockWork | None] = {}
     computed = skipped = 0
+    work = 0.0
     for src in range(cp):
         for i, a in enumerate(chunk_ids(rank)):
             for j, b in enumerate(chunk_ids(src)):
@@ -88,7 +90,8 @@ def plan_ring(documents: Documents, chunk_ids: Any, rank: int, cp: int, n_chunks
                 live = [r for r, k in enumerate(kinds) if k != "skip"]
                 computed, skipped = computed + len(live), skipped + len(kinds) - len(live)
                 blocks[(src, i, j)] = _work(documents, live, {kinds[r] for r in live}, a, b, c) if live else None
-    return RingPlan(blocks, computed, skipped)
+                work += len(live) * (0.5 if blocks[(src, i, j)] and blocks[(src, i, j)].causal else 1.0)
+    return RingPlan(blocks, computed, skipped, work)
 
 
 def _work(documents: Documents, live: list[int], kinds: set[str], a: int, b: int, c: int) -> BlockWork:
