@@ -15,8 +15,12 @@
    Python's standard library, byte tokens), against the planner's expected work
    (``parallel/context/cost.ring_block_work``).
 
-    python bench/bench_packed.py                 # all three parts
+4. **GPU** (``--part gpu``, CUDA only, not run by "all"): llama3.2-1b, seq 8192, documents of
+   mean 1024: the masked step (FlexAttention) against plain causal SDPA.
+
+    python bench/bench_packed.py                 # parts 1-3 (CPU)
     python bench/bench_packed.py --part mask --rounds 9 --tiles 64,128,256
+    python bench/bench_packed.py --part gpu      # on a GPU machine
 """
 
 from __future__ import annotations
@@ -246,9 +250,56 @@ def balance(seq: int, cp: int, mean: float, count: int) -> list[dict]:
     return rows
 
 
+def gpu_cost(rounds: int, seq: int, mean: float, preset: str) -> dict:
+    """Part 4 (CUDA only): a ``preset`` step (bf16 autocast, forward + backward) at ``seq`` with
+    documents of mean ``mean``: FlexAttention with the block mask (built each step) against
+    SDPA's causal kernel, alternating, after a warm-up that compiles FlexAttention."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshforge.models.documents import Documents
+    from meshforge.models.llama import build_model
+    from meshforge.models.presets import get_preset
+
+    device = torch.device("cuda")
+    args = dataclasses.replace(get_preset(preset), max_seq_len=max(seq, get_preset(preset).max_seq_len))
+    model = build_model(args, device=device, seed=0)
+    tokens = torch.randint(args.vocab_size, (1, seq + 1), device=device)
+    lengths = exponential_lengths(1, seq, mean, seed=5)
+
+    def step(masked: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        docs = Documents.from_lengths(lengths, seq, device) if masked else None
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = model(tokens[:, :-1], None if docs is None else docs.positions, docs)
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"causal": [], "masked": []}
+    for r in range(rounds + 2):  # two warm-up rounds (FlexAttention compiles in the first)
+        for masked in (False, True):
+            dt = step(masked)
+            if r >= 2:
+                times["masked" if masked else "causal"].append(dt)
+    ratio = statistics.median([m / c for m, c in zip(times["masked"], times["causal"], strict=True)])
+    return {
+        "device": torch.cuda.get_device_name(),
+        "preset": preset,
+        "seq": seq,
+        "mean_doc": mean,
+        "median_step_s": {k: statistics.median(v) for k, v in times.items()},
+        "median_ratio_masked_vs_causal": ratio,
+        "rounds": rounds,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "mask", "ring", "balance"], default="all")
+    ap.add_argument("--part", choices=["all", "mask", "ring", "balance", "gpu"], default="all")
+    ap.add_argument("--preset", default="llama3.2-1b", help="the model of part gpu")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tiles", default="128", help="tile sizes of the CPU path to time (comma-separated)")
     ap.add_argument("--rows", type=int, default=2, help="sequences per step in part 1")
@@ -259,6 +310,8 @@ def main() -> None:
         print(json.dumps(mask_cost(a.rounds, 1024, 256, a.rows, a.hidden, tiles)), flush=True)
     if a.part in ("all", "ring"):
         print(json.dumps(ring_cost(max(3, a.rounds // 2), 8192, 4, 1024)), flush=True)
+    if a.part == "gpu":  # (not in "all": it needs a CUDA GPU)
+        print(json.dumps(gpu_cost(a.rounds, 8192, 1024, a.preset)), flush=True)
     if a.part in ("all", "balance"):
         for row in balance(8192, 4, 1024, 64):
             print(json.dumps(row), flush=True)

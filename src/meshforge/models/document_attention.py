@@ -48,6 +48,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     documents.check_rows(q.shape[0])
     gqa = q.shape[1] != k.shape[1]
     if documents.block_mask is not None:
+        if torch.compiler.is_compiling():  # (a compiled block: flex_attention traces as it is)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
         return _flex(q.is_cuda)(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
     if torch.compiler.is_compiling():
         mask = dense_mask(documents.ids, documents.ids)
@@ -144,4 +148,5 @@ def flex_block_mask(ids: torch.Tensor) -> Any:
         return (ids[b, q] == ids[b, kv]) & (q >= kv)
 
     rows, s = ids.shape
-    return create_block_mask(same_document_causal, rows, None, s, s, device=ids.device)
+    # compiled on CUDA: the eager build materialises the whole (rows, s, s) mask first
+    return create_block_mask(same_document_causal, rows, None, s, s, device=ids.device, _compile=ids.is_cuda)
