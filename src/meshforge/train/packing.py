@@ -53,7 +53,7 @@ class Packing:
 
 def check_separator(plan: RunPlan, data: TokenDataset) -> None:
     """Packed documents need the corpus's end-of-text token: refuse an index.json without one."""
-    if (plan.data.document_mask or plan.data.reset_positions) and not isinstance(data.eos_id, int):
+    if (plan.data.document_mask or plan.data.reset_positions) and type(data.eos_id) is not int:
         raise DataError(
             f"data.document_mask / data.reset_positions need the corpus's end-of-text token, but {data.root} "
             "/ index.json has no integer 'eos_id'; re-run `meshforge data prepare`, or set both to false"

@@ -75,8 +75,7 @@ def ring_block_work(seq_len: int, cp: int, balance: str, mean_doc_len: float = 0
     length with mean ``mean_doc_len`` (0: none, plain causal). Under document masks
     (``context/documents.py``) a block ``d`` chunks before the query chunk is skipped when a
     document starts among the (d - 1)·chunk + 1 tokens between them (probability
-    1 - exp(-that / mean)); a diagonal block holding a document start runs masked, the whole
-    square; every other block runs whole."""
+    1 - exp(-that / mean)); every other block runs whole, a diagonal one its causal triangle."""
     n = 2 * cp if balance == "zigzag" else cp
     c = seq_len / n
     out = []
@@ -84,8 +83,7 @@ def ring_block_work(seq_len: int, cp: int, balance: str, mean_doc_len: float = 0
         mine = (rank, 2 * cp - 1 - rank) if balance == "zigzag" else (rank,)
         work = 0.0
         for a in mine:
-            boundary_inside = -math.expm1(-(c - 1) / mean_doc_len) if mean_doc_len > 0 else 0.0
-            work += 0.5 + 0.5 * boundary_inside
+            work += 0.5
             for b in range(a):
                 work += math.exp(-((a - b - 1) * c + 1) / mean_doc_len) if mean_doc_len > 0 else 1.0
         out.append(work)

@@ -8,8 +8,9 @@ numbers: no device sync):
 - **skipped** when the key chunk's last document ends before the query chunk's first begins
   (no query sees any key of it);
 - **full** when one document covers both chunks (every query sees every key: no mask);
-- **causal** for a query chunk's own chunk inside one document (the plain causal triangle);
-- **masked** otherwise: a boolean mask (same document, and causal on the diagonal).
+- **causal** for a query chunk's own chunk (the causal triangle; masked too when a document
+  starts inside it: the CPU kernel takes both and still skips the upper triangle);
+- **masked** otherwise: a boolean mask (the key is in the query's document).
 
 A block runs on the rows that are not skipped (a row subset when some are), on the fused
 kernel with the mask where one is needed (``kernels.py``). The plan is built once per
@@ -34,7 +35,7 @@ class BlockWork:
     """One (query chunk, key chunk) block on this rank: its rows, and its mask (None: none needed)."""
 
     rows: torch.Tensor | None  # the batch rows that run it (None: all of them)
-    causal: bool  # the plain causal triangle (a diagonal block inside one document)
+    causal: bool  # a diagonal block: the causal triangle (masked too when documents start inside)
     mask: torch.Tensor | None  # (rows, 1, chunk, chunk) bool: True where the query sees the key
     empty: torch.Tensor | None = None  # (rows, 1, chunk) bool: queries that see no key of the block
     _float: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -103,4 +104,6 @@ def _work(documents: Documents, live: list[int], kinds: set[str], a: int, b: int
         return BlockWork(rows, False, None)
     sel = ids if rows is None else ids[rows]
     mask = dense_mask(sel[:, a * c : (a + 1) * c], sel[:, b * c : (b + 1) * c], (a - b) * c)
-    return BlockWork(rows, False, mask, None if a == b else ~mask.any(-1))  # (a diagonal query sees itself)
+    if a == b:  # causal and masked: the kernel skips the triangle above the diagonal (a query sees itself)
+        return BlockWork(rows, True, mask)
+    return BlockWork(rows, False, mask, ~mask.any(-1))
