@@ -64,7 +64,8 @@ def _simulate(cfg: Config, root: Path, identical: bool) -> tuple[list[float], di
     for step in range(1, t.steps + 1):
         for i, tr in enumerate(trainers):
             idx = sampler.indices(sampler.consumed + (0 if identical else i) * per, per)
-            res = tr.runner.run(tr.data.train.get(idx), measure=True)
+            batch = tr.data.train.get(idx)
+            res = tr.runner.run(batch, True, tr.runner.packing.documents(batch))  # as Trainer.step_once
             if i == 0:
                 losses.append(res.global_loss)
         sampler.consumed += t.global_batch_size

@@ -46,7 +46,8 @@ def run_islands(trainers, dilocos, steps, per, identical=True):
     for step in range(1, steps + 1):
         for i, (tr, dl) in enumerate(zip(trainers, dilocos, strict=True)):
             idx = sampler.indices(sampler.consumed + (0 if identical else i) * per, per)
-            tr.runner.run(tr.data.train.get(idx), measure=False)
+            batch = tr.data.train.get(idx)
+            tr.runner.run(batch, False, tr.runner.packing.documents(batch))  # as Trainer.step_once
             if dl is not None:
                 dl.after_step(step)
         sampler.consumed += per * len(trainers)

@@ -252,7 +252,7 @@ def test_offset_positions_keep_logits_rope_is_relative():
 def test_pipeline_hook_passes_the_step_runners_positions():
     model = build_model(SMALL, seed=0)
     holder = SimpleNamespace(positions=None)
-    give_positions(model, lambda: holder.positions, None)
+    give_positions(model, lambda: None if holder.positions is None else {"positions": holder.positions}, None)
     tokens = torch.randint(0, 100, (1, 8))
     plain, _, _ = _core_inputs(model, tokens)  # nothing set: the model's own default
     holder.positions = torch.arange(40, 48)

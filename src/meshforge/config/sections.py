@@ -121,6 +121,13 @@ class DataConfig:
     allow_binary: bool = False
     """train on files that are mostly not text (more than 30% of their bytes invalid UTF-8 or control characters);
     by default such data is refused with exit 2"""
+    document_mask: bool = True
+    """attention stays inside each document of a packed sequence (documents end at the tokenizer's end-of-text
+    token), as Llama 3 trains; `false`: causal over the whole sequence, across documents. See
+    [data.md](data.md#packed-documents)"""
+    reset_positions: bool = True
+    """RoPE positions restart at 0 at each document of a packed sequence; `false`: they count over the whole
+    sequence"""
 
 
 @dataclass(frozen=True)

@@ -65,5 +65,6 @@ class TokenDataset:
         self.index = index
         self.vocab_size = int(index["vocab_size"])
         self.tokenizer = index["tokenizer"]
+        self.eos_id = index.get("eos_id")  # the end-of-text token that separates documents (data/documents.py)
         self.train = TokenSplit(self.root, index["splits"].get("train", []), index["dtype"], seq_len)
         self.val = TokenSplit(self.root, index["splits"].get("val", []), index["dtype"], seq_len)

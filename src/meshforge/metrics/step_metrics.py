@@ -35,8 +35,10 @@ class StepMetrics:
     def __init__(self, cfg: Config, args: ModelShape, world_size: int, peak: float, device: torch.device):
         t = cfg.train
         self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
+        self.args, self.seq_len, self.recompute = args, t.seq_len, cfg.layout.activation_checkpoint
         self.flops_per_token = model_flops_per_token(args, t.seq_len)
         self.hw_flops_per_token = hardware_flops_per_token(args, t.seq_len, cfg.layout.activation_checkpoint)
+        self.spans: list[float] = []  # packed documents masked: the logged windows' attention spans
         self.peak, self.device = peak, device
         self.times: list[float] = []  # every step's wall time (host clock, no sync)
         self.window: list[float] = []  # since the last logged step
@@ -72,6 +74,7 @@ class StepMetrics:
         for k, v in more.get("time_breakdown", {}).items():
             if k != "by_rank":
                 self.breakdown_sum[k] = self.breakdown_sum.get(k, 0.0) + v
+        flops, hw_flops = self.flops(extra.get("attention_span"))
         rec = {
             "step": step,
             "loss": result.global_loss,
@@ -79,8 +82,8 @@ class StepMetrics:
             "grad_norm": float(result.grad_norm),
             "tokens_per_s": tps,
             "step_time_s": step_time,
-            "mfu": utilization(self.flops_per_token, per_device, self.peak),
-            "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
+            "mfu": utilization(flops, per_device, self.peak),
+            "hfu": utilization(hw_flops, per_device, self.peak),
             "peak_mem_gib": peak_mem_gib(self.device),
             "tokens_seen": tokens_seen,
             "state_mem_gib": sum(state_mem.values()) / GIB,
@@ -91,11 +94,22 @@ class StepMetrics:
             **more,
             **extra.get("moe", {}),  # MoE: lm_loss, aux_loss, z_loss, expert_load, dropped_fraction
         }
+        if extra.get("attention_span") is not None:  # packed documents masked: what ran, and the causal count
+            self.spans.append(extra["attention_span"])
+            rec["attention_span"] = extra["attention_span"]
+            rec["mfu_causal"] = utilization(self.flops_per_token, per_device, self.peak)
         if result.state_mem_host is not None:  # CPU offload: where the state lives
             host = result.state_mem_host
             rec["state_mem_host_bytes"] = dict(host)
             rec["state_mem_device_bytes"] = {k: v - host.get(k, 0) for k, v in state_mem.items()}
         return rec
+
+    def flops(self, span: float | None) -> tuple[float, float]:
+        """(model, hardware) FLOPs per token as executed: under document masks attention runs over
+        ``span`` keys per query (``Documents.span``) rather than the sequence (docs/metrics.md)."""
+        if span is None:
+            return self.flops_per_token, self.hw_flops_per_token
+        return model_flops_per_token(self.args, span), hardware_flops_per_token(self.args, span, self.recompute)
 
     def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
         """The run's summary. ``reduce_loss`` turns the kept per-rank losses into global ones in
@@ -106,6 +120,7 @@ class StepMetrics:
         tps = self.tokens_per_step * len(warm) / sum(warm)
         per_device = tps / self.world_size
         out = {k: fields[k] for k in ("steps", "interrupted", "tokens", "wall_time_s")}
+        flops, hw_flops = self.flops(sum(self.spans) / len(self.spans) if self.spans else None)
         return {
             **out,
             "first_loss": kept[0],
@@ -113,8 +128,8 @@ class StepMetrics:
             "final_loss_steps": len(kept[1:]),
             "val_loss": fields["val_loss"],
             "tokens_per_s": tps,
-            "mfu": utilization(self.flops_per_token, per_device, self.peak),
-            "hfu": utilization(self.hw_flops_per_token, per_device, self.peak),
+            "mfu": utilization(flops, per_device, self.peak),
+            "hfu": utilization(hw_flops, per_device, self.peak),
             "peak_mem_gib": peak_mem_gib(self.device),
             "time_breakdown": self.breakdown_sum,  # summed over the logged steps
         }

@@ -20,3 +20,4 @@ class StepResult:
     state_mem: dict[str, int] | None = None  # measured: bytes of params, grads, optimizer state, gathered params
     state_mem_host: dict[str, int] | None = None  # measured, under CPU offload: the part of state_mem in host memory
     skipped: bool = False  # the health guard refused the update (its loss stays out of the summary's)
+    attention_span: float | None = None  # packed documents masked: keys per query as a full-square count (else seq)

@@ -28,13 +28,16 @@ pass costs twice the forward. Per token and layer, attention scores (QK^T) and t
 weighted sum (AV) each cost 2 * seq * (heads * head_dim) in the forward pass, counted
 over the FULL seq x seq square even though causal masking makes half of it zeros —
 kernels like FlashAttention skip that half, so on them the real work is lower than
-this count and MFU is slightly optimistic. Embedding lookups are not matmuls and are
-not counted; the output head is (also when tied to the embedding). Norms, RoPE and
-activations are not counted.
+this count and MFU is slightly optimistic. Under document masks (packed documents) the
+same count runs over each document's own square: ``seq`` becomes the span sum(L²) / seq
+(``Documents.span``, ``document_span``), the FLOPs as executed (docs/metrics.md).
+Embedding lookups are not matmuls and are not counted; the output head is (also when
+tied to the embedding). Norms, RoPE and activations are not counted.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from meshforge.models.moe import expert_ffn, is_moe_layer
@@ -119,12 +122,24 @@ def active_params(a: ShapeLike) -> int:
     return num_params(a) - inactive
 
 
-def attention_flops_per_token(a: ShapeLike, seq_len: int) -> float:
-    """Forward-pass FLOPs of scores and weighted sum, per token, all layers."""
+def attention_flops_per_token(a: ShapeLike, seq_len: float) -> float:
+    """Forward-pass FLOPs of scores and weighted sum, per token, all layers (``seq_len``: the keys
+    a query attends to in the full-square count; under document masks a ``Documents.span``)."""
     return 4.0 * a.layers * seq_len * a.heads * a.head_dim
 
 
-def model_flops_per_token(a: ShapeLike, seq_len: int) -> float:
+def document_span(seq_len: int, mean_doc_len: float) -> float:
+    """The expected keys per query under document masks, counted like ``seq_len`` is here (the
+    full square of each document): E[sum of L²] / S over the documents L of a sequence of S
+    tokens, for document lengths exponentially distributed with mean N (boundaries a Poisson
+    process): 2N - 2N²(1 - exp(-S/N)) / S. It tends to S for long documents; 0 means none."""
+    if mean_doc_len <= 0:
+        return float(seq_len)
+    n, s = float(mean_doc_len), float(seq_len)
+    return 2 * n - 2 * n * n * -math.expm1(-s / n) / s
+
+
+def model_flops_per_token(a: ShapeLike, seq_len: float) -> float:
     """Forward + backward model FLOPs per token: 6N + 12 * layers * seq * heads * head_dim."""
     return 6.0 * matmul_params(a) + 3.0 * attention_flops_per_token(a, seq_len)
 
@@ -139,7 +154,7 @@ def head_flops_per_token(a: ShapeLike) -> float:
     return 6.0 * a.vocab_size * a.hidden
 
 
-def hardware_flops_per_token(a: ShapeLike, seq_len: int, recompute: str = "none") -> float:
+def hardware_flops_per_token(a: ShapeLike, seq_len: float, recompute: str = "none") -> float:
     """Model FLOPs plus what recomputation repeats.
 
     full: the whole forward runs again in backward (+2N + attention forward);

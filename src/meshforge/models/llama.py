@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.document_attention import document_attention
+from meshforge.models.documents import Documents
 from meshforge.models.moe import build_moe, is_moe_layer
 from meshforge.models.shape import ModelShape
 
@@ -85,9 +87,15 @@ class SDPAttention(nn.Module):
     k, v (batch, kv_heads, seq, head_dim), after RoPE; returns q's shape.
 
     Parameter-free and given everything as arguments, so context parallelism can swap a
-    block's ``attention.core`` for ring attention without touching the projections."""
+    block's ``attention.core`` for ring attention without touching the projections. With
+    ``documents`` (packed sequences), attention stays inside each document
+    (models/document_attention.py)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        if documents is not None and not documents.single:
+            return document_attention(q, k, v, documents)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -108,7 +116,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
         self.core: nn.Module = SDPAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -116,7 +126,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -150,8 +160,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden, args.norm_eps)
         self.feed_forward = build_feed_forward(args, layer_id)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -182,7 +194,9 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab).
 
         ``positions`` (seq,) are the input's token positions: a sequence shard passes its
@@ -190,13 +204,20 @@ class Transformer(nn.Module):
         the model (a pipeline stage: some of the layers, ``tok_embeddings`` or
         ``norm``/``output`` set to None) maps hidden states to hidden states the same way;
         such a slice must be given ``positions`` when its input may be a sequence shard.
-        With ``hidden_out`` set the head is left to the loss (LanguageModelLoss with a chunk size)."""
+        With ``hidden_out`` set the head is left to the loss (LanguageModelLoss with a chunk size).
+        ``documents`` (packed sequences, models/documents.py) keeps attention inside each
+        document; ``positions`` may then be per sequence (batch, seq), restarting at each one."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_cos_sin(self.rope_inv_freq, positions)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions.reshape(-1))
+        if positions.dim() == 2:  # per sequence: (batch, 1, seq, head_dim), broadcast over heads
+            cos, sin = (t.view(*positions.shape, -1).unsqueeze(1) for t in (cos, sin))
+        if documents is not None:
+            documents.check_rows(tokens.shape[0])
+            documents.prepare(self.rope_inv_freq.device)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None or self.hidden_out else self.output(h)

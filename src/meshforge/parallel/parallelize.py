@@ -134,9 +134,9 @@ def parallelize_pipeline(
     owner = chunk_ranks(pp, v, name)
     mine = [c for c in range(pp * v) if owner[c] == mesh.coordinate("pp")]
     parts = split_model(model, sizes, mine)
-    pipe: Pipeline | None = None  # built below; the hooks read the positions its runner sets per step
+    pipe: Pipeline | None = None  # built below; the hooks read the arguments its runner sets per step
     for part, c in zip(parts, mine, strict=True):
-        give_positions(part, lambda: pipe.positions, None if c == 0 else plan.train.seq_len)
+        give_positions(part, lambda: pipe.stage_args(), None if c == 0 else plan.train.seq_len)
         _apply(part, plan, mesh, seed)
     pipe = Pipeline(parts, mine, mesh, loss)
     return model_view(parts), pipe

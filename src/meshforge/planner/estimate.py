@@ -56,7 +56,7 @@ from meshforge.parallel.context.cost import (
 )
 from meshforge.parallel.pipeline.schedules import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.pipeline.schedules import V_SHAPED, bubble_fraction
-from meshforge.planner import kernel_costs, moe_costs, offload_costs, time_terms
+from meshforge.planner import document_costs, kernel_costs, moe_costs, offload_costs, time_terms
 from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
 from meshforge.planner.memory import (
     memory,
@@ -195,7 +195,8 @@ def _compute_time(
     rate = kernel_costs.dense_gemm_rate(shape, hw, tokens_mb, lay.tp, precision)
     attn_s = kernel_costs.attention_seconds(
         shape, hw, seq, tokens_gpu, shape.layers, lay.activation_checkpoint, precision, rate
-    )
+    ) * document_costs.attention_share(seq, lay, hw.mean_doc_len)
+    span = document_costs.flops_span(seq, hw.mean_doc_len)
     # the routed experts' GEMMs at their own (smaller) size and load (moe_costs; 0 if dense)
     routed_flops = moe_costs.routed_flops_per_token(shape, lay.activation_checkpoint) * tokens_gpu
     expert_s, expert_recompute_s = moe_costs.expert_gemm_seconds(shape, lay, tokens_mb, tokens_gpu, hw, precision)
@@ -211,7 +212,8 @@ def _compute_time(
     if hw.name != "cpu" and not hw.elementwise_bytes_per_hidden:  # a CPU profile measures its own
         other_s += kernel_costs.loss_seconds(shape, hw, tokens_gpu * lay.pp, lay.tp, hw.eager)  # the last stage's
     return {
-        "ideal_compute": shape.model_flops_per_token(seq) * tokens_gpu / peak,
+        "ideal_compute": shape.model_flops_per_token(span) * tokens_gpu / peak,
+        "span": span,  # attention's keys per query as executed (document masks: planner/document_costs.py)
         "gemm": gemm_s,
         "non_gemm": other_s,
         "recompute": recompute_s,
@@ -471,8 +473,8 @@ def estimate(
     step = pipelined + bubble_s + dp_exposed + off_exposed + opt_s
     tps = global_batch * seq / step / n_gpus
     peak = hw.peak(precision)
-    mfu = shape.model_flops_per_token(seq) * tps / peak  # active parameters for an MoE (models/flops.py)
-    hfu = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tps / peak
+    mfu = shape.model_flops_per_token(comp["span"]) * tps / peak  # active parameters for an MoE (models/flops.py)
+    hfu = shape.hardware_flops_per_token(comp["span"], lay.activation_checkpoint) * tps / peak
     time = {
         "ideal_compute": comp["ideal_compute"],
         "gemm": comp["gemm"],

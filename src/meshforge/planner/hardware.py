@@ -85,6 +85,8 @@ class Hardware:
     # ZeRO-2/3 gradients reduce-scattered after every micro-batch's backward (a framework that does not
     # skip the reduction under accumulation, e.g. Composer's FSDP); False: once per step, as meshforge
     reduce_every_microbatch: bool = False
+    # the run packs documents of this mean length with document masks (planner/document_costs.py); 0: none
+    mean_doc_len: float = 0.0
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 

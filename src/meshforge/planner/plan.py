@@ -147,6 +147,13 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--precision", choices=["bf16", "fp32", "fp8"], help="training precision (default: bf16; fp32 on cpu)"
     )
+    t.add_argument(
+        "--mean-doc-len",
+        type=real(0.0, MAX_TOKENS),
+        metavar="N",
+        help="packed documents of this mean length (tokens), attention masked at their boundaries "
+        "(data.document_mask): attention priced as it runs (default: none, causal over the sequence)",
+    )
 
 
 def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -411,6 +418,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
     hw.reduce_every_microbatch = bool(args.reduce_every_microbatch)
+    hw.mean_doc_len = args.mean_doc_len or 0.0  # (planner/document_costs.py)
     if args.attention_kernel:
         hw.attention_kernel = ATTENTION_KERNELS[args.attention_kernel]
     if args.gpus is None:
@@ -489,6 +497,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{shape.name}: {output.count(shape.num_params())} parameters{moe} | {args.gpus} x {hw.name} "
             f"({args.gpus_per_node} per node, {hw.source}) | global batch {gb} x {seq} tokens, {precision} | "
+            f"{f'documents of mean {hw.mean_doc_len:g} tokens, masked | ' if hw.mean_doc_len else ''}"
             f"{considered} layouts considered, {0 if results.fits_nothing else len(results)} fit, "
             f"searched in {elapsed:.2f} s\n"
         )

@@ -11,6 +11,7 @@ from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError, DataError
 from meshforge.models.shape import ModelShape
 from meshforge.run_plan import RunPlan
+from meshforge.train.packing import check_separator
 
 
 def dataset_root(cfg: RunPlan) -> Path:
@@ -41,4 +42,5 @@ def open_data(cfg: RunPlan, shape: ModelShape) -> TokenDataset:
             f"{cfg.train.seq_len + 1} tokens ({ds.train.tokens} tokens), fewer than one global batch of "
             f"{cfg.train.global_batch_size}; add data or lower train.global_batch_size / train.seq_len"
         )
+    check_separator(cfg, ds)
     return ds

@@ -17,12 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.data.dataset import TokenSplit
+from meshforge.models.documents import Documents
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.context.ring import cp_index
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.parallel.tensor.apply import local_value
 from meshforge.run_plan import RunPlan
+from meshforge.train.packing import Packing
 
 
 class Evaluator:
@@ -38,12 +40,25 @@ class Evaluator:
         forward_context: Callable[[], contextlib.AbstractContextManager],
         pipeline: Pipeline | None,
         batch_sizes: tuple[int, int],
+        packing: Packing | None = None,
     ):
+        """``packing``: the step runner's (positions and packed documents as in training); None: off."""
         self.val, self.cfg, self.mesh, self.model, self.loss = val, cfg, mesh, model, loss
         self.forward_context, self.pipeline = forward_context, pipeline
         self.local_batch, self.micro = batch_sizes  # per dp rank: the whole slice, one micro-batch
         self.cp_index = cp_index(cfg.train.seq_len, mesh)  # under cp: this rank's tokens of each sequence
-        self.positions = torch.arange(cfg.train.seq_len, device=mesh.device) if self.cp_index is None else self.cp_index
+        # positions and packed documents as the step runner gives them (the trainer passes its own)
+        self.packing = packing or Packing(cfg, None, mesh.device, self.cp_index)
+
+    def _batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
+        """Inputs and targets of these validation sequences (under cp, this rank's tokens) and their documents."""
+        host = self.val.get(indices)
+        docs = self.packing.documents(host)
+        batch = host.to(self.mesh.device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self.cp_index is not None:
+            inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
+        return inputs, targets, docs
 
     def _mine(self) -> tuple[np.ndarray, int]:
         """This dp rank's sequence indices, and the number of sequences over all ranks."""
@@ -62,25 +77,18 @@ class Evaluator:
         mine, n = self._mine()
         if n == 0:
             return None
-        device = self.mesh.device
-        total = torch.zeros((), device=device, dtype=torch.float64)
+        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         if self.pipeline:  # whole per-rank batches through the schedule, forward only
-            self.pipeline.positions = self.positions
             for s in range(0, len(mine), self.local_batch):
-                batch = self.val.get(mine[s : s + self.local_batch]).to(device)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
-                if self.cp_index is not None:
-                    inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
+                inputs, targets, docs = self._batch(mine[s : s + self.local_batch])
+                self.pipeline.forward_args = lambda a, b, d=docs: self.packing.forward_args(d, a, b)
                 total += self.pipeline.eval_loss(inputs, targets)
             dist.all_reduce(total, group=self.mesh.group("pp"))
         else:
             for s in range(0, len(mine), self.micro):
-                batch = self.val.get(mine[s : s + self.micro]).to(device)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
-                if self.cp_index is not None:
-                    inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
+                inputs, targets, docs = self._batch(mine[s : s + self.micro])
                 with self.forward_context():
-                    logits = self.model(inputs, self.positions)
+                    logits = self.model(inputs, **self.packing.forward_args(docs, 0, inputs.shape[0]))
                 with self.loss.context():
                     loss = self.loss.token_sum(logits, targets, self.model)
                 total += local_value(loss).double()

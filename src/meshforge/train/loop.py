@@ -41,6 +41,7 @@ from meshforge.train.measure import StepMeasures
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
+from meshforge.train.packing import separator_warning
 from meshforge.train.preflight import launch_plan
 from meshforge.train.rollback import roll_back
 from meshforge.train.run_log import RunLog
@@ -79,6 +80,9 @@ class Trainer:
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
         self.log = RunLog(plan, mesh, stream)
+        if mesh.is_main and (line := separator_warning(plan, self.data)):  # once, before anything trains
+            self.log.event("warning", key="data.document_mask", message=line)
+            self.log.say(f"warning: {line}")
         self.hooks = RunHooks()
         parts = (self.model, self.optimizer, self.state)
         self.checkpoints = RunCheckpoints(plan, mesh, *parts, self.log.event, self.diloco, self.hooks)
@@ -92,7 +96,8 @@ class Trainer:
         plan, mesh, report = self.plan, self.mesh, (self.log.event, self.log.say)
         forward = forward_context(plan, mesh.device)
         batches = (plan.local_batch, plan.micro_batch)
-        self.evaluate = Evaluator(self.data.val, plan, mesh, self.model, self.loss, forward, self.pipeline, batches)
+        parts = (self.model, self.loss, forward, self.pipeline, batches, self.runner.packing)
+        self.evaluate = Evaluator(self.data.val, plan, mesh, *parts)
         parts = (self.model, self.loss, self.pipeline)
         self.measures = StepMeasures(plan, mesh, parts, self.runner.reduce_loss, self.log.event)
         called = list(self.pipeline.parts) if self.pipeline else [self.model]  # the modules a forward calls
@@ -115,7 +120,7 @@ class Trainer:
 
     def _runner(self, train_model: torch.nn.Module) -> PlainStep | PipelineStep:
         common = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "loss": self.loss}
-        common.update(plan=self.plan, mesh=self.mesh)
+        common.update(plan=self.plan, mesh=self.mesh, eos_id=self.data.eos_id)
         if self.pipeline:
             return PipelineStep(self.pipeline, **common)
         lay, forward = self.plan.layout, forward_context(self.plan, self.mesh.device)
@@ -131,14 +136,17 @@ class Trainer:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
         idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.layout.data_ranks)
-        batch = self.data.train.get(idx).to(self.mesh.device, non_blocking=True)
+        host = self.data.train.get(idx)
+        documents = self.runner.packing.documents(host)  # read from the host tokens: no device sync
+        batch = host.to(self.mesh.device, non_blocking=True)
         if self.diloco:
             warm = self.diloco.in_warmup(self.state.step + 1)
             self.runner.pre_update = self.diloco.average_grads if warm else None
         with self.measures.counting(measure):
-            result = self.runner.run(batch, measure)
+            result = self.runner.run(batch, measure, documents)
             if self.diloco:  # the outer sync (counted on the "island" axis)
                 self.diloco.after_step(self.state.step + 1)
+        self.measures.add_span(result.attention_span)
         extra = self.measures.take() if measure else None
         self.state.advance()
         if extra is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshforge.models.loss import LanguageModelLoss
@@ -39,6 +40,7 @@ class StepMeasures:
         self.gantt_step = min(3, plan.train.steps) if self.pipeline else 0  # past the first steps' warm-up
         self.tokens_per_rank = plan.local_batch * plan.train.seq_len // plan.layout.cp
         self.extra: dict[str, Any] = {}
+        self.spans: list[float] = []  # packed documents: each step's attention span since the last measured step
 
     def wanted(self, n: int, logged: bool, last: bool) -> bool:
         """Whether step ``n`` is measured (every rank agrees: the same steps everywhere)."""
@@ -50,14 +52,32 @@ class StepMeasures:
         with self.comm.counting() if self.comm and measure else contextlib.nullcontext():
             yield
 
+    def add_span(self, span: float | None) -> None:
+        """Book a step's attention span (``StepResult.attention_span``; None: unmasked)."""
+        if span is not None:
+            self.spans.append(span)
+
+    def _span(self) -> float | None:
+        """The mean attention span of the steps since the last measured one, over every rank's
+        sequences (one all-reduce: ranks holding the same sequences hold the same value)."""
+        if not self.spans:
+            return None
+        mean = torch.tensor(sum(self.spans) / len(self.spans), dtype=torch.float64, device=self.mesh.device)
+        self.spans = []
+        if self.mesh.distributed:
+            dist.all_reduce(mean)
+            mean /= self.mesh.world_size
+        return float(mean)
+
     def take(self) -> dict[str, Any]:
         """The measured step's figures (collectives: every rank calls it)."""
+        span = self._span()
         pp_stats = gather_pipeline_stats(self.pipeline, self.mesh) if self.pipeline else {}
         moe = moe_record(self.model, self.loss, self.mesh, self.reduce_loss, self.plan.shape, self.tokens_per_rank)
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
         comm = self.comm.snapshot() if self.comm else {}
-        self.extra = {"comm_bytes_by_kind": comm, "pp_stats": pp_stats, "moe": moe}
+        self.extra = {"comm_bytes_by_kind": comm, "pp_stats": pp_stats, "moe": moe, "attention_span": span}
         return self.extra
 
     def gantt(self, step: int) -> None:

@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.metrics.step_result import StepResult
+from meshforge.models.documents import Documents
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.compile import compile_loss
 from meshforge.parallel.context.ring import cp_index
@@ -33,6 +34,7 @@ from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.parallel.tensor.apply import local_value, match_grad_layouts
 from meshforge.run_plan import RunPlan
 from meshforge.train.optimizer import current_lr
+from meshforge.train.packing import Packing
 
 
 class StepRunner:
@@ -50,7 +52,9 @@ class StepRunner:
         loss: LanguageModelLoss,
         plan: RunPlan,
         mesh: Mesh,
+        eos_id: int | None = None,
     ):
+        """``eos_id``: the corpus's end-of-text token, where packed documents end (train/packing.py)."""
         self.model, self.optimizer, self.scheduler, self.loss = model, optimizer, scheduler, loss
         self.mesh, self.sharded = mesh, plan.fsdp
         self.pre_update: Callable[[], None] | None = None
@@ -61,22 +65,25 @@ class StepRunner:
         # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
         seq = plan.train.seq_len
         self.cp_index = cp_index(seq, mesh)
-        self.positions = torch.arange(seq, device=mesh.device) if self.cp_index is None else self.cp_index
+        self.packing = Packing(plan, eos_id, mesh.device, self.cp_index)  # positions, and documents per batch
         # the loss as one compiled call (parallel/compile.py); under tp its loss-parallel DTensors stay eager
         self.loss_fn = compile_loss(loss) if plan.train.compile and plan.layout.tp == 1 else loss
 
-    def run(self, batch: torch.Tensor, measure: bool) -> StepResult:
-        """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one update."""
+    def run(self, batch: torch.Tensor, measure: bool, documents: Documents | None = None) -> StepResult:
+        """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one
+        update. ``documents``: the batch's packed documents (``Packing.documents``), None when off."""
         lr = current_lr(self.scheduler)
         if self.fp8_scales:  # before the forward, not after the update: a rollback, a resume or a
             precompute_fp8_scales(self.model)  # DiLoCo sync changes weights in between too
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if self.cp_index is not None:
             inputs, targets = inputs[:, self.cp_index], targets[:, self.cp_index]
-        loss, gathered = self.forward_backward(inputs, targets, measure)
+        loss, gathered = self.forward_backward(inputs, targets, measure, documents)
         if self.guard:
             loss = self.guard.after_backward(loss)
         out = StepResult(loss, torch.zeros(()), lr, measure)
+        if documents is not None and self.packing.mask:  # the attention work the mask left (host numbers)
+            out.attention_span = documents.span()
         if measure:
             out.global_loss = float(self.reduce_loss(loss))
         if self.match_layouts:
@@ -100,7 +107,9 @@ class StepRunner:
         self.scheduler.step()
         return out
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool) -> tuple[torch.Tensor, int]:
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool, documents: Documents | None
+    ) -> tuple[torch.Tensor, int]:
         """Accumulate this rank's gradients; return its loss and (measured, sharded) the
         bytes of parameters held gathered for backward."""
         raise NotImplementedError
@@ -135,15 +144,18 @@ class PlainStep(StepRunner):
         self.train_model, self.forward_context = train_model, forward_context
         self.micro, self.accum, self.sync_all = micro, accum, sync_every_microbatch
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool) -> tuple[torch.Tensor, int]:
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool, documents: Documents | None
+    ) -> tuple[torch.Tensor, int]:
         total = torch.zeros((), device=self.mesh.device)
         gathered = 0
         for i in range(self.accum):
             sl = slice(i * self.micro, (i + 1) * self.micro)
             last = i == self.accum - 1
             with gradient_sync(self.train_model, last or self.sync_all), self.loss.context():
+                args = self.packing.forward_args(documents, sl.start, sl.stop)
                 with self.forward_context():
-                    logits = self.train_model(inputs[sl], self.positions)
+                    logits = self.train_model(inputs[sl], **args)
                 loss = self.loss_fn(logits, targets[sl], self.model)
                 if measure and last and self.sharded:
                     gathered = gathered_param_bytes(self.model)  # what ZeRO-2 keeps gathered for backward
@@ -162,6 +174,9 @@ class PipelineStep(StepRunner):
         self.loss_groups = (self.mesh.group("pp"),)
         self.stage_group = self.mesh.group("pp")
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool) -> tuple[torch.Tensor, int]:
-        self.pipeline.positions = self.positions  # the one spot later stages take this step's positions from
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool, documents: Documents | None
+    ) -> tuple[torch.Tensor, int]:
+        # the one spot every stage takes its micro-batch's positions and documents from
+        self.pipeline.forward_args = lambda start, stop: self.packing.forward_args(documents, start, stop)
         return self.pipeline.step(inputs, targets, self.mesh.rank, measure), 0

@@ -19,6 +19,8 @@ Recomputing the block in backward (activation checkpointing) runs the forward's 
 
 from __future__ import annotations
 
+import math
+
 
 def local_tokens(seq_len: int, cp: int) -> int:
     """Tokens of each sequence a cp rank holds (both balance modes give every rank the same count)."""
@@ -65,3 +67,33 @@ def ring_extra_saved_bytes_per_token(heads: float, head_dim: int, bytes_per: int
     projection's saved input is that same tensor)."""
     acc = max(bytes_per, 4)
     return heads * acc + (heads * head_dim * acc if bytes_per < acc else 0.0)
+
+
+def ring_block_work(seq_len: int, cp: int, balance: str, mean_doc_len: float = 0.0) -> list[float]:
+    """Each cp rank's expected attention work in blocks (a chunk-by-chunk product of scores; the
+    causal triangle of a diagonal block counts 1/2), for documents of exponentially distributed
+    length with mean ``mean_doc_len`` (0: none, plain causal). Under document masks
+    (``context/documents.py``) a block ``d`` chunks before the query chunk is skipped when a
+    document starts among the (d - 1)·chunk + 1 tokens between them (probability
+    1 - exp(-that / mean)); every other block runs whole, a diagonal one its causal triangle."""
+    n = 2 * cp if balance == "zigzag" else cp
+    c = seq_len / n
+    out = []
+    for rank in range(cp):
+        mine = (rank, 2 * cp - 1 - rank) if balance == "zigzag" else (rank,)
+        work = 0.0
+        for a in mine:
+            work += 0.5
+            for b in range(a):
+                work += math.exp(-((a - b - 1) * c + 1) / mean_doc_len) if mean_doc_len > 0 else 1.0
+        out.append(work)
+    return out
+
+
+def ring_skipped_fraction(seq_len: int, cp: int, balance: str, mean_doc_len: float) -> float:
+    """The expected share of the causal ring's blocks that document masks skip (counted as blocks)."""
+    n = 2 * cp if balance == "zigzag" else cp
+    c = seq_len / n
+    pairs = n * (n + 1) / 2
+    skipped = sum(-math.expm1(-((a - b - 1) * c + 1) / mean_doc_len) for a in range(n) for b in range(a))
+    return skipped / pairs if mean_doc_len > 0 else 0.0

@@ -67,27 +67,29 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None) -> torch.Tensor:
     s = torch.matmul(q.to(_acc(q)), k.to(_acc(q)).transpose(-1, -2)) * scale
+    if bias is not None:  # packed documents: 0 where the query sees the key, -inf elsewhere
+        s = s + bias.to(s.dtype)
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
-def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple:
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, bias=None) -> tuple:
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, bias)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype)), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float) -> tuple:
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, bias=None) -> tuple:
     kv_heads, acc = k.shape[1], _acc(q)
     k, v = expand_kv(k, q.shape[1]).to(acc), expand_kv(v, q.shape[1]).to(acc)
     dout = dout.to(acc)
     delta = (dout * out.to(acc)).sum(-1, keepdim=True)
-    p = torch.exp(_scores(q, k, causal, scale) - lse.to(acc).unsqueeze(-1))
+    p = torch.exp(_scores(q, k, causal, scale, bias) - lse.to(acc).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, k) * scale
@@ -122,22 +124,30 @@ def _cuda_backward(kernel: str, aux: tuple, dout, q, k, v, out, lse, causal: boo
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str = "math"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kernel: str = "math",
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Attention of q (b, h, sq, d) over k, v (b, h_kv, sk, d) on ``kernel`` (``pick_kernel``):
     output and lse in the accumulation dtype (fp32, fp64 for fp64 inputs), and what the
-    kernel's backward needs besides (None for math and CPU)."""
+    kernel's backward needs besides (None for math and CPU). ``bias`` (b, 1, sq, sk; 0 or -inf,
+    in q's dtype): a mask (packed documents); the CPU flash op takes it, on CUDA it runs on math.
+    A query that sees no key gets lse -inf (math) or 0 with a zero output (CPU flash)."""
     acc = _acc(q)
     if kernel == "flash_cpu":
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return out.to(acc), lse.to(acc), None
-    if kernel in ("flash_cuda", "efficient_cuda"):
+    if kernel in ("flash_cuda", "efficient_cuda") and bias is None:
         try:
             out, lse, aux = _cuda_forward(kernel, q, k, v, causal, scale)
             return out.to(acc), lse.to(acc), aux
         except RuntimeError:  # a shape or layout the kernel refuses: the math below
             pass
-    out, lse = _math_forward(q, k, v, causal, scale)
+    out, lse = _math_forward(q, k, v, causal, scale, bias)
     return out, lse, None
 
 
@@ -152,16 +162,19 @@ def block_backward(
     scale: float,
     kernel: str = "math",
     aux: Any = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq (b, h, sq, d), dk, dv (b, h_kv, sk, d) of one block, given the ring's merged output
-    ``out`` and log-sum-exp ``lse`` for these queries."""
+    ``out`` and log-sum-exp ``lse`` for these queries (``bias``: the forward's mask)."""
     if kernel == "flash_cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(_acc(q)).contiguous(), 0.0, causal, scale=scale
+            *(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(_acc(q)).contiguous(), 0.0, causal),
+            attn_mask=bias,
+            scale=scale,
         )
-    if kernel in ("flash_cuda", "efficient_cuda") and aux is not None:
+    if kernel in ("flash_cuda", "efficient_cuda") and aux is not None and bias is None:
         try:
             return _cuda_backward(kernel, aux, dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), causal, scale)
         except RuntimeError:
             pass
-    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    return _math_backward(dout, q, k, v, out, lse, causal, scale, bias)

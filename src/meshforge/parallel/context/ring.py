@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.models.documents import Documents
+from meshforge.parallel.context.documents import BlockWork, RingPlan, plan_ring
 from meshforge.parallel.context.kernels import block_backward, block_forward, pick_kernel
 from meshforge.parallel.mesh import Mesh
 
@@ -95,6 +97,54 @@ def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, bo: torch.Tensor,
     return out * torch.exp(lse - new).unsqueeze(-1) + bo * torch.exp(bl - new).unsqueeze(-1), new
 
 
+def _merge_rows(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    bo: torch.Tensor,
+    bl: torch.Tensor,
+    work: BlockWork,
+    shape: tuple,
+) -> tuple:
+    """Merge a block run on ``work.rows`` into the running (out, lse) of all rows; queries that
+    have seen no key yet hold lse -inf and a zero output (packed documents)."""
+    if work.empty is not None:
+        bl, bo = bl.masked_fill(work.empty, float("-inf")), bo.masked_fill(work.empty.unsqueeze(-1), 0.0)
+    if out is None:
+        out, lse = bo.new_zeros(shape), bl.new_full(shape[:-1], float("-inf"))
+    r = work.rows
+    o, ls = (out, lse) if r is None else (out[r], lse[r])
+    new = torch.logaddexp(ls, bl)
+    safe = new.masked_fill(torch.isneginf(new), 0.0)  # both -inf: nothing seen yet, weights 0
+    merged = o * torch.exp(ls - safe).unsqueeze(-1) + bo * torch.exp(bl - safe).unsqueeze(-1)
+    if r is None:
+        return merged, new
+    return out.index_copy(0, r, merged), lse.index_copy(0, r, new)
+
+
+def _doc_forward(work: BlockWork, q, k, v, out, lse, scale: float, kernel: str) -> tuple:
+    """One block of the ring over packed documents: on its rows, masked where it must be."""
+    shape = (*q.shape[:-1], v.shape[-1])
+    if work.rows is not None:
+        q, k, v = q[work.rows], k[work.rows], v[work.rows]
+    bias = None if work.mask is None else work.additive_mask(q.dtype)
+    bo, bl, aux = block_forward(q, k, v, work.causal, scale, kernel, bias)
+    return (*_merge_rows(out, lse, bo, bl, work, shape), aux)
+
+
+def _doc_backward(work: BlockWork, grads: tuple, dout, q, k, v, out, lse, scale: float, kernel: str, aux) -> None:
+    """Add one block's dq, dk, dv (over packed documents) into ``grads``' (dq, dk, dv) chunks."""
+    r = work.rows
+    if r is not None:
+        dout, q, k, v, out, lse = (t[r] for t in (dout, q, k, v, out, lse))
+    bias = None if work.mask is None else work.additive_mask(q.dtype)
+    got = block_backward(dout, q, k, v, out, lse, work.causal, scale, kernel, aux, bias)
+    for acc, g in zip(grads, got, strict=True):
+        if r is None:
+            acc.add_(g)
+        else:
+            acc.index_add_(0, r, g.to(acc.dtype))
+
+
 def _pairs(ring: Ring, src: int) -> list[tuple[int, int, bool]]:
     """(local query chunk, source key chunk, causal) for every pair that is not masked out."""
     out = []
@@ -122,7 +172,10 @@ class RingAttentionFn(torch.autograd.Function):
     """Causal attention of local q (b, h, s_local, d) over every rank's k, v (b, h_kv, s_local, d)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, plan: RingPlan | None = None
+    ) -> torch.Tensor:
+        """``plan``: packed documents (``context/documents.py``): skip and mask blocks as it says."""
         n, scale = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1])
         kernel = pick_kernel(q, ring.kernel)
         qs = _split(q, n)
@@ -132,12 +185,16 @@ class RingAttentionFn(torch.autograd.Function):
         for src, kb, vb in _blocks(ring, k, v):
             ks, vs = _split(kb, n), _split(vb, n)
             for i, j, causal in _pairs(ring, src):
-                bo, bl, aux = block_forward(qs[i], ks[j], vs[j], causal, scale, kernel)
-                outs[i], lses[i] = _merge(outs[i], lses[i], bo, bl)
+                if plan is None:
+                    bo, bl, aux = block_forward(qs[i], ks[j], vs[j], causal, scale, kernel)
+                    outs[i], lses[i] = _merge(outs[i], lses[i], bo, bl)
+                elif (work := plan.blocks[(src, i, j)]) is not None:  # None: skipped
+                    outs[i], lses[i], got = _doc_forward(work, qs[i], ks[j], vs[j], outs[i], lses[i], scale, kernel)
+                    aux = got if got is not None else aux
         out = torch.cat(outs, dim=2)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel, ctx.aux = ring, kernel, aux
+        ctx.ring, ctx.kernel, ctx.aux, ctx.plan = ring, kernel, aux, plan
         return out.to(q.dtype)
 
     @staticmethod
@@ -155,6 +212,11 @@ class RingAttentionFn(torch.autograd.Function):
             dkv = torch.zeros((2, *kb.shape), dtype=acc, device=q.device)
             dks, dvs = _split(dkv[0], n), _split(dkv[1], n)
             for i, j, causal in _pairs(ring, src):
+                if ctx.plan is not None:
+                    if (work := ctx.plan.blocks[(src, i, j)]) is not None:
+                        at = (dos[i], qs[i], ks[j], vs[j], outs[i], ls[i])
+                        _doc_backward(work, (dqs[i], dks[j], dvs[j]), *at, scale, ctx.kernel, ctx.aux)
+                    continue
                 gq, gk, gv = block_backward(
                     dos[i], qs[i], ks[j], vs[j], outs[i], ls[i], causal, scale, ctx.kernel, ctx.aux
                 )
@@ -170,7 +232,7 @@ class RingAttentionFn(torch.autograd.Function):
             dist.all_reduce(full, group=ring.group)
             grads = [full[ring.rank]]
         dkv = grads[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 class RingAttention(nn.Module):
@@ -188,8 +250,20 @@ class RingAttention(nn.Module):
         super().__init__()
         self.ring = Ring(group, cp_rank, cp, balance, rotate, kernel)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return RingAttentionFn.apply(q, k, v, self.ring)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """``documents``: the whole sequences' packed documents (every cp rank gets all of them)."""
+        if documents is None or documents.single:
+            return RingAttentionFn.apply(q, k, v, self.ring, None)
+        documents.check_rows(q.shape[0])
+        return RingAttentionFn.apply(q, k, v, self.ring, self.plan(documents))
+
+    def plan(self, documents: Documents) -> RingPlan:
+        """This rank's ring plan for ``documents`` (built once per micro-batch, then cached on them)."""
+        r = self.ring
+        n = 2 * r.cp if r.balance == "zigzag" else r.cp
+        return documents.cached(("ring", r.cp, r.rank, r.balance), lambda: plan_ring(documents, r.ids, r.rank, r.cp, n))
 
 
 def apply_cp(model: nn.Module, mesh: Mesh) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,9 +105,11 @@ class Pipeline:
         stage_arg: Any = self.stages if SCHEDULES[self.name][1] != "1" else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=self.m, loss_fn=self._loss, scale_grads=True)
         self.record: Timeline | None = None
-        # token positions of the current step's input (1-D), set by the step runner and read
-        # by every chunk (give_positions); None: arange(train.seq_len)
-        self.positions: torch.Tensor | None = None
+        # the forward arguments (positions, packed documents) of rows [start, stop) of the step's
+        # batch, set by the step runner; every chunk reads its micro-batch's (``stage_args``)
+        self.forward_args: Callable[[int, int], dict[str, Any]] | None = None
+        self.microbatch = 0  # the micro-batch a chunk is running (set around each forward)
+        self.rows = 0  # rows of this rank's batch in the current step
         self._t0 = 0.0
         for stage in self.stages:
             pipeline_stage_fixups(stage)
@@ -122,6 +125,7 @@ class Pipeline:
 
         def timed(kind: str, fn: Any) -> Any:
             def run(mb: int, *a: Any, **kw: Any) -> Any:
+                self.microbatch = mb  # (the forward's stage_args; a backward's recompute kept its own)
                 t = time.perf_counter()
                 try:
                     return fn(mb, *a, **kw)
@@ -150,6 +154,7 @@ class Pipeline:
         the auxiliary losses of its chunks' layers, which sum to the loss over the pp ranks.
         ``measure``: keep the step's timeline (bubble, in-flight, Gantt chart)."""
         self._start(rank, measure)
+        self.rows = inputs.shape[0]
         losses: list[torch.Tensor] = []
         # torch <= 2.11 checks each micro-batch's strides against the first one's; a slice of
         # the (batch, seq + 1) token block has row stride seq + 1, its micro-batches seq
@@ -176,9 +181,11 @@ class Pipeline:
         owner = chunk_ranks(self.pp, self.num_chunks // self.pp, self.name)
         part_of = dict(zip(self.chunks, self.parts, strict=True))
         peer = lambda c: dist.get_global_rank(self.group, owner[c])  # noqa: E731
-        self.record = None
-        for mb_in, mb_tgt in zip(inputs.tensor_split(self.m), targets.tensor_split(self.m), strict=True):
-            h = None
+        self.record, self.rows = None, inputs.shape[0]
+        for mb, (mb_in, mb_tgt) in enumerate(
+            zip(inputs.tensor_split(self.m), targets.tensor_split(self.m), strict=True)
+        ):
+            self.microbatch, h = mb, None
             for c in range(self.num_chunks):
                 if owner[c] != self.pp_rank:
                     continue
@@ -201,6 +208,14 @@ class Pipeline:
                     dist.send(head, dst=peer(c + 1), group=self.group)
                     dist.send(h, dst=peer(c + 1), group=self.group)
         return total
+
+    def stage_args(self) -> dict[str, Any] | None:
+        """The current micro-batch's forward arguments (positions, documents); None when the step
+        runner set none (its rows are an equal share of the batch, as the schedule splits it)."""
+        if self.forward_args is None or self.rows == 0:
+            return None
+        per = self.rows // self.m
+        return self.forward_args(self.microbatch * per, (self.microbatch + 1) * per)
 
     def timeline(self) -> Timeline | None:
         return self.record

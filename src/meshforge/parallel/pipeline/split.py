@@ -89,21 +89,22 @@ def split_model(model: Transformer, sizes: list[int], chunks: list[int]) -> list
     return parts
 
 
-def give_positions(part: Transformer, current: Callable[[], torch.Tensor | None], seq_len: int | None) -> None:
-    """Give a stage the token positions of the step being run: ``current()`` returns what
-    the step runner set (e.g. ``Pipeline.positions``); when it set nothing, stages after
-    the first (whose inputs may be sequence shards under SP) get ``arange(seq_len)`` and
-    the first (``seq_len`` None) its own default."""
+def give_positions(part: Transformer, current: Callable[[], dict | None], seq_len: int | None) -> None:
+    """Give a stage the forward arguments of the micro-batch being run: ``current()`` returns
+    what the step runner set (``Pipeline.stage_args``: its positions and packed documents);
+    when it set nothing, stages after the first (whose inputs may be sequence shards under SP)
+    get ``arange(seq_len)`` and the first (``seq_len`` None) its own default."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0]
         device = x.to_local().device if hasattr(x, "to_local") else x.device
-        positions = current()
-        if positions is None:
+        given = current()
+        if given is None:
             if seq_len is None:
                 return args, kwargs
-            positions = torch.arange(seq_len, device=device)
-        return args, {**kwargs, "positions": positions.to(device)}
+            given = {"positions": torch.arange(seq_len, device=device)}
+        given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in given.items() if v is not None}
+        return args, {**kwargs, **given}
 
     part.register_forward_pre_hook(hook, with_kwargs=True)
 
