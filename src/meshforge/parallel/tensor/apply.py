@@ -86,6 +86,19 @@ class VocabParallelHead(ColwiseParallel):
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """The vocab-parallel embedding: RowwiseParallel whose reduction waits before it hands its
+    output on. RowwiseParallel's own is asynchronous, and the lazily-waited tensor it returns,
+    fed to a compiled block, reaches the reduction's backward as a plain tensor (torch 2.13:
+    "'Tensor' object has no attribute '_local_tensor'"), so tp + train.compile failed."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The Megatron layout of one transformer block, keyed by submodule name.
 
@@ -157,7 +170,7 @@ def outer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     loss instead reduces its log-sum-exp over the tp group itself."""
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=act),
         "output": VocabParallelHead(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
     }
     plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from meshforge import compat
 from meshforge.parallel import comm_stats
@@ -266,7 +267,7 @@ matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
 
 def _local(w: Tensor) -> Tensor:
     """A tp-sharded weight's local shard (differentiable; its gradient becomes the DTensor's)."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def compute_dtype(x: Tensor) -> str:
