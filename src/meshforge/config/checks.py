@@ -88,6 +88,7 @@ def _check_layout(cfg: Config) -> None:
     _need(p.ep >= 1 and p.pp_virtual_stages >= 1, "parallel.ep and parallel.pp_virtual_stages must be >= 1")
     _need(0 <= p.zero_stage <= 3, f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
     _need(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb = {p.ddp_bucket_mb} must be > 0")
+    _need(p.ep_chunks >= 1, f"parallel.ep_chunks = {p.ep_chunks} must be >= 1 (1: no overlap)")
     _need(p.num_microbatches >= 0, f"parallel.num_microbatches = {p.num_microbatches} must be >= 0 (0: automatic)")
     _need(p.islands >= 1, f"diloco.islands = {p.islands} must be >= 1 (1: no DiLoCo)")
 
