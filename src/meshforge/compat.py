@@ -108,9 +108,11 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> 
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
 
 
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
-    """The sum over ranks of ``inp``, each rank keeping its 1/world slice in ``out``."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """The sum over ranks of ``inp``, each rank keeping its 1/world slice in ``out``; with
+    ``async_op`` the work, to wait for."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
