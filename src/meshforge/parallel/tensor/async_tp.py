@@ -59,48 +59,65 @@ def _wait(works: list, group: dist.ProcessGroup) -> None:
         comm_stats.wait(w, group)
 
 
+PIECES = 4  # each rank's chunk travels in up to this many pieces, so the GEMMs start on the first
+
+
+def pieces_of(length: int) -> int:
+    """Pieces per chunk of ``length`` positions: the most, up to PIECES, that divide it."""
+    return max(k for k in range(1, PIECES + 1) if length % k == 0)
+
+
 def ring_gather(x: Tensor, group: dist.ProcessGroup, consume: Callable[[int, Tensor], None]) -> Tensor:
-    """All-gather of ``x`` along dim 1 as a ring; ``consume(source rank, chunk)`` runs on each
-    chunk while the next one travels. Returns the gathered tensor."""
-    n, r = group.size(), group.rank()
+    """All-gather of ``x`` along dim 1 as a ring, each rank's chunk in k pieces;
+    ``consume(piece index, piece)`` runs on each piece (in the gathered order's numbering, n·k
+    in all) as soon as it is here, while later pieces travel. Returns the gathered tensor."""
+    n, r, k = group.size(), group.rank(), pieces_of(x.shape[1])
     comm_stats.book("all_gather", x.numel() * x.element_size() * n, group)
-    chunks: list[Tensor] = [x] * n
-    cur = x.contiguous()
+    out: list[Tensor] = [x] * (n * k)
+    cur = [t.contiguous() for t in x.chunk(k, 1)]
+    works: list[list] = [[] for _ in range(k)]
     for step in range(n):
         src = (r - step) % n
-        chunks[src] = cur
-        works, nxt = [], cur
-        if step < n - 1:
-            nxt = torch.empty_like(cur)
-            works = _shift(cur, nxt, group)
-        consume(src, cur)
-        _wait(works, group)
+        nxt: list[Tensor] = list(cur)
+        for i in range(k):
+            _wait(works[i], group)  # (piece i of this chunk has arrived)
+            if step < n - 1:  # pass it on, take the next chunk's piece i
+                nxt[i] = torch.empty_like(cur[i])
+                works[i] = _shift(cur[i], nxt[i], group)
+            consume(src * k + i, cur[i])
+            out[src * k + i] = cur[i]
         cur = nxt
-    return torch.cat(chunks, 1)
+    return torch.cat(out, 1)
 
 
 def ring_reduce_scatter(
-    produce: Callable[[int], Tensor], group: dist.ProcessGroup, beside: Callable[[], None] | None = None
+    produce: Callable[[int, int], Tensor], group: dist.ProcessGroup, k: int, beside: Callable[[], None] | None = None
 ) -> Tensor:
-    """Reduce-scatter along dim 1 of partial results ``produce(chunk)`` as a ring: each step's
-    partial is computed while the previous step's sum travels; ``beside`` runs beside the first
-    transfer. Returns this rank's chunk, summed over the ranks."""
+    """Reduce-scatter along dim 1 of partial results ``produce(piece index, of n·k)`` as a ring,
+    each chunk in k pieces: a piece is sent on as soon as it is summed, while the next ones are
+    computed; ``beside`` runs once the first chunk's pieces are on their way. Returns this rank's
+    chunk, summed over the ranks."""
     n, r = group.size(), group.rank()
-    works: list = []
-    recv: Tensor | None = None
-    part = produce((r - 1) % n)
-    comm_stats.book("reduce_scatter", part.numel() * part.element_size() * n, group)
+    works: list[list] = [[] for _ in range(k)]
+    recv: list[Tensor | None] = [None] * k
+    mine: list[Tensor] = []
     for step in range(n):
-        if step:
-            part = produce((r - 1 - step) % n)
-            _wait(works, group)
-            part = part + recv
-        if step < n - 1:
-            recv = torch.empty_like(part)
-            works = _shift(part, recv, group)
-            if step == 0 and beside is not None:
-                beside()
-    return part
+        c = (r - 1 - step) % n
+        for i in range(k):
+            part = produce(c * k + i)
+            if step == 0 and i == 0:
+                comm_stats.book("reduce_scatter", part.numel() * part.element_size() * n * k, group)
+            if step:
+                _wait(works[i], group)
+                part = part + recv[i]
+            if step < n - 1:
+                recv[i] = torch.empty_like(part)
+                works[i] = _shift(part, recv[i], group)
+            else:
+                mine.append(part)
+        if step == 0 and beside is not None:
+            beside()
+    return torch.cat(mine, 1)
 
 
 def _chunk(t: Tensor, c: int, n: int) -> Tensor:
@@ -124,8 +141,8 @@ def all_gather_matmul(x: Tensor, weights: list[Tensor], group_name: str, dtype: 
     if transport == "symm_mem":
         gathered, outs = compat.symm_mem_all_gather_matmul(x.to(dt), [w.t() for w in ws], 1, group_name)
         return [gathered.to(x.dtype), *outs]
-    n = group.size()
-    parts: list[list[Tensor]] = [[x] * n for _ in ws]
+    nk = group.size() * pieces_of(x.shape[1])
+    parts: list[list[Tensor]] = [[x] * nk for _ in ws]
 
     def consume(c: int, chunk: Tensor) -> None:
         for i, w in enumerate(ws):
@@ -164,11 +181,12 @@ def all_gather_matmul_backward(
             dx = compat.symm_mem_matmul_reduce_scatter(g_cat, w_cat, 1, group_name)
             return [dx.to(gathered.dtype), *dws]
         n = group.size()
+        nk = n * pieces_of(gathered.shape[1] // n)
 
         def produce(c: int) -> Tensor:
-            return sum((_chunk(g, c, n) @ w).to(gathered.dtype) for g, w in zip(gs, ws, strict=True))
+            return sum((_chunk(g, c, nk) @ w).to(gathered.dtype) for g, w in zip(gs, ws, strict=True))
 
-        dx = ring_reduce_scatter(produce, group, beside=weight_grads)
+        dx = ring_reduce_scatter(produce, group, nk // n, beside=weight_grads)
         if not dws:  # (one rank: no transfer to run beside)
             weight_grads()
         return [dx, *dws]
@@ -207,8 +225,9 @@ def matmul_reduce_scatter(y: Tensor, weight: Tensor, group_name: str, dtype: str
     with torch.autocast(y.device.type, enabled=False):
         if transport == "symm_mem":
             return compat.symm_mem_matmul_reduce_scatter(y.to(dt), w.t(), 1, group_name)
-        n = group.size()
-        return ring_reduce_scatter(lambda c: F.linear(_chunk(y, c, n).to(dt), w), group)
+        k = pieces_of(y.shape[1] // group.size())
+        nk = group.size() * k
+        return ring_reduce_scatter(lambda c: F.linear(_chunk(y, c, nk).to(dt), w), group, k)
 
 
 @matmul_reduce_scatter.register_fake
@@ -224,19 +243,19 @@ def matmul_reduce_scatter_backward(
     """``[dy, dweight]``: the output gradient's chunks all-gathered over tp as a ring, each
     multiplied (input gradient rows, and its share of the weight gradient) while the next travels."""
     group, dt = compat.resolve_group(group_name), _dtype(dtype, y)
-    w, n = weight.to(dt), group.size()
+    w, nk = weight.to(dt), group.size() * pieces_of(grad.shape[1])
     with torch.autocast(y.device.type, enabled=False):
         if transport == "symm_mem":
             full, (dy,) = compat.symm_mem_all_gather_matmul(grad.to(dt), [w], 1, group_name)
             dw = full.flatten(0, 1).t() @ y.to(dt).flatten(0, 1)
             return [dy.to(y.dtype), dw.to(weight.dtype)]
-        dys: list[Tensor] = [y] * n
+        dys: list[Tensor] = [y] * nk
         dw = torch.zeros_like(w)
 
         def consume(c: int, chunk: Tensor) -> None:
             g = chunk.to(dt)
             dys[c] = (g @ w).to(y.dtype)
-            dw.add_(g.flatten(0, 1).t() @ _chunk(y, c, n).to(dt).flatten(0, 1))
+            dw.add_(g.flatten(0, 1).t() @ _chunk(y, c, nk).to(dt).flatten(0, 1))
 
         ring_gather(grad, group, consume)
         return [torch.cat(dys, 1), dw.to(weight.dtype)]
