@@ -226,22 +226,31 @@ def planner_hidden(p: dict[str, float], axis: str) -> tuple[float, float]:
 
 
 def measure(name: str, row: Row, a: argparse.Namespace) -> dict:
-    """Unthrottled, then throttled at comm ~ ratio x compute; both settings where there is a switch."""
+    """Unthrottled, then throttled at comm ~ ratio x compute; both settings where there is a switch.
+    The conditions run interleaved ``--repeats`` times (the machine's load drifts); each one's
+    step time is the median over all its runs' steps after ``--skip``."""
     settings = {"on": row.on} if row.off is None else {"off": row.off, "on": row.on}
-    fast = {k: train("", row.layout + v, a) for k, v in settings.items()}
-    recs, cfg = fast["on"]
-    t_fast = {k: step_time(r, a.skip) for k, (r, _) in fast.items()}
+    times: dict[tuple[str, str], list[float]] = {}
+    recs, cfg = train("", row.layout + row.on, a)
+    times[("fast", "on")] = [r["step_time_s"] for r in recs[a.skip :]]
     moved = link_bytes(recs, a.skip)
     crossing = sum(moved.values())
-    rate = max(8e5, crossing / (a.comm_ratio * t_fast["on"]) * 8)  # bits/s: comm at line rate = ratio x step
+    rate = max(8e5, crossing / (a.comm_ratio * step_time(recs, a.skip)) * 8)  # bits/s: comm at line rate
     link = f"rate {int(rate / 1e3)}kbit"
     alpha, beta = probe(link, a)
-    slow = {k: step_time(train(link, row.layout + v, a)[0], a.skip) for k, v in settings.items()}
-    comm = crossing / beta + alpha * sum(1 for _ in moved)  # (latency: a lower bound, one per axis)
+    for rep in range(a.repeats):
+        for speed, kind in [(s, k) for s in ("fast", "slow") for k in settings]:
+            if rep == 0 and (speed, kind) == ("fast", "on"):
+                continue  # (the run the rate came from)
+            r = train("" if speed == "fast" else link, row.layout + settings[kind], a)[0]
+            times.setdefault((speed, kind), []).extend(x["step_time_s"] for x in r[a.skip :])
+    comm = crossing / beta + alpha * len(moved)  # (latency: a lower bound, one message per axis)
     out = {"row": name, "link": link, "alpha_s": alpha, "beta_Bps": beta, "bytes": moved, "comm_s": comm}
     for k in settings:
-        exposed = slow[k] - t_fast[k]
-        out[k] = {"fast_s": t_fast[k], "slow_s": slow[k], "exposed_s": exposed, "hidden": 1 - exposed / comm}
+        fast, slow = (statistics.median(times[(sp, k)]) for sp in ("fast", "slow"))
+        exposed = slow - fast
+        out[k] = {"fast_s": fast, "slow_s": slow, "exposed_s": exposed, "hidden": 1 - exposed / comm}
+        out[k]["steps"] = {sp: times[(sp, k)] for sp in ("fast", "slow")}
     out["config"], out["axis"] = cfg, row.axis
     return with_prediction(out)
 
@@ -258,7 +267,8 @@ def report(r: dict) -> None:
     line = (
         f"{r['row']:6s} link {r['link']:>14s} (beta {r['beta_Bps'] / 1e6:6.2f} MB/s, "
         f"alpha {1e3 * r['alpha_s']:5.2f} ms)"
-        f" | comm {r['comm_s']:7.3f} s | step fast {on['fast_s']:7.3f} slow {on['slow_s']:7.3f}"
+        f" | comm {r['comm_s']:7.3f} s ({r['comm_s'] / on['fast_s']:4.2f} x step)"
+        f" | step fast {on['fast_s']:7.3f} slow {on['slow_s']:7.3f}"
         f" | exposed {on['exposed_s']:7.3f} hidden {100 * on['hidden']:5.1f}%"
         f" | planner exposed {p['exposed_s']:7.3f} ({100 * (p['exposed_s'] / on['exposed_s'] - 1):+5.1f}%)"
         f" hidden {100 * p['axis'][1]:5.1f}%"
@@ -280,6 +290,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of every condition")
     ap.add_argument("--comm-ratio", type=float, default=1.0, help="link rate: comm = this x unthrottled step")
     ap.add_argument("--ep-chunks", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=1)
