@@ -55,13 +55,13 @@ def _dispatch_worker(rank: int, ep: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ep)
     try:
         mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
-        for capacity in (0.0, 1.0):
-            _check_dispatch(rank, ep, mesh, capacity)
+        for capacity, chunks in ((0.0, 1), (1.0, 1), (0.0, 2), (1.0, 3)):
+            _check_dispatch(rank, ep, mesh, capacity, chunks)
     finally:
         dist.destroy_process_group()
 
 
-def _check_dispatch(rank: int, ep: int, mesh, capacity: float) -> None:
+def _check_dispatch(rank: int, ep: int, mesh, capacity: float, chunks: int) -> None:
     torch.manual_seed(0)
     args = _layer_args()
     args.capacity_factor = capacity
@@ -89,7 +89,7 @@ def _check_dispatch(rank: int, ep: int, mesh, capacity: float) -> None:
     for name in ("w1", "w2", "w3"):
         full = getattr(ref.experts, name).detach()
         setattr(moe.experts, name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
-    moe.dispatcher = AllToAllDispatch(mesh.get_group(), ep)
+    moe.dispatcher = AllToAllDispatch(mesh.get_group(), ep, chunks)
     counter = CommCounter({mesh.get_group(): "ep"})
     with counter.counting():
         out = moe(xs[rank])
@@ -102,6 +102,7 @@ def _check_dispatch(rank: int, ep: int, mesh, capacity: float) -> None:
         got = getattr(moe.experts, name).grad.to_local()
         torch.testing.assert_close(got, getattr(ref.experts, name).grad[local] / ep, rtol=1e-5, atol=1e-6)
     assert torch.equal(moe.drops, mine_drops)  # a rank drops what one device drops for its tokens
+    assert counter.calls["all_to_all"] == 4 * chunks  # dispatch + combine per chunk, forward and backward
     sent = torch.tensor([counter.snapshot()["ep"]["all_to_all"]])
     dist.all_reduce(sent)
     tokens = sum(x.shape[0] for x in xs) / ep  # the formula is per rank: compare the mean
@@ -114,10 +115,11 @@ def _check_dispatch(rank: int, ep: int, mesh, capacity: float) -> None:
 
 @pytest.mark.slow
 def test_all_to_all_dispatch_matches_one_device():
-    """Dropless and with capacity 1: outputs and token gradients exact; expert gradients each
+    """Dropless and with capacity 1, in one all-to-all each way and in 2 and 3 overlapped
+    chunks (parallel/expert/overlap.py): outputs and token gradients exact; expert gradients each
     rank's slice of the summed single-device gradient / ep; drops per rank as one device's for
     its tokens; all-to-all bytes (dropless) averaged over the ranks = 2 x 2 x tokens x k x
-    hidden x 4 x (ep-1)/ep per layer, forward + backward."""
+    hidden x 4 x (ep-1)/ep per layer, forward + backward, whatever the chunks."""
     mp.spawn(_dispatch_worker, args=(2, _free_port()), nprocs=2, join=True)
 
 

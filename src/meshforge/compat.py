@@ -22,6 +22,10 @@ needs it; when the floor (pyproject.toml) passes that version, the entry goes.
   names; 2.11 has only those. Looked up per call, because the communication counter swaps
   wrappers into the module attributes on measured steps.
 
+- ``resolve_group``, ``symm_mem_*``, ``enable_micro_pipeline_tp``: async TP's private torch
+  names (a process group from its name, the symmetric-memory fused ops, inductor's
+  micro-pipeline TP switch), the same on 2.11-2.13; the CUDA ones are not run on a CPU machine.
+
 Other private torch names are used where they are wrapped and listed here: the stage's
 ``_post_metadata_inference_cleanup`` (parallel/pipeline/stage_aux.py), the stager's ``_config``
 (checkpoint/sharded.py); ``torch._grouped_mm`` is probed and called here (``grouped_mm``).
@@ -104,9 +108,11 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> 
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
 
 
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
-    """The sum over ranks of ``inp``, each rank keeping its 1/world slice in ``out``."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """The sum over ranks of ``inp``, each rank keeping its 1/world slice in ``out``; with
+    ``async_op`` the work, to wait for."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -145,3 +151,52 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """``torch._grouped_mm`` (private; probed by ``grouped_mm_supported``): one GEMM per group of
     rows of ``x`` (its ends in ``offs``) with the matching matrix of ``w``."""
     return torch._grouped_mm(x, w, offs=offs)
+
+
+# ----------------------------------------------------------------------------- async TP
+
+
+def resolve_group(group_name: str) -> Any:
+    """The process group of a name (custom ops take groups by name)."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def symm_mem_available() -> bool:
+    """Whether torch's symmetric-memory fused matmul collectives run here (a CUDA build that
+    defines them). Importing the module defines the ops."""
+    if not (torch.cuda.is_available() and dist.is_available()):
+        return False
+    import importlib
+
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")  # defines torch.ops.symm_mem.*
+    except ImportError:
+        return False
+    ops = getattr(torch.ops, "symm_mem", None)
+    return ops is not None and hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
+
+
+def symm_mem_all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str) -> tuple:
+    """(all-gathered ``a`` along ``dim``, [gathered a @ b for b in bs]) by torch's fused CUDA kernel."""
+    gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(a, bs, dim, group_name)
+    return gathered, list(outs)
+
+
+def symm_mem_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """(a @ b) summed over the group and scattered along ``dim``, by torch's fused CUDA kernel."""
+    return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", dim, group_name)
+
+
+def enable_micro_pipeline_tp(group: Any) -> None:
+    """Inductor's micro-pipeline TP (torchtitan's async TP): compiled all-gather + matmul and
+    matmul + reduce-scatter pairs become the symmetric-memory fused ops. Older torch also needs
+    symmetric memory enabled for the tp group (2.13 deprecates that call as unneeded)."""
+    import warnings
+
+    import torch._inductor.config as inductor_config  # private: used here only
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(group.group_name)

@@ -58,6 +58,10 @@ class Layout:
     ep: int = 1
     """expert-parallel degree: each MoE block's experts split over this many data-parallel ranks (must divide
     `model.num_experts` and dp_shard × cp; see [moe.md](moe.md))"""
+    ep_chunks: int = 2
+    """under ep > 1: each MoE layer's tokens go out in this many chunks, so one chunk's dispatch or combine
+    all-to-all runs while another chunk's experts compute (1: one all-to-all each way, nothing overlapped).
+    See [moe.md](moe.md)"""
     zero_stage: int = 0
     """0 DDP; 1 optimizer state sharded (fp32: ZeroRedundancyOptimizer; bf16/fp8: bf16 working state, fp32
     master + Adam sharded, 4Ψ + 12Ψ/N, see [precision.md](precision.md)); 2 + gradients (FSDP2, params kept
@@ -67,14 +71,16 @@ class Layout:
     """reduce gradients on every micro-batch instead of only the last (under ZeRO-2/3: less memory, more
     traffic)"""
     ddp_bucket_mb: int = 25
-    """DDP gradient bucket size in MiB (stages 0/1)"""
+    """gradient bucket size in MiB (stages 0/1): DDP's all-reduce buckets, and bf16 ZeRO-1's reduce-scatter buckets,
+    each reduced during backward as soon as its gradients are in"""
     sequence_parallel: bool = True
     """under tp > 1, run norms and residuals on sequence shards (reduce-scatter + all-gather instead of
     all-reduce: same bytes, 1/tp of those activations); false: replicated"""
     async_tp: bool = False
     """under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the GEMMs
-    beside them (async TP, Megatron-Core `--tp-comm-overlap`); `meshforge plan --tp-overlap` prices it. Needs a
-    CUDA device (refused elsewhere); training does not run the overlap yet"""
+    beside them (async TP, Megatron-Core `--tp-comm-overlap`): a decomposed collective matmul on any backend;
+    on CUDA torch's symmetric-memory fused ops (eager) or inductor's micro-pipeline TP (train.compile);
+    `meshforge plan --tp-overlap` prices it. See [parallelism.md](parallelism.md#async-tensor-parallelism)"""
     pp_schedule: str = "1f1b"
     """`gpipe`, `1f1b`, `interleaved_1f1b`, `zero_bubble` (interleaved zero bubble), `zbv`, `dualpipev` (the last
     two where the installed PyTorch has them)"""

@@ -27,7 +27,7 @@ def detect_world(cfg: Config, size: int | None = None) -> World:
     """This machine as a run of ``size`` ranks (default: the launcher's world) sees it."""
     import torch
 
-    from meshforge.compat import split_backward_through_custom_functions
+    from meshforge.compat import split_backward_through_custom_functions, symm_mem_available
 
     size = launch_env.world_size() if size is None else size
     want = cfg.train.device
@@ -41,12 +41,11 @@ def detect_world(cfg: Config, size: int | None = None) -> World:
         torch=torch.__version__,
         fp8_native=bool(fp8),
         split_backward_custom_functions=split_backward_through_custom_functions(),
+        symm_mem=cuda and cfg.layout.async_tp and symm_mem_available(),
     )
 
 
-def resolve(
-    cfg: Config, world_size: int | None = None, *, world: World | None = None, machine: bool = True
-) -> RunPlan:
+def resolve(cfg: Config, world_size: int | None = None, *, world: World | None = None, machine: bool = True) -> RunPlan:
     """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks);
     ``machine = False`` leaves out what only the machine refuses (``--dry-run`` says it instead)."""
     world = world or detect_world(cfg, world_size)
@@ -68,6 +67,7 @@ def resolve(
         flat_zero1=flat_zero1,
         ddp=layout.dp_cp > 1 and not fsdp and not flat_zero1,
         changes=tuple(changes),
+        async_tp=dims.async_tp_mode(layout, world.device, train.compile, world.symm_mem),
     )
 
 
@@ -96,7 +96,9 @@ def _layout(cfg: Config, world: World, precision: str) -> Layout:
     d = cfg.diloco
     rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
     t = cfg.train
-    batch = Batch(t.seq_len, t.global_batch_size, world.ranks_per_node, device=world.device, diloco=rules)
+    batch = Batch(
+        t.seq_len, t.global_batch_size, world.ranks_per_node, world.device, precision, t.compile, diloco=rules
+    )
     dims.check(lay, cfg.shape, batch)
     if lay.pp > 1:  # (train.micro_batch_size = 0 stays: "the whole per-rank batch" is a rule, not a choice)
         return lay.replace(num_microbatches=lay.microbatches(t.global_batch_size))

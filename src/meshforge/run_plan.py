@@ -41,6 +41,7 @@ class World:
     torch: str = ""
     fp8_native: bool = False  # the device has fp8 matmuls (CUDA compute capability >= 8.9); else emulated
     split_backward_custom_functions: bool = True  # compat: a zero-bubble weight pass crosses autograd.Functions
+    symm_mem: bool = False  # torch's symmetric-memory fused matmul collectives run here (CUDA)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RunPlan:
     ddp: bool  # the model is wrapped in DDP
     changes: tuple[Change, ...] = ()
     resume: ResumePoint | None = None  # set by rank 0's pre-flight (None: not looked for on this rank)
+    async_tp: str = "off"  # how tp collectives overlap the GEMMs: off | ring | symm_mem | micro_pipeline
 
     # the config's parts, read the same way everywhere: plan.layout.tp, plan.shape.hidden, plan.train.seq_len
     @property
@@ -165,6 +167,7 @@ class RunPlan:
             "autocast": self.autocast,
             "fp8_all_gather": self.fp8_all_gather,
             "flat_zero1": self.flat_zero1,
+            "async_tp": self.async_tp,
         }
 
     def to_toml(self) -> str:

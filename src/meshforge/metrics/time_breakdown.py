@@ -3,10 +3,11 @@ pipeline bubble, optimizer, other (measurement itself, checks).
 
 Taken from timestamps on measured (logged) steps only: the step's start, the first forward
 (a model forward pre-hook: before it is data), the optimizer step (optimizer hooks), and
-the communication counter's blocked time (blocking collectives, plus the tail of
-asynchronous ones such as DDP's last gradient bucket). Compute is what is left of forward,
-backward and clipping after exposed communication and (pipelines) the measured bubble.
-On GPUs the hooks synchronise the device on measured steps only.
+the communication counter's blocked time per mesh axis (blocking collectives, waits on the
+overlapped paths' work, plus the tail of asynchronous ones such as DDP's last gradient
+bucket): the exposed communication, and each axis's part of it (``exposed_comm_<axis>_s``).
+Compute is what is left of forward, backward and clipping after exposed communication and
+(pipelines) the measured bubble. On GPUs the hooks synchronise the device on measured steps only.
 
 The run's summary (``run_breakdown``) covers the whole wall time: every step's host time split
 in the logged steps' proportions, plus host-timed checkpoint, eval and logging phases, and the
@@ -33,6 +34,8 @@ class StepClock:
     def __init__(self, called: list[nn.Module], optimizer: torch.optim.Optimizer, comm: CommCounter | None, device):
         """``called``: the modules forward runs (the model, or under pp this rank's stage parts)."""
         self.comm, self.device = comm, device
+        # the mesh axes whose exposed time is told apart (the same list on every rank)
+        self.axes = sorted(set(comm.axis_of_group.values())) if comm else []
         self.measured, self.t0, self.t_end = False, 0.0, 0.0
         self.first_forward: float | None = None
         self.opt: list[float | None] = [None, None]
@@ -67,24 +70,35 @@ class StepClock:
         fwd = self.first_forward or self.t0
         opt_start, opt_end = self.opt[0] or self.t_end, self.opt[1] or self.opt[0] or self.t_end
         run = max(0.0, opt_start - fwd)
-        exposed = min(run, self.comm.exposed_s()) if self.comm else 0.0
+        by_axis = self.comm.exposed_by_axis() if self.comm else {}
+        total = sum(by_axis.values())
+        exposed = min(run, total)
         bubble = bubble_fraction * run
         compute = max(0.0, run - exposed - bubble)
         parts = [fwd - self.t0, compute, exposed, bubble, opt_end - opt_start]
-        return parts + [max(0.0, (self.t_end - self.t0) - sum(parts))]
+        scale = exposed / total if total > 0 else 0.0  # (capped at the run like the whole)
+        other = max(0.0, (self.t_end - self.t0) - sum(parts))
+        return [*parts, other, *(by_axis.get(a, 0.0) * scale for a in self.axes)]
 
     def breakdown(self, bubble_fraction: float, distributed: bool) -> dict[str, Any]:
-        """The mean over ranks of each part, and every rank's parts (a gather on distributed
-        runs: every rank calls this on the same steps)."""
+        """The mean over ranks of each part and of each axis's share of the exposed
+        communication (``exposed_comm_<axis>_s``), and every rank's parts (a gather on
+        distributed runs: every rank calls this on the same steps)."""
         mine = torch.tensor(self.mine(bubble_fraction), dtype=torch.float64)
         rows = [mine]
         if distributed:
             rows = [torch.zeros_like(mine, device=self.device) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, mine.to(self.device))
         table = [[round(float(x), 6) for x in r.cpu()] for r in rows]
-        out: dict[str, Any] = {k: sum(r[i] for r in table) / len(table) for i, k in enumerate(PARTS)}
-        out["by_rank"] = table
+        keys = [*PARTS, *(axis_key(a) for a in self.axes)]
+        out: dict[str, Any] = {k: sum(r[i] for r in table) / len(table) for i, k in enumerate(keys)}
+        out["by_rank"] = [r[: len(PARTS)] for r in table]
         return out
+
+
+def axis_key(axis: str) -> str:
+    """The breakdown's key for one mesh axis's exposed communication."""
+    return f"exposed_comm_{axis}_s"
 
 
 class PhaseTimer:
@@ -110,6 +124,7 @@ def run_breakdown(wall_s: float, steps_s: float, step_parts: dict[str, float], p
     measurement, the loop itself), so the parts add up to ``wall_s``."""
     measured = sum(step_parts.get(k, 0.0) for k in PARTS)
     out: dict[str, float] = {}
+    axes = [k for k in step_parts if k.startswith("exposed_comm_") and k != "exposed_comm_s"]
     for k in PARTS[:-1]:  # the step's own "other" goes to the remainder
         out[k] = steps_s * step_parts.get(k, 0.0) / measured if measured > 0 else 0.0
     for k in ("checkpoint", "eval", "logging"):
@@ -118,4 +133,6 @@ def run_breakdown(wall_s: float, steps_s: float, step_parts: dict[str, float], p
     wall = round(wall_s, 6)
     out["other_s"] = round(max(0.0, wall - sum(out.values())), 6)  # after rounding: the parts add up
     out["wall_s"] = wall
+    for k in axes:  # each axis's share of exposed_comm_s, in the same proportion (not added again)
+        out[k] = round(steps_s * step_parts[k] / measured, 6) if measured > 0 else 0.0
     return out

@@ -11,7 +11,8 @@ two coordinates of a rotated pair), which is the layout of Hugging Face Llama we
 so those import without permuting q/k projections.
 
 Seams that later features plug into without the model learning about them: the attention
-core (``Attention.core``, swapped per block by context parallelism for ring attention),
+core (``Attention.core``, swapped per block by context parallelism for ring attention), the
+projections' application (``project_in`` / ``project_out``, swapped by async tensor parallelism),
 positions passed in (a sequence shard passes its own), the feed-forward built by
 ``build_feed_forward`` (a mixture-of-experts layer per layer id), an explicit
 ``head_dim`` and optional QK-norm (Qwen3), and auxiliary losses reported to
@@ -99,9 +100,27 @@ class SDPAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class Projections(nn.Module):
+    """The linears that read one input, each applied to it (a block's ``project_in``).
+    Parameter-free, so async tensor parallelism can swap it for one that gathers the input's
+    sequence shards once for all of them while multiplying (parallel/tensor/async_tp.py)."""
+
+    def forward(self, x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(lin(x) for lin in linears)
+
+
+class Projection(nn.Module):
+    """A block's output linear applied (``project_out``); async tensor parallelism swaps it for
+    a multiply-and-reduce-scatter."""
+
+    def forward(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+        return linear(x)
+
+
 class Attention(nn.Module):
     """Projections (wq, wk, wv, wo: the names checkpoints, HF export and the TP plan key
-    on), optional QK-norm, RoPE, and the replaceable core between them."""
+    on), optional QK-norm, RoPE, and the replaceable core between them; the projections are
+    applied through the ``project_in`` / ``project_out`` seams."""
 
     def __init__(self, args: ModelShape):
         super().__init__()
@@ -115,32 +134,38 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
         self.core: nn.Module = SDPAttention()
+        self.project_in: nn.Module = Projections()
+        self.project_out: nn.Module = Projection()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_in(x, (self.wq, self.wk, self.wv))
+        b, s = q.shape[:2]  # (the projections' sequence: the whole one under tp's gathering seam)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.project_out(out.transpose(1, 2).reshape(b, s, -1), self.wo)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), through the ``project_in`` / ``project_out`` seams."""
 
     def __init__(self, args: ModelShape):
         super().__init__()
         self.w1 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
         self.w3 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
         self.w2 = nn.Linear(args.ffn_hidden, args.hidden, bias=False)
+        self.project_in: nn.Module = Projections()
+        self.project_out: nn.Module = Projection()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.project_in(x, (self.w1, self.w3))
+        return self.project_out(F.silu(gate) * up, self.w2)
 
 
 def build_feed_forward(args: ModelShape, layer_id: int) -> nn.Module:

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from meshforge.parallel.tensor import async_tp
+
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -25,6 +27,10 @@ _SAVE_OPS = {
     # as Megatron-LM does, since its output is the full sequence
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    # async TP's overlapped ops (their outputs: the projections, with the gathered input they
+    # keep for backward, and the reduced sequence shard): kept, so no ring runs again in backward
+    async_tp.all_gather_matmul._opoverload,
+    async_tp.matmul_reduce_scatter._opoverload,
 }
 
 

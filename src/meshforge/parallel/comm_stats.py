@@ -94,60 +94,85 @@ class CommCounter:
         self.calls: dict[str, int] = defaultdict(int)
         self.trace: list[tuple[str, str, int]] | None = [] if trace else None  # (axis, kind, payload bytes)
         self._lock = threading.Lock()
-        self.blocked_s = 0.0  # time inside blocking calls
-        self.last_launch: float | None = None  # the last asynchronous launch, and the last completion
-        self.last_done: float | None = None
+        self.blocked: dict[str, float] = defaultdict(float)  # per axis: time inside blocking calls and waits
+        # per axis: the last asynchronous launch nobody waited for through ``wait``, and its completion
+        self.last_launch: dict[str, float] = {}
+        self.last_done: dict[str, float] = {}
+        self._last_work: dict[str, Any] = {}
 
-    def record(self, table: dict, fn_name: str, bound: inspect.BoundArguments) -> None:
+    def axis(self, group: Any) -> str:
+        """The mesh axis a process group belongs to ("world" for the default group)."""
+        return self.axis_of_group.get(_group_key(group), "world" if group is None else "other")
+
+    def record(self, table: dict, fn_name: str, bound: inspect.BoundArguments) -> str | None:
+        """Count one call's wire bytes; returns its axis (None: a one-rank group, nothing moved)."""
         kind, arg, factor = table[fn_name]
         group = _process_group(bound.arguments.get("group"))
         n = dist.get_world_size(group) if fn_name != "batch_isend_irecv" else 2
         if n <= 1:
-            return
-        axis = self.axis_of_group.get(_group_key(group), "world" if group is None else "other")
+            return None
         payload = _nbytes(bound.arguments.get(arg))
         if fn_name == "batch_isend_irecv":  # pipeline transfers: count what this rank sends
             ops = bound.arguments[arg]
             group = _process_group(ops[0].group) if ops else None
-            axis = self.axis_of_group.get(_group_key(group), "world" if group is None else "other")
             payload = sum(_nbytes(op.tensor) for op in ops if op.op is _ISEND)
             if not payload:
-                return
+                return None
+        return self.add(self.axis(group), kind, payload, factor(n))
+
+    def add(self, axis: str, kind: str, payload: float, factor: float) -> str:
         with self._lock:
-            self.bytes[axis][kind] += payload * factor(n)
+            self.bytes[axis][kind] += payload * factor
             self.calls[kind] += 1
             if self.trace is not None:
                 self.trace.append((axis, kind, payload))
+        return axis
 
-    def timed(self, out: Any, t0: float) -> None:
+    def timed(self, out: Any, t0: float, axis: str) -> None:
         """Book a call's time: all of it when it blocked; for asynchronous work, when it was
         launched and (a callback) when it completed."""
         now = time.perf_counter()
         works = out if isinstance(out, list) else [out]
         if out is None or not all(hasattr(w, "get_future") for w in works):
-            self.blocked_s += now - t0
+            self.blocked[axis] += now - t0
             return
-        self.last_launch = now
+        self.last_launch[axis] = now
+        self.last_done.pop(axis, None)
+        self._last_work[axis] = works[-1]
         for w in works:
             try:
-                w.get_future().add_done_callback(self._done)
+                w.get_future().add_done_callback(functools.partial(self._done, axis))
             except RuntimeError:  # point-to-point work has no future; its waits go uncounted
                 pass
 
-    def _done(self, _: Any) -> None:
-        self.last_done = time.perf_counter()
+    def _done(self, axis: str, _: Any) -> None:
+        self.last_done[axis] = time.perf_counter()
+
+    def waited(self, work: Any, axis: str, seconds: float) -> None:
+        """A wait through ``wait``: its time is exposed; the work is no async tail any more."""
+        self.blocked[axis] += seconds
+        if self._last_work.get(axis) is work:
+            self.last_launch.pop(axis, None)
+
+    def exposed_by_axis(self) -> dict[str, float]:
+        """Per axis, the time this rank was held by communication in the counted block: blocking
+        calls and waits, plus the tail of asynchronous work that completed after its axis's
+        last launch and was waited for elsewhere (e.g. DDP's last gradient bucket, which backward
+        waits for)."""
+        out = dict(self.blocked)
+        for axis, t in self.last_launch.items():
+            done = self.last_done.get(axis)
+            if done is not None:
+                out[axis] = out.get(axis, 0.0) + max(0.0, done - t)
+        return out
 
     def exposed_s(self) -> float:
-        """Time this rank was held by communication in the counted block: blocking calls, plus
-        the tail of asynchronous work that completed after the last launch (e.g. DDP's last
-        gradient bucket, which backward waits for)."""
-        tail = 0.0
-        if self.last_launch is not None and self.last_done is not None:
-            tail = max(0.0, self.last_done - self.last_launch)
-        return self.blocked_s + tail
+        """All axes' exposed time (``exposed_by_axis``)."""
+        return sum(self.exposed_by_axis().values())
 
     def reset(self) -> None:
-        self.blocked_s, self.last_launch, self.last_done = 0.0, None, None
+        self.blocked.clear()
+        self.last_launch, self.last_done, self._last_work = {}, {}, {}
         with self._lock:
             self.bytes.clear()
             self.calls.clear()
@@ -198,12 +223,40 @@ def _wrap(fn: Any, table: dict, name: str) -> Any:
         if counter is None:
             return fn(*args, **kwargs)
         try:
-            counter.record(table, name, sig.bind(*args, **kwargs))
+            axis = counter.record(table, name, sig.bind(*args, **kwargs))
         except TypeError:
-            pass  # let the real call raise its own error
+            axis = None  # let the real call raise its own error
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        counter.timed(out, t0)
+        if axis is not None:
+            counter.timed(out, t0, axis)
         return out
 
     return wrapper
+
+
+# ------------------------------------------------------------------ meshforge's own overlapped collectives
+
+
+def book(kind: str, payload: float, group: Any) -> None:
+    """Count an all-gather or reduce-scatter that meshforge runs as a ring of point-to-point
+    sends (async TP) as that collective: ``payload`` its full (unsharded) size in bytes, of which
+    a ring moves (n-1)/n per rank. A no-op outside ``counting()``."""
+    counter = CommCounter._active
+    if counter is None:
+        return
+    n = dist.get_world_size(group)
+    if n > 1:
+        counter.add(counter.axis(group), kind, payload, (n - 1) / n)
+
+
+def wait(work: Any, group: Any) -> None:
+    """``work.wait()``; inside ``counting()`` the time it blocks is booked as exposed on the
+    group's axis (the overlapped paths wait through here, so what they fail to hide shows)."""
+    counter = CommCounter._active
+    if counter is None:
+        work.wait()
+        return
+    t0 = time.perf_counter()
+    work.wait()
+    counter.waited(work, counter.axis(group), time.perf_counter() - t0)

@@ -82,7 +82,7 @@ def _apply(model: Transformer, plan: RunPlan, mesh: Mesh, seed: int | None) -> N
     if t.precision == "fp8":
         apply_fp8(model, t.fp8_recipe, list(t.fp8_exclude), mesh.device, plan.fp8_all_gather)
     if lay.tp > 1:
-        apply_tp(model, mesh.submesh("tp"), lay.sequence_parallel)
+        apply_tp(model, mesh.submesh("tp"), lay.sequence_parallel, plan.async_tp)
     if lay.ep > 1:
         apply_ep(model, mesh)
         if lay.tp > 1:  # each tp rank dispatches its share of the slots

@@ -43,11 +43,31 @@ def breakdown_html(name: str, tb: dict[str, Any]) -> str:
     rows = [(label, float(tb.get(key, 0.0)), color) for key, label, color in PARTS if tb.get(key, 0) >= 0.005]
     bar, body = _stack(rows, wall, 2)
     total = sum(s for _, s, _ in rows)
+    body += _axis_rows(tb, wall)
     return (
         f'<div class="breakdown" data-run="{escape(name)}"><h3>{escape(name)}: {wall:,.1f} s wall time</h3>'
         f'<div class="stack">{bar}</div><table class="breakdown-table"><tr><th>part</th><th>seconds</th>'
         f"<th>share of wall time</th></tr>{body}<tr><th>total</th><th class='num'>{total:,.2f}</th>"
         f"<th class='num'>{100 * total / wall:.1f}%</th></tr></table></div>"
+    )
+
+
+def _axis_rows(tb: dict[str, Any], wall: float) -> str:
+    """Table rows for each mesh axis's part of the exposed communication (``exposed_comm_<axis>_s``),
+    largest first; they are inside "exposed communication", not added to the total."""
+    axes = sorted(
+        (
+            (k[len("exposed_comm_") : -2], float(v))
+            for k, v in tb.items()
+            if k.startswith("exposed_comm_") and k != "exposed_comm_s" and isinstance(v, (int, float))
+        ),
+        key=lambda kv: -kv[1],
+    )
+    return "".join(
+        f'<tr class="axis-part"><td>&nbsp;&nbsp;of which on {escape(axis)}</td><td class="num">{s:,.2f}</td>'
+        f'<td class="num">{100 * s / wall:.1f}%</td></tr>'
+        for axis, s in axes
+        if s >= 0.005
     )
 
 

@@ -50,7 +50,9 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, mesh: Mesh) -> torch.
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw.update(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     p = plan.layout
-    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, p.zero_stage, plan.flat_zero1, p.grad_reduce_dtype)
+    return make_optimizer(
+        groups, torch.optim.AdamW, kw, mesh, p.zero_stage, plan.flat_zero1, p.grad_reduce_dtype, plan.microbatches
+    )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunPlan, step: int = 0) -> LambdaLR:

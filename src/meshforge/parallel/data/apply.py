@@ -150,14 +150,17 @@ def make_optimizer(
     zero_stage: int,
     flat_zero1: bool = False,
     grad_reduce_dtype: str = "fp32",
+    microbatches: int = 1,
 ) -> torch.optim.Optimizer:
     """Stage 1 shards the optimizer over the ``dp`` group (``dp_cp`` under cp > 1: cp ranks hold
     the same parameters and gradients, so they share the state like dp ranks); sharded stages
     shard it through their params. ``flat_zero1`` (the run plan's bf16 stage 1) holds bf16
-    working state and shards fp32 master + Adam (parallel/data/zero1.py)."""
+    working state and shards fp32 master + Adam (parallel/data/zero1.py), reducing its gradients
+    bucket by bucket during the last of ``microbatches`` backward passes."""
     group = mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
     if flat_zero1:
-        return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype)
+        bucket_mb = mesh.layout.ddp_bucket_mb
+        return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype, bucket_mb=bucket_mb, microbatches=microbatches)
     if zero_stage == 1 and mesh.layout.dp_cp > 1:
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],

@@ -3,22 +3,26 @@
 Every rank holds bf16 working parameters (2Ψ) and bf16 gradients (2Ψ); the fp32 master
 weights and Adam's two moments (12Ψ/N) exist only for this rank's 1/N of the parameters.
 Parameters and gradients of each optimizer parameter group are views into one flat buffer,
-padded to a multiple of N, so that rank r owns the contiguous slice [r S, (r+1) S) of it,
-S = ceil(numel / N). One step:
+padded to a multiple of N and cut into buckets of about ``parallel.ddp_bucket_mb`` (each a
+multiple of N elements); rank r owns the r-th 1/N of every bucket, S = ceil(numel / N)
+elements in all (one bucket: the contiguous slice [r S, (r+1) S)). One step:
 
-1. backward accumulates bf16 gradients into the flat gradient buffer (no hooks, no
-   communication: gradient accumulation over micro-batches is free);
-2. the flat gradients are reduce-scattered (in ``parallel.grad_reduce_dtype``; fp32 by
-   default, cast chunk by chunk so the fp32 copy never exceeds ``CHUNK_BYTES``) into this
-   rank's fp32 shard, and averaged;
+1. backward accumulates bf16 gradients into the flat gradient buffer; on the last
+   micro-batch, as soon as every parameter of a bucket has its gradient (a post-accumulate
+   hook per parameter), that bucket is reduce-scattered asynchronously (in
+   ``parallel.grad_reduce_dtype``; fp32 by default, cast chunk by chunk so the fp32 copies in
+   flight stay near ``CHUNK_BYTES``) into this rank's fp32 shard, while backward goes on
+   through the layers in front of it, as DDP's bucketed all-reduce does;
+2. after backward the last buckets are waited for (and any bucket whose parameters got no
+   gradient is reduced then), and the shard averaged;
 3. the global norm (for clipping) is summed over the shards: one scalar all-reduce;
-4. AdamW updates the fp32 master shard; the bf16 cast of every rank's shard is
-   all-gathered into the flat parameter buffer.
+4. AdamW updates the fp32 master shard; the bf16 cast of every rank's pieces is all-gathered
+   bucket by bucket into the flat parameter buffer.
 
 Reduce-scatter plus all-gather move the elements of one all-reduce: DDP's volume, as the
 paper says (in bytes, fp32 reduction + bf16 gather is 3/4 of an fp32 DDP all-reduce; with
-``grad_reduce_dtype = "bf16"`` it is exactly a bf16 all-reduce). The reduction runs after
-backward, not overlapped with it.
+``grad_reduce_dtype = "bf16"`` it is exactly a bf16 all-reduce); buckets change where the
+elements sit, not how many move. The parameter all-gather after the step is not overlapped.
 
 Checkpoints keep meshforge's layout-free format (full fp32 tensors by parameter name, see
 checkpoint/sharded.py): the fp32 master and the moments are all-gathered for a save and
@@ -28,6 +32,8 @@ state exists on every rank while that happens (16Ψ transient).
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any
 
 import torch
@@ -36,52 +42,20 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from meshforge.compat import all_gather_flat, reduce_scatter_flat
+from meshforge.parallel import comm_stats
+from meshforge.parallel.data.flat_group import FlatGroup
 
 CHUNK_BYTES = 32 * 2**20  # the largest fp32 copy of gradients made for one reduce-scatter
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class _FlatGroup:
-    """One parameter group's parameters and gradients as views into flat working-dtype
-    buffers, and this rank's fp32 master shard of them."""
-
-    def __init__(self, params: list[nn.Parameter], n: int, rank: int, dtype: torch.dtype):
-        self.params = params
-        self.offsets: list[int] = []
-        numel = 0
-        for p in params:
-            self.offsets.append(numel)
-            numel += p.numel()
-        self.numel, self.shard = numel, -(-numel // n)
-        self.lo = rank * self.shard
-        device = params[0].device
-        full = torch.zeros(self.shard * n, dtype=torch.float32, device=device)
-        for p, o in zip(params, self.offsets, strict=True):
-            full[o : o + p.numel()].copy_(p.detach().reshape(-1))
-        self.master = full[self.lo : self.lo + self.shard].clone()
-        self.param_flat = full.to(dtype)
-        del full
-        self.grad_flat = torch.zeros_like(self.param_flat)
-        for p, o in zip(params, self.offsets, strict=True):
-            p.grad = None
-            p.data = self.param_flat[o : o + p.numel()].view(p.shape)
-        self.attach_grads()
-
-    def attach_grads(self) -> None:
-        """Point every .grad at its slice of the flat gradient buffer (autograd then accumulates in place)."""
-        for p, o in zip(self.params, self.offsets, strict=True):
-            p.grad = self.grad_flat[o : o + p.numel()].view(p.shape)
-
-    def pieces(self, full: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Per parameter (by id), its view in a full flat tensor of this group's layout."""
-        return {id(p): full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets, strict=True)}
 
 
 class FlatZero1(torch.optim.Optimizer):
     """ZeRO-1 over ``group``: bf16 working state everywhere, fp32 master + Adam on the shard.
 
     ``optim`` is the inner optimizer (over the master shards); ``param_groups`` and ``state``
-    are its, so the LR schedule and the state counters see them."""
+    are its, so the LR schedule and the state counters see them. ``microbatches``: backward
+    passes per step (a bucket is reduced once its parameters' gradients have all arrived on
+    the last one); ``bucket_mb``: bucket size in MiB of working-dtype gradients."""
 
     def __init__(
         self,
@@ -91,37 +65,86 @@ class FlatZero1(torch.optim.Optimizer):
         group: dist.ProcessGroup,
         reduce_dtype: str = "fp32",
         dtype: torch.dtype = torch.bfloat16,
+        bucket_mb: float = 25,
+        microbatches: int = 1,
     ):
         self.group, self.n, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
-        self.flats = [_FlatGroup(g["params"], self.n, self.rank, dtype) for g in groups if g["params"]]
+        elems = int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size()
+        used = [g for g in groups if g["params"]]
+        self.flats = [FlatGroup(g["params"], self.n, self.rank, dtype, elems) for g in used]
         inner_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [f.master]}
-            for g, f in zip([g for g in groups if g["params"]], self.flats, strict=True)
+            for g, f in zip(used, self.flats, strict=True)
         ]
         self.optim = cls(inner_groups, **kwargs)
         super().__init__([f.master for f in self.flats], dict(self.optim.defaults))
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
-        self._reduced = False
+        self.microbatches = microbatches
+        for i, f in enumerate(self.flats):
+            for j, p in enumerate(f.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._arrived, i, j))
+        self._start_step()
 
     @property
     def master_shards(self) -> list[torch.Tensor]:
         return [f.master for f in self.flats]
 
+    def _start_step(self) -> None:
+        """Nothing reduced yet: every bucket waits for its parameters' gradients of every micro-batch."""
+        self._reduced = False
+        self._left = [[0] * len(f.buckets) for f in self.flats]
+        for left, f in zip(self._left, self.flats, strict=True):
+            for touched in f.touches:
+                for k in touched:
+                    left[k] += self.microbatches
+        self._out: list[torch.Tensor | None] = [None] * len(self.flats)
+        self._launched: list[set[int]] = [set() for _ in self.flats]
+        self._inflight: collections.deque = collections.deque()  # (work, the fp32 copy it reads)
+
+    def _arrived(self, i: int, j: int, _: torch.Tensor) -> None:
+        """Parameter j of group i has its gradient: reduce the buckets it completes."""
+        for k in self.flats[i].touches[j]:
+            self._left[i][k] -= 1
+            if self._left[i][k] < 0:
+                raise RuntimeError(
+                    f"bf16 ZeRO-1 got more gradients than its {self.microbatches} micro-batch(es) per step: a "
+                    "bucket was reduced before its last gradient arrived"
+                )
+            if self._left[i][k] == 0:
+                self._launch(i, k)
+
+    @torch.no_grad()
+    def _launch(self, i: int, k: int) -> None:
+        """Start bucket k's reduce-scatter into this rank's piece of the reduced shard."""
+        f = self.flats[i]
+        if self._out[i] is None:
+            self._out[i] = torch.empty(f.shard, dtype=self.reduce_dtype, device=f.master.device)
+        out, grads = f.piece(self._out[i], k), f.bucket(f.grad_flat, k)
+        self._launched[i].add(k)
+        if self.reduce_dtype == grads.dtype:
+            self._inflight.append((reduce_scatter_flat(out, grads, self.group, async_op=True), None))
+            return
+        rows = grads.view(self.n, -1)
+        step = max(1, CHUNK_BYTES // (self.n * out.element_size()))
+        for c in range(0, out.numel(), step):
+            piece = rows[:, c : c + step].to(self.reduce_dtype).reshape(-1)
+            self._inflight.append((reduce_scatter_flat(out[c : c + step], piece, self.group, async_op=True), piece))
+            while sum(x.numel() * x.element_size() for _, x in self._inflight if x is not None) > 2 * CHUNK_BYTES:
+                comm_stats.wait(self._inflight.popleft()[0], self.group)  # bound the fp32 copies in flight
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the flat gradients into this rank's fp32 shard, averaged over the group."""
-        for f in self.flats:
-            out = torch.empty(f.shard, dtype=self.reduce_dtype, device=f.master.device)
-            rows = f.grad_flat.view(self.n, f.shard)
-            if self.reduce_dtype == f.grad_flat.dtype:
-                reduce_scatter_flat(out, f.grad_flat, self.group)
-            else:
-                step = max(1, CHUNK_BYTES // (self.n * out.element_size()))
-                for c in range(0, f.shard, step):
-                    piece = rows[:, c : c + step].to(self.reduce_dtype).reshape(-1)
-                    reduce_scatter_flat(out[c : c + step], piece, self.group)
+        """Reduce what backward has not (buckets whose parameters got no gradient), wait for every
+        bucket, and average: this rank's fp32 shard of the gradients, summed over the group / N."""
+        for i, f in enumerate(self.flats):
+            for k in range(len(f.buckets)):
+                if k not in self._launched[i]:
+                    self._launch(i, k)
+        while self._inflight:
+            comm_stats.wait(self._inflight.popleft()[0], self.group)
+        for f, out in zip(self.flats, self._out, strict=True):
             f.master.grad = out.float().div_(self.n)
         self._reduced = True
 
@@ -146,19 +169,23 @@ class FlatZero1(torch.optim.Optimizer):
         self.optim.step()
         for f in self.flats:
             f.master.grad = None
-            all_gather_flat(f.param_flat, f.master.to(f.param_flat.dtype), self.group)
-        self._reduced = False
+            mine = f.master.to(f.param_flat.dtype)
+            for k in range(len(f.buckets)):
+                all_gather_flat(f.bucket(f.param_flat, k), f.piece(mine, k), self.group)
+        self._start_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers (they stay allocated: 2Ψ, as DDP's buckets)."""
+        if self._inflight:  # (a step that never reduced: let its reduce-scatters finish first)
+            self.reduce_gradients()
         for f in self.flats:
             f.grad_flat.zero_()
             f.attach_grads()
-        self._reduced = False
+        self._start_step()
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _adam_state(self, f: _FlatGroup, init: bool) -> dict[str, torch.Tensor]:
+    def _adam_state(self, f: FlatGroup, init: bool) -> dict[str, torch.Tensor]:
         st = self.optim.state.get(f.master)
         if init or not st:
             fused = bool(self.optim.defaults.get("fused"))  # fused AdamW keeps its step on the device
@@ -170,10 +197,11 @@ class FlatZero1(torch.optim.Optimizer):
             self.optim.state[f.master] = st
         return st
 
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(shard.numel() * self.n, dtype=shard.dtype, device=shard.device)
-        all_gather_flat(full, shard.contiguous(), self.group)
-        return full
+    def _gather(self, f: FlatGroup, shard: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor of ``f``'s layout from every rank's shard."""
+        gathered = torch.empty(shard.numel() * self.n, dtype=shard.dtype, device=shard.device)
+        all_gather_flat(gathered, shard.contiguous(), self.group)
+        return f.unshard(gathered)
 
     def full_training_state(self, model: nn.Module, init: bool = False) -> dict[str, Any]:
         """``{"model": {fqn: fp32}, "optim": {fqn: {step, exp_avg, exp_avg_sq}}}`` with full
@@ -185,7 +213,7 @@ class FlatZero1(torch.optim.Optimizer):
             fulls = {}
             for k in ("master", "exp_avg", "exp_avg_sq"):
                 shard = f.master if k == "master" else st[k]
-                fulls[k] = torch.zeros(f.shard * self.n, device=shard.device) if init else self._gather(shard)
+                fulls[k] = torch.zeros(f.shard * self.n, device=shard.device) if init else self._gather(f, shard)
             views = {k: f.pieces(v) for k, v in fulls.items()}
             for p in f.params:
                 by_id[id(p)] = {k: views[k][id(p)] for k in fulls} | {"step": st["step"].clone()}
@@ -208,7 +236,7 @@ class FlatZero1(torch.optim.Optimizer):
                 src = [state["model"][n] if key == "master" else state["optim"][n][key] for n in names]
                 full = torch.zeros(f.shard * self.n, device=target.device)
                 full[: f.numel].copy_(torch.cat([s.reshape(-1).float() for s in src]))
-                target.copy_(full[f.lo : f.lo + f.shard])
+                target.copy_(f.own(full))
                 if key == "master":
                     f.param_flat.copy_(full)
             st["step"].copy_(state["optim"][names[0]]["step"])

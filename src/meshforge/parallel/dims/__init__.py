@@ -49,7 +49,7 @@ from .diloco import diloco_problems
 from .experts import _experts
 from .partial import CONFIG, OFFLOAD, RECOMPUTE, Spelling, partial_problems
 from .pipeline import _pipeline
-from .tensor import _async_tp, _tensor_parallel, tp_divides_heads
+from .tensor import _async_tp, _tensor_parallel, async_tp_mode, tp_divides_heads
 
 __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
     "CONFIG",
@@ -65,6 +65,7 @@ __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
     "Layout",
     "Problem",
     "Spelling",
+    "async_tp_mode",
     "casts_once",
     "check",
     "diloco_problems",

@@ -23,6 +23,8 @@ class Batch:
     global_batch: int
     ranks_per_node: int | None = None
     device: str | None = None  # "cuda" / "cpu" where training runs; None: not known (the planner)
+    precision: str | None = None  # train.precision once resolved; None: not known (the planner)
+    compile: bool | None = None  # train.compile; None: not known
     diloco: DiLoCoRules | None = None  # [diloco] when diloco.islands > 1 (the islands are a Layout field)
 
 

@@ -68,10 +68,34 @@ def _tensor_parallel(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem
 
 
 def _async_tp(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
-    """Async TP overlaps tp collectives through CUDA symmetric memory: no such path on another device."""
-    if d.async_tp and t.device is not None and t.device != "cuda":
+    """Async TP decomposes sequence parallelism's all-gather and reduce-scatter; its ring
+    multiplies plain weights, so fp8 linears need inductor's fused path (compiled, CUDA)."""
+    if not d.async_tp or d.tp <= 1:
+        return
+    if not d.sequence_parallel:
         yield Problem(
             "parallel.async_tp",
-            f"parallel.async_tp = true needs a CUDA device (tp collectives overlapped through CUDA symmetric memory); "
-            f"this run's device is {t.device!r}: set parallel.async_tp = false",
+            "parallel.async_tp = true with parallel.sequence_parallel = false: async TP overlaps sequence "
+            "parallelism's all-gather and reduce-scatter with the GEMMs beside them; set "
+            "parallel.sequence_parallel = true or parallel.async_tp = false",
         )
+    if t.precision == "fp8" and async_tp_mode(d, t.device, t.compile, False) != "micro_pipeline":
+        yield Problem(
+            "parallel.async_tp",
+            "parallel.async_tp = true with train.precision = 'fp8' needs train.compile = true on CUDA (inductor's "
+            "micro-pipeline TP fuses the fp8 matmuls; the decomposed ring multiplies plain weights); set "
+            "parallel.async_tp = false or train.precision = 'bf16'",
+            "unsupported",
+        )
+
+
+def async_tp_mode(d: Layout, device: str | None, compiled: bool | None, symm_mem: bool) -> str:
+    """How a run overlaps its tp collectives (a RunPlan decision): ``off``; ``micro_pipeline``
+    (CUDA, compiled: inductor fuses DTensor's collectives with the matmuls); ``symm_mem`` (CUDA,
+    eager, where torch has the symmetric-memory fused ops); ``ring`` (any backend: the
+    decomposed collective matmul of parallel/tensor/async_tp.py)."""
+    if not d.async_tp or d.tp <= 1:
+        return "off"
+    if device == "cuda" and compiled:
+        return "micro_pipeline"
+    return "symm_mem" if device == "cuda" and symm_mem else "ring"

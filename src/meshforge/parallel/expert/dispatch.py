@@ -29,6 +29,7 @@ tp after FSDP's reduce-scatter. Under HSDP FSDP also averages them over dp_repli
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -41,8 +42,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from meshforge.compat import all_gather_flat
 from meshforge.models.moe import GroupedExperts, is_moe_layer, moe_layers
 from meshforge.parallel.data.apply import AllReduceScatter
+from meshforge.parallel.expert import overlap
 from meshforge.parallel.mesh import Mesh
-from meshforge.parallel.tensor.moe import sum_over_tp
+from meshforge.parallel.tensor.moe import share_rows, sum_over_tp
 
 
 class _AllToAll(torch.autograd.Function):
@@ -82,27 +84,55 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 
 class AllToAllDispatch(nn.Module):
-    """The MoE dispatcher under ep: tokens sorted by (global) expert in, their experts' outputs out."""
+    """The MoE dispatcher under ep: tokens sorted by (global) expert in, their experts' outputs out;
+    with ``chunks`` > 1 the all-to-alls overlap the experts' compute (parallel/expert/overlap.py)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int):
+    def __init__(self, group: dist.ProcessGroup, ep: int, chunks: int = 1):
         super().__init__()
-        self.group, self.ep = group, ep
+        self.group, self.ep, self.chunks = group, ep, chunks
         self.rank = dist.get_rank(group)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         e = counts.numel()
-        local = e // self.ep
         self.elem_bytes = x.element_size()  # for the logged formula (train/moe_stats.py)
         gathered = counts.new_empty(self.ep * e)
         all_gather_flat(gathered, counts, group=self.group)
-        table = gathered.view(self.ep, self.ep, local).tolist()  # [source][destination][local expert]
-        send = [sum(c) for c in table[self.rank]]
-        recv = [sum(table[s][self.rank]) for s in range(self.ep)]
+        table = gathered.view(self.ep, self.ep, e // self.ep)  # [source][destination][local expert]
+        if self.chunks > 1:
+            run = getattr(experts, "dispatched", None)  # one FSDP call around the pipeline (overlap.register)
+            return run(self._pipelined, x, table, experts) if run else self._pipelined(x, table, experts)
+        rows = table.tolist()
+        send = [sum(c) for c in rows[self.rank]]
+        recv = [sum(rows[s][self.rank]) for s in range(self.ep)]
         received = all_to_all(x, recv, send, self.group)
-        order, local_counts = _by_local_expert([table[s][self.rank] for s in range(self.ep)], x.device)
+        return all_to_all(self._experts(received, rows, experts), send, recv, self.group)
+
+    def _experts(self, received: torch.Tensor, rows: list, call: Any) -> torch.Tensor:
+        """The local experts on received rows (by source, then local expert): grouped by
+        expert, scaled for the gradient (module docstring), and back in arrival order."""
+        order, local_counts = _by_local_expert([rows[s][self.rank] for s in range(self.ep)], received.device)
         inputs = _ScaleGrad.apply(received[order], float(self.ep))
-        out = _ScaleGrad.apply(experts(inputs, local_counts), 1.0 / self.ep)[torch.argsort(order)]  # arrival order
-        return all_to_all(out, send, recv, self.group)
+        return _ScaleGrad.apply(call(inputs, local_counts), 1.0 / self.ep)[torch.argsort(order)]
+
+    @torch.compiler.disable  # the pipeline waits on handles between its GEMMs: it runs eagerly
+    def _pipelined(self, x: torch.Tensor, table: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        """Chunk by chunk: dispatch j+1 and combine j-1 travel while chunk j's experts compute."""
+        me, link = self.rank, overlap.Link(self.group)
+        shares = [overlap.chunk_table(table, j, self.chunks).tolist() for j in range(self.chunks)]
+        mine = [share_rows(table[me].flatten(), j, self.chunks)[0] for j in range(self.chunks)]
+        send = [[sum(c) for c in t[me]] for t in shares]
+        recv = [[sum(t[s][me]) for s in range(self.ep)] for t in shares]
+        compute = functools.partial(overlap.run_experts, experts)
+        got, d = overlap.start(link, x[mine[0]], send[0], recv[0])
+        combines = []
+        for j in range(self.chunks):
+            arrived = overlap.finish(got, d)
+            if j + 1 < self.chunks:
+                got, d = overlap.start(link, x[mine[j + 1]], send[j + 1], recv[j + 1])
+            y = self._experts(arrived, shares[j], compute)
+            combines.append(overlap.start(link, y, recv[j], send[j]))
+        out = torch.cat([overlap.finish(o, t) for o, t in combines])
+        return out[torch.argsort(torch.cat(mine))]
 
 
 def _by_local_expert(arrived: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +153,7 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> None:
     for moe in moe_layers(model).values():
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             setattr(moe.experts, name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)])))
-        moe.dispatcher = AllToAllDispatch(mesh.ep_group, mesh.layout.ep)
+        moe.dispatcher = AllToAllDispatch(mesh.ep_group, mesh.layout.ep, mesh.layout.ep_chunks)
 
 
 def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> None:
@@ -142,6 +172,8 @@ def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: to
             unit.set_custom_reduce_scatter(AllReduceScatter())
         if mesh.layout.tp > 1:
             unit.set_all_reduce_hook(sum_over_tp(mesh.group("tp")))
+        if mesh.layout.ep_chunks > 1:
+            overlap.register(moe.experts)
 
 
 def a2a_bytes_formula(args: Any, tokens: int, elem_bytes: int, ep: int) -> float:

@@ -25,7 +25,9 @@ b x s x vocab logits are never gathered. With ``train.loss_chunk_size`` the head
 the chunked loss, one chunk of tokens at a time, its log-sum-exp all-reduced over tp.
 
 DTensor's ``parallelize_module`` styles cover all of this; this file only says which
-style goes where.
+style goes where. Async TP (``parallel.async_tp``) keeps the same shards and swaps each block's
+projection seams for ones that overlap the all-gather and reduce-scatter with the GEMMs beside
+them (parallel/tensor/async_tp.py).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -46,8 +49,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshforge import compat
 from meshforge.models.llama import Transformer
 from meshforge.models.moe import MoE
+from meshforge.parallel.tensor.async_tp import AllGatherMatmul, MatmulReduceScatter
 from meshforge.parallel.tensor.moe import apply_moe_tp, is_moe_plan_key
 
 
@@ -81,6 +86,19 @@ class VocabParallelHead(ColwiseParallel):
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """The vocab-parallel embedding: RowwiseParallel whose reduction waits before it hands its
+    output on. RowwiseParallel's own is asynchronous, and the lazily-waited tensor it returns,
+    fed to a compiled block, reaches the reduction's backward as a plain tensor (torch 2.13:
+    "'Tensor' object has no attribute '_local_tensor'"), so tp + train.compile failed."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The Megatron layout of one transformer block, keyed by submodule name.
 
@@ -108,13 +126,51 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
+class ShardedWeight(ParallelStyle):
+    """Only the linear's weight sharded over tp (``Shard(dim)``), its forward untouched: under
+    async TP the block's seams multiply with the local shard themselves (async_tp.py)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module:
+                mod.register_parameter("weight", nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(self.dim)])))
+
+        return distribute_module(module, device_mesh, partition_fn=shard)
+
+
+def async_block_plan() -> dict[str, ParallelStyle]:
+    """Async TP (sequence parallelism only): the same weight shards as ``block_plan``, the norms
+    hand their sequence shard on as a plain tensor, and the seams do the collectives (``swap_seams``)."""
+    norm = SequenceParallel(use_local_output=True)
+    col, row = ShardedWeight(0), ShardedWeight(1)
+    return {
+        "attention_norm": norm,
+        **{f"attention.{w}": col for w in ("wq", "wk", "wv")},
+        "attention.wo": row,
+        "ffn_norm": norm,
+        "feed_forward.w1": col,
+        "feed_forward.w3": col,
+        "feed_forward.w2": row,
+    }
+
+
+def swap_seams(module: nn.Module, group: dist.ProcessGroup, transport: str) -> None:
+    """Attention's (or a dense MLP's) ``project_in`` / ``project_out`` become the overlapped ones."""
+    module.project_in = AllGatherMatmul(group, transport)
+    module.project_out = MatmulReduceScatter(group, transport)
+
+
 def outer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Embedding, final norm and head. The head keeps its vocab-sharded logits as a
     DTensor (``use_local_output=False``) for the loss-parallel cross-entropy; the chunked
     loss instead reduces its log-sum-exp over the tp group itself."""
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=act),
         "output": VocabParallelHead(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
     }
     plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
@@ -126,7 +182,7 @@ def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, Para
     return {k: v for k, v in plan.items() if getattr(model, k.split(".")[0], None) is not None}
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, async_tp: str = "off") -> None:
     """Shard ``model`` (usually still on the meta device) over ``tp_mesh`` in place.
 
     A tied head shares the embedding's table: both are sharded on the vocab dimension
@@ -134,16 +190,25 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     re-pointed at the embedding's DTensor and the two stay one parameter. A block with a
     mixture-of-experts feed-forward keeps the attention entries and takes its feed-forward's
     plan from parallel/tensor/moe.py.
+
+    ``async_tp`` (the run plan's decision): ``ring`` / ``symm_mem`` swap every block's
+    attention and dense MLP for the overlapped seams (async_tp.py; an MoE feed-forward keeps its
+    own plan); ``micro_pipeline`` keeps this plan and lets inductor fuse it (CUDA, compiled).
     """
     parallelize_module(model, tp_mesh, _present(model, outer_plan(sequence_parallel)))
-    plan = block_plan(sequence_parallel)
+    overlapped = async_tp in ("ring", "symm_mem")
+    plan = async_block_plan() if overlapped else block_plan(sequence_parallel)
     attention_only = {k: v for k, v in plan.items() if not is_moe_plan_key(k)}
+    if async_tp == "micro_pipeline":
+        compat.enable_micro_pipeline_tp(tp_mesh.get_group())
     for block in model.layers.values():
-        if isinstance(block.feed_forward, MoE):
-            parallelize_module(block, tp_mesh, attention_only)
+        moe = isinstance(block.feed_forward, MoE)
+        parallelize_module(block, tp_mesh, attention_only if moe else plan)
+        if moe:
             apply_moe_tp(block, tp_mesh, sequence_parallel)
-        else:
-            parallelize_module(block, tp_mesh, plan)
+        if overlapped:
+            for module in (block.attention,) if moe else (block.attention, block.feed_forward):
+                swap_seams(module, tp_mesh.get_group(), async_tp)
     model.tie_weights()
 
 

@@ -10,7 +10,7 @@ single-process micro-batch, with no extra communication, and the balance bias mo
 same way on every rank.
 
 Only the routed experts' work is split: of the slots routed to each expert, tp rank t
-takes the t-th of tp equal shares (``_share``) and sends those -- and only those -- through
+takes the t-th of tp equal shares (``share_rows``) and sends those -- and only those -- through
 the expert-parallel dispatch (its ep group holds ranks of the same tp coordinate). Outputs
 of the other shares are zeros, and one all-reduce over tp (Megatron's "g") gives every rank
 all slots' outputs; the gradient of the slots' inputs is all-reduced the same way in
@@ -74,7 +74,7 @@ class _SumOverTP(torch.autograd.Function):
         return g, None
 
 
-def _share(counts: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def share_rows(counts: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Of rows sorted by expert (``counts[e]`` rows of expert e), the t-th of tp equal
     shares of every expert's rows: their row indices and the per-expert counts."""
     starts = torch.cumsum(counts, 0) - counts
@@ -101,7 +101,7 @@ class TensorParallelSplit(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         x = _CopyToTP.apply(x, self.group)
-        rows, mine = _share(counts, self.rank, self.tp)
+        rows, mine = share_rows(counts, self.rank, self.tp)
         out = self.inner(x[rows], mine, experts)
         full = out.new_zeros((x.shape[0], *out.shape[1:])).index_copy(0, rows, out)
         return _SumOverTP.apply(full, self.group)
