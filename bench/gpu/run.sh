@@ -15,7 +15,8 @@
 # PYTHONPATH instead of pip-installing it (no build step, no registry needed), installs the
 # wheels carried in bench/gpu/wheels/ (made by bench/gpu/fetch_wheels.sh on a machine with
 # a package registry) with --no-deps, and writes everything to $OUT (default bench/gpu/out):
-# results.md (device, torch, date, test summary, MFU table) plus the raw logs.
+# results.md (device, torch, date, test summary, MFU table) plus the raw logs, and per part
+# kdiff-partN.md: each row's kernel-by-kernel diff of the two traced steps (kernel_diff.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/gpu/out}
@@ -99,7 +100,8 @@ cuda_tests() {
 
 mfu_part() {  # one part of the table: mfu-partN.md, ready for docs/benchmarks.md
   echo "## meshforge vs torchtitan's single-GPU recipe, part $1 (bench/gpu/bench_mfu.py)"
-  PYTHONUNBUFFERED=1 $PY bench/gpu/bench_mfu.py --part "$1" --out "$OUT/mfu-part$1.md" 2>"$OUT/bench_mfu-part$1.log"
+  PYTHONUNBUFFERED=1 $PY bench/gpu/bench_mfu.py --part "$1" --out "$OUT/mfu-part$1.md" \
+    --kdiff-out "$OUT/kdiff-part$1.md" 2>"$OUT/bench_mfu-part$1.log"
   echo
 }
 

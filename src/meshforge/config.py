@@ -171,6 +171,7 @@ class HealthConfig:
 class ProfileConfig:
     start_step: int = 0  # first profiled step (1-based; 0: the first steps after warm-up, step 3)
     steps: int = 0  # steps traced with torch.profiler into run.dir/profile; 0: no tracing
+    memory: bool = True  # CUDA: also record the traced steps' allocations (a memory snapshot); costs host time
 
 
 @dataclass

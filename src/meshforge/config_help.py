@@ -260,6 +260,12 @@ HELP: dict[str, str] = {
         "steps traced with torch.profiler into run.dir/profile/ (Chrome traces, one per rank; open "
         "in Perfetto); 0 = no tracing"
     ),
+    "profile.memory": (
+        "on CUDA, also record the traced steps' allocations into rank-NNNNN-memory.pickle (open at "
+        "pytorch.org/memory_viz); each allocation then records its stack, host time the traced "
+        "steps pay: false when comparing their kernel timeline with another run's "
+        "(bench/gpu/kernel_diff.py)"
+    ),
     "diloco.islands": (
         "DiLoCo islands (outermost mesh dimension; each runs the [parallel] layout on world / islands ranks); 1 = off"
     ),

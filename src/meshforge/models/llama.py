@@ -69,10 +69,13 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (batch, heads, seq, head_dim) by position; pairs are (i, i + head_dim/2), ``sin``
     signed as ``rope_cos_sin`` makes it. ``x * cos + swap_halves(x) * sin``: the swap is one
-    copy in x's dtype (no neg, no cat), the products read x in its dtype and compute in the
-    tables' fp32 (no cast pass), one cast back; equal bit for bit to the fp32 formula
-    ``(x.float() * cos + cat(-x2, x1).float() * sin).to(x.dtype)``, gradients too."""
-    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
+    copy in x's dtype and memory layout (a flip of the two halves: no neg, no cat, and its
+    backward is a flip too, so q/k's gradients stay in the projections' layout with no copy),
+    the products read x in its dtype and compute in the tables' fp32 (no cast pass), one cast
+    back. Equal bit for bit to ``(x.float() * cos + cat(-x2, x1).float() * sin).to(x.dtype)``,
+    gradients too."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return (x * cos + swapped * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
