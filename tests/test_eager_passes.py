@@ -2,9 +2,12 @@
 in element-wise kernels). RoPE rotates with one flip of the halves and a signed sin table (no
 neg, no cat, no slice gradients, no cast pass); RMSNorm is one ``F.rms_norm`` call when weight
 and input share a dtype (a fused kernel pair on CUDA). Counted on CPU with a dispatch mode, and
-checked bit for bit against the previous formulas, which this file keeps as the reference."""
+checked bit for bit against the previous formulas (kept in bench/bench_eager_passes.py, which
+times the two side by side)."""
 
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,26 +20,11 @@ from meshforge.models import llama
 from meshforge.models.llama import RMSNorm, apply_rope, build_model, rope_cos_sin, rope_inv_freq
 from meshforge.models.shape import ModelShape
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_eager_passes import previous_cos_sin, previous_rms_norm, previous_rope  # noqa: E402
+
 SHAPE = ModelShape(64, 2, 4, 2, 128, 256, 64)
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "detach", "expand", "slice", "unsqueeze", "alias", "as_strided"}
-
-
-def previous_cos_sin(inv_freq, positions):
-    """The tables before issue 37: cos and plain sin of (seq, head_dim), in fp32."""
-    with torch.autocast("cpu", enabled=False):
-        freqs = torch.outer(positions.float(), inv_freq.float())
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def previous_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def previous_rms_norm(self, x):
-    return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
 
 
 class Ops(TorchDispatchMode):
@@ -189,6 +177,7 @@ def test_block_has_no_rotate_half_round_trips_or_weight_casts():
     assert (64,) not in forward_casts  # no weight.float() in forward
 
 
+@pytest.mark.slow
 def test_dense_bf16_block_is_still_one_graph():
     """The dtype branch in RMSNorm and the flip compile into the block's one graph."""
     model = build_model(SHAPE).to(torch.bfloat16)
@@ -197,3 +186,58 @@ def test_dense_bf16_block_is_still_one_graph():
     dynamo.reset()
     e = dynamo.explain(model.layers["0"])(x, cos, sin)
     assert (e.graph_count, e.graph_break_count) == (1, 0)
+
+
+def cuda_kernels(fn) -> int:
+    """GPU kernels one call of ``fn`` launches (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm: lazy init and caching allocator out of the count
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.cuda
+def test_cuda_rms_norm_and_rope_launch_fewer_kernels():
+    """On CUDA the one F.rms_norm call is the fused kernel pair, and RoPE launches what the CPU
+    count says: both fewer kernels than the previous formulas, forward + backward, in bf16."""
+    dev = torch.device("cuda")
+    norm = RMSNorm(2048, 1e-5).to(dev, torch.bfloat16)
+    x = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    new = cuda_kernels(lambda: norm(x).backward(g))
+    old = cuda_kernels(lambda: previous_rms_norm(norm, x).backward(g))
+    assert new < old and cuda_kernels(lambda: norm(x.detach())) <= 2, (new, old)
+    inv = rope_inv_freq(ModelShape(2048, 1, 32, 8, 8192, 256, 4096)).to(dev)
+    w = torch.randn(2, 4096, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    q = w.view(2, 4096, 32, 64).transpose(1, 2)
+    gq = torch.randn(2, 4096, 32, 64, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    pos = torch.arange(4096, device=dev)
+    new = cuda_kernels(lambda: apply_rope(q, *rope_cos_sin(inv, pos)).backward(gq))
+    old = cuda_kernels(lambda: previous_rope(q, *previous_cos_sin(inv, pos)).backward(gq))
+    assert new < old, (new, old)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_model_matches_the_previous_formulas(monkeypatch):
+    """bf16 weights on CUDA (cast-once): loss and gradients within bf16 rounding of the previous
+    formulas (the fused norm rounds once as they did, in its own order)."""
+    x, y = torch.randint(0, 256, (2, 64), device="cuda"), torch.randint(0, 256, (2, 64), device="cuda")
+
+    def run():
+        model = build_model(SHAPE, device="cuda", seed=3).to(torch.bfloat16)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    loss, grads = run()
+    monkeypatch.setattr(llama, "rope_cos_sin", previous_cos_sin)
+    monkeypatch.setattr(llama, "apply_rope", previous_rope)
+    monkeypatch.setattr(llama.RMSNorm, "forward", previous_rms_norm)
+    ref_loss, ref_grads = run()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    for n, ref in ref_grads.items():
+        torch.testing.assert_close(grads[n], ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()), msg=n)

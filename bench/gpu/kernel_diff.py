@@ -146,22 +146,34 @@ def _close_until(stack: list[list], t: float, pieces: list) -> None:
             stack[-1][2] = max(stack[-1][2], top[1])
 
 
-def step_window(events: list[dict], mark: str, work: list[tuple[float, float]]) -> tuple[float, float, bool]:
-    """The marked step's [start, end] (end extended to the last work item that overlaps it),
-    or the whole trace's span when no annotation matches ``mark``."""
+def step_window(events: list[dict], mark: str, work: list[tuple[float, float, float]]) -> tuple[float, float, bool]:
+    """The marked step's [start, end], the end extended to the last work item launched in it
+    (``work``: start, end, launch time; a kernel queued by the step may start after its host
+    side ended), or the whole trace's span when no annotation matches ``mark``."""
     rx = re.compile(mark)
     marks = [e for e in events if e.get("cat") in ("user_annotation", "cpu_op") and rx.search(e.get("name", ""))]
     if marks:
         m = max(marks, key=lambda e: e["dur"])
         t0, t1 = float(m["ts"]), float(m["ts"] + m["dur"])
-        ends = [f for s, f in work if t0 <= s <= t1]
+        ends = [f for s, f, launch in work if t0 <= launch <= t1 or t0 <= s <= t1]
         return t0, max([t1, *ends]), True
     host = [e for e in events if e.get("cat") in HOST_CATS]
-    starts = [e["ts"] for e in host] or [s for s, _ in work]
-    ends = [e["ts"] + e["dur"] for e in host] + [f for _, f in work]
+    starts = [e["ts"] for e in host] or [s for s, *_ in work]
+    ends = [e["ts"] + e["dur"] for e in host] + [f for _, f, _ in work]
     if not starts:
         raise TraceError("the trace has no CPU ops and no kernels: profile with ProfilerActivity.CPU (and CUDA)")
     return float(min(starts)), float(max(ends)), False
+
+
+def launch_times(events: list[dict]) -> dict:
+    """Host time of each launch by correlation id (cuda_runtime / cuda_driver events)."""
+    out = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                out[corr] = float(e["ts"])
+    return out
 
 
 class HostIndex:
@@ -225,7 +237,9 @@ def read_side(path: str | Path, label: str, mode: str = "auto", mark: str = STEP
     work, keys = work_items(events, mode, host)
     if not work:
         raise TraceError(f"{path}: no {'kernels' if mode == 'gpu' else 'CPU ops'} in the trace")
-    t0, t1, marked = step_window(events, mark, [(s, f) for s, f, *_ in work])
+    launched = launch_times(events) if mode == "gpu" else {}
+    spans = [(s, f, launched.get((e.get("args") or {}).get("correlation"), s)) for s, f, e, _ in work]
+    t0, t1, marked = step_window(events, mark, spans)
     items, kept = [], []
     for (s, f, e, n), k in zip(work, keys, strict=True):
         s, f = max(float(s), t0), min(float(f), t1)
