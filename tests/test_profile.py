@@ -47,3 +47,29 @@ def test_time_breakdown_is_logged_per_rank_and_summed(traced):
     assert {"compute_s", "bubble_s", "data_s", "checkpoint_s", "eval_s", "logging_s", "other_s"} <= set(parts)
     assert sum(tb[k] for k in parts) == pytest.approx(tb["wall_s"], rel=1e-3) and min(tb[k] for k in parts) >= 0
     assert tb["compute_s"] > 0 and tb["bubble_s"] > 0
+
+
+def test_memory_history_follows_profile_memory(tmp_path, monkeypatch):
+    """profile.memory = false leaves CUDA's allocation recording off in the traced steps (the GPU
+    suite's kernel diff compares their host side with the peer's, which records none)."""
+    import torch
+
+    from meshforge.config import ProfileConfig
+    from meshforge.metrics.profiler import StepProfiler
+
+    recorded = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: recorded.append(a or k))
+
+    class NoTrace:
+        def __init__(self, **_kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+    monkeypatch.setattr("meshforge.metrics.profiler.profile", NoTrace)
+    for memory in (False, True):
+        p = StepProfiler(ProfileConfig(steps=1, memory=memory), 0, torch.device("cuda"), tmp_path, 10)
+        p._start()
+    assert len(recorded) == 1  # only the profiler built with memory = true started a recording
+    assert not StepProfiler(ProfileConfig(steps=1), 0, torch.device("cpu"), tmp_path, 10).memory

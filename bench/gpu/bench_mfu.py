@@ -1,6 +1,7 @@
 """MFU on one GPU: meshforge's training against the physical limit, the planner's prediction and
 torchtitan's single-GPU recipe (bench_torchtitan.py), side by side in one run, with a one-step
-profile summary per side (trace_summary.py). Rows are grouped in parts (run.sh part2..part6).
+profile summary per side (trace_summary.py) and a kernel-by-kernel diff of the two traced steps
+(kernel_diff.py, one report per row into ``--kdiff-out``). Rows are grouped in parts (run.sh part2..part6).
 
 For each configuration this trains with ``meshforge train`` (default corpus, bf16, one GPU,
 no evaluation or checkpoints), reads the run's summary (tokens/s, MFU, HFU, peak memory,
@@ -10,7 +11,7 @@ imports -- trains the same shape under torchtitan and prints tokens/s as a ratio
 
     python bench/gpu/bench_mfu.py --out bench/gpu/out/mfu.md        # the suite's table
     python bench/gpu/bench_mfu.py --only 1b-4096-compile             # one row
-    python bench/gpu/bench_mfu.py --part 3 --out $OUT/mfu-part3.md   # one part
+    python bench/gpu/bench_mfu.py --part 3 --out $OUT/mfu-part3.md --kdiff-out $OUT/kdiff-part3.md
     python bench/gpu/bench_mfu.py --smoke                            # CPU: debug preset, checks the plumbing
 """
 
@@ -28,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+from kernel_diff import TraceError, compare  # noqa: E402
 from trace_summary import short, summarize  # noqa: E402
 
 # the peer needs meshforge and the carried wheels (run.sh puts them on PYTHONPATH)
@@ -70,6 +72,7 @@ class Case:
             "--checkpoint.save_final=false",
             f"--profile.start_step={self.steps - 1}",  # one unlogged step near the end, traced
             "--profile.steps=1",
+            "--profile.memory=false",  # no allocation stacks: the traced step's host side as the peer's
         ]
         o += ["--train.precision=fp8"] if self.fp8 else []
         return o + (["--parallel.offload=cpu"] if self.offload else [])
@@ -142,6 +145,7 @@ def run_meshforge(case: Case, device: str, work: Path) -> dict:
     summary["prediction"] = predict(run)
     traces = sorted((run / "profile").glob("rank-*.json"))
     summary["profile"] = summarize(traces[0]) if traces else None
+    summary["trace"] = str(traces[0]) if traces else ""
     return summary
 
 
@@ -160,7 +164,8 @@ def run_torchtitan(case: Case, device: str, work: Path) -> dict | None:
     if not script.is_file():
         return None
     args = [sys.executable, str(script)]
-    args += ["--smoke"] if device == "cpu" else [*case.peer_args(), "--profile-dir", str(work / f"{case.name}-peer")]
+    args += ["--smoke"] if device == "cpu" else case.peer_args()
+    args += ["--profile-dir", str(work / f"{case.name}-peer")]
     r = run_side(args)
     if r.returncode:
         return {"error": (r.stderr or r.stdout)[-800:]}
@@ -170,6 +175,22 @@ def run_torchtitan(case: Case, device: str, work: Path) -> dict | None:
         return {"error": f"peer: {out.get('smoke', 'no measurement')} ({out.get('params', 0):,} params)"}
     out["profile"] = summarize(out["trace"]) if out.get("trace") else None
     return out
+
+
+def kernel_diff(case: Case, m: dict, tt: dict | None) -> tuple[str, str]:
+    """The row's kernel diff (meshforge - torchtitan) as a report and a one-line summary for the
+    results: the check and the three largest differences."""
+    if "error" in m or not tt or "error" in tt or not m.get("trace") or not tt.get("trace"):
+        return "", f"kernel diff {case.name}: not run (a side has no trace)"
+    try:
+        text, data = compare(
+            m["trace"], tt["trace"], ("meshforge", "torchtitan"), step_a=m["step_time_s"], step_b=tt["step_time_s"]
+        )
+    except (TraceError, OSError, ValueError, KeyError) as e:
+        return "", f"kernel diff {case.name}: failed ({type(e).__name__}: {e})"[:300]
+    top = ", ".join(f"{r['key'][:50]} {r['diff_us'] / 1e3:+.1f} ms" for r in data["rows"][:3])
+    check = data["check"][1] if len(data["check"]) > 1 else data["check"][0]
+    return f"### {case.name}\n\n{text}", f"kernel diff {case.name}: {check}; largest: {top}"
 
 
 def _reason(err: str) -> str:
@@ -217,10 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the debug preset")
     ap.add_argument("--part", type=int, help="run only the cases of this part (see run.sh)")
     ap.add_argument("--no-torchtitan", action="store_true")
+    ap.add_argument("--kdiff-out", type=Path, help="write each row's kernel diff (kernel_diff.py) here")
     a = ap.parse_args(argv)
     cases = [SMOKE] if a.smoke else [c for c in CASES if (not a.only or c.name in a.only) and a.part in (None, c.part)]
     device = "cpu" if a.smoke else "cuda"
-    lines = [HEADER]
+    lines, notes, reports = [HEADER], [], []
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
@@ -233,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             tt = None if a.no_torchtitan else run_torchtitan(c, device, Path(tmp))
             lines.append(row(c, m, tt))
             print(lines[-1], flush=True)
+            report, summary = kernel_diff(c, m, tt)
+            notes.append(summary)
+            reports.append(report)
+            if a.kdiff_out and report:  # after every row: a part cut short keeps the rows it ran
+                a.kdiff_out.parent.mkdir(parents=True, exist_ok=True)
+                a.kdiff_out.write_text("\n".join(r for r in reports if r))
+    print("", *notes, sep="\n", flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text("\n".join(lines) + "\n")

@@ -8,7 +8,11 @@ causal mask from positions). The recipe is torchtitan's ``parallelize_llama`` fo
 out with the same torch APIs so it is the same on both versions and can accumulate:
 full activation checkpointing per block (``--ac full``), per-block ``torch.compile(fullgraph=True)``
 (``--compile``), FSDP2 ``fully_shard`` per block and at the root on a world of one with
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights), optional
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights) and, on this world
+of one, ``reshard_after_forward=False`` on the blocks (torchtitan's ``parallelism.fsdp_reshard_after_forward
+= "never"``: the blocks keep their bf16 weights from forward to backward instead of casting them again,
+as a careful single-GPU user sets it; ``--reshard-after-forward default`` is torchtitan's default, which
+reshards them: the peer of the runs recorded before issue 37), optional
 ``CPUOffloadPolicy`` (``--offload``, torchtitan's ``training.enable_cpu_offload``), torchao float8
 tensorwise on every block Linear (``--fp8``, torchtitan's float8 converter; the head stays bf16),
 cross-entropy in fp32 (compiled with ``--compile``, as torchtitan compiles its loss), fused
@@ -63,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ac", choices=["none", "full"], default="none")
     p.add_argument("--fp8", action="store_true", help="torchao float8 tensorwise on the block Linears")
     p.add_argument("--offload", action="store_true", help="FSDP2 CPUOffloadPolicy (params, grads, optimizer)")
+    p.add_argument(
+        "--reshard-after-forward",
+        choices=["never", "default"],
+        default="never",
+        help="torchtitan's parallelism.fsdp_reshard_after_forward for the blocks: never (the strongest "
+        "single-GPU recipe: bf16 weights kept), default (torchtitan's default without pipelining: reshard)",
+    )
     p.add_argument("--profile-dir", default="", help="trace one extra step into this folder")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU in fp32: checks the wiring")
     a = p.parse_args(argv)
@@ -172,7 +183,7 @@ def apply_recipe(model: torch.nn.Module, a: argparse.Namespace, bf16: bool) -> N
         if a.compile:
             block = torch.compile(block, fullgraph=True)
         model.layers.register_module(name, block)
-        fully_shard(block, **kw)
+        fully_shard(block, reshard_after_forward=a.reshard_after_forward != "never", **kw)
     fully_shard(model, **kw)
 
 
@@ -245,12 +256,13 @@ def timed(step: Any, a: argparse.Namespace, device: torch.device) -> tuple[float
 
 def profile_one(step: Any, out: str, device: torch.device) -> str:
     """Trace one step (after the timed ones) into ``out``/peer.json."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step()
-        _sync(device)
+    with profile(activities=acts, record_shapes=True) as prof:  # shapes: kernel_diff.py's GEMM rows
+        with record_function("peer step"):  # the traced step's span, as meshforge marks its own
+            step()
+            _sync(device)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "peer.json")
     prof.export_chrome_trace(path)
@@ -290,6 +302,7 @@ def measure(a: argparse.Namespace, device: torch.device, n_params: int, seconds:
     hw_f = flops.hardware_flops_per_token(shape, a.seq_len, recompute=a.ac)
     ran = f"torchtitan {tt_version()} model, FSDP2 1-GPU {prec}/fp32-reduce, {'compiled' if a.compile else 'eager'}"
     ran += f", AC {a.ac}" + (", fp8" if a.fp8 else "") + (", offload" if a.offload else "")
+    ran += f", reshard after forward {a.reshard_after_forward}"
     return {
         "framework": "torchtitan",
         "ran": ran + f", mb {a.micro_batch} x accum {a.accum}",

@@ -2,6 +2,7 @@
 # The GPU suite: one command on a fresh GPU machine, from the repository root or anywhere.
 #
 #   bash bench/gpu/run.sh check     # install the carried wheels, verify every import, CPU smoke of both sides
+#   bash bench/gpu/run.sh install   # install the carried wheels and verify every import, nothing else
 #   bash bench/gpu/run.sh part1     # CUDA tests (pytest -m cuda)                         ~5 min
 #   bash bench/gpu/run.sh part2     # 1B seq 4096 eager + compiled, gb 16 / mb 2, + peer   ~6 min
 #   bash bench/gpu/run.sh part3     # 1B seq 32K and 64K, AC full, compiled, + peer        ~6 min
@@ -15,7 +16,8 @@
 # PYTHONPATH instead of pip-installing it (no build step, no registry needed), installs the
 # wheels carried in bench/gpu/wheels/ (made by bench/gpu/fetch_wheels.sh on a machine with
 # a package registry) with --no-deps, and writes everything to $OUT (default bench/gpu/out):
-# results.md (device, torch, date, test summary, MFU table) plus the raw logs.
+# results.md (device, torch, date, test summary, MFU table) plus the raw logs, and per part
+# kdiff-partN.md: each row's kernel-by-kernel diff of the two traced steps (kernel_diff.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/gpu/out}
@@ -66,6 +68,7 @@ for mod in mods:
         print(f"import FAILED: {mod}: {type(e).__name__}: {e}")
 print("not importable:", ", ".join(bad) if bad else "none")
 PYEOF
+[ "$MODE" = install ] && exit 0
 if [ "$MODE" = check ]; then
   echo "== peer smoke (bench_torchtitan.py --smoke)"
   $PY bench/gpu/bench_torchtitan.py --smoke 2>"$OUT/peer_smoke.log" | tail -n 1
@@ -99,7 +102,8 @@ cuda_tests() {
 
 mfu_part() {  # one part of the table: mfu-partN.md, ready for docs/benchmarks.md
   echo "## meshforge vs torchtitan's single-GPU recipe, part $1 (bench/gpu/bench_mfu.py)"
-  PYTHONUNBUFFERED=1 $PY bench/gpu/bench_mfu.py --part "$1" --out "$OUT/mfu-part$1.md" 2>"$OUT/bench_mfu-part$1.log"
+  PYTHONUNBUFFERED=1 $PY bench/gpu/bench_mfu.py --part "$1" --out "$OUT/mfu-part$1.md" \
+    --kdiff-out "$OUT/kdiff-part$1.md" 2>"$OUT/bench_mfu-part$1.log"
   echo
 }
 
@@ -107,6 +111,6 @@ case "$MODE" in
   part1) { header; cuda_tests; } | tee "$OUT/results-part1.md" ;;
   part[2-9]) { header; mfu_part "${MODE#part}"; } | tee "$OUT/results-$MODE.md" ;;
   all) { header; cuda_tests; for n in 2 3 4 5 6; do mfu_part "$n"; done; } | tee "$OUT/results.md" ;;
-  *) echo "unknown mode '$MODE': check | part1..part6 | all" >&2; exit 2 ;;
+  *) echo "unknown mode '$MODE': install | check | part1..part6 | all" >&2; exit 2 ;;
 esac
 echo "written under $OUT"

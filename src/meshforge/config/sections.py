@@ -218,6 +218,10 @@ class ProfileConfig:
     steps: int = 0
     """steps traced with `torch.profiler` into `run.dir/profile/` (Chrome traces, one per rank; open in
     Perfetto); `0` = no tracing"""
+    memory: bool = True
+    """on CUDA, also record the traced steps' allocations into `rank-NNNNN-memory.pickle` (open at
+    pytorch.org/memory_viz); each allocation then records its stack, host time the traced steps
+    pay: `false` when comparing their kernel timeline with another run's (`bench/gpu/kernel_diff.py`)"""
 
 
 @dataclass(frozen=True)

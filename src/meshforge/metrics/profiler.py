@@ -1,6 +1,8 @@
 """torch.profiler traces of a few steps, one Chrome trace per rank in run.dir/profile/
 (``rank-NNNNN.json``; open in Perfetto), and on GPUs a CUDA memory snapshot
-(``rank-NNNNN-memory.pickle``; open at pytorch.org/memory_viz). Off unless profile.steps > 0.
+(``rank-NNNNN-memory.pickle``; open at pytorch.org/memory_viz; not with profile.memory = false,
+since recording each allocation's stack slows the traced steps' host side). Off unless
+profile.steps > 0.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class StepProfiler:
         self.first = min(cfg.start_step or DEFAULT_START, total_steps)
         self.last = self.first + cfg.steps - 1
         self.enabled = cfg.steps > 0
+        self.memory = cfg.memory and device.type == "cuda"
         self.prof: profile | None = None
         self.mark: record_function | None = None
         self.written: list[Path] = []
@@ -38,7 +41,7 @@ class StepProfiler:
 
     def _start(self) -> None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        if self.device.type == "cuda":
+        if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=100_000)  # private API: wrapped here only
         self.prof = profile(activities=activities, record_shapes=True)
         with _native_stderr_quiet():
@@ -67,7 +70,7 @@ class StepProfiler:
         path = self.dir / f"rank-{self.rank:05d}.json"
         prof.export_chrome_trace(str(path))
         self.written.append(path)
-        if self.device.type == "cuda":
+        if self.memory:
             snap = self.dir / f"rank-{self.rank:05d}-memory.pickle"
             torch.cuda.memory._dump_snapshot(str(snap))
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -58,18 +58,27 @@ def rope_inv_freq(args: ModelShape, device: torch.device | str | None = None) ->
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq, head_dim), computed in fp32 whatever the autocast."""
+    """cos and signed sin tables of shape (seq, head_dim) for ``apply_rope``, in fp32 whatever
+    the autocast. The sin table's first half is negated: the sign rotate-half puts on the
+    partner (-x2, x1) lives in the table, built once per forward, not in each block's pass."""
     with torch.autocast(device_type=positions.device.type, enabled=False):
         freqs = torch.outer(positions.float(), inv_freq.float())
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        half = freqs.shape[-1]
+        sign = torch.cat([freqs.new_full((half,), -1.0), freqs.new_ones(half)])
+        return emb.cos(), emb.sin() * sign
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by position; pairs are (i, i + head_dim/2)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    """Rotate (batch, heads, seq, head_dim) by position; pairs are (i, i + head_dim/2), ``sin``
+    signed as ``rope_cos_sin`` makes it. ``x * cos + swap_halves(x) * sin``: the swap is one
+    copy in x's dtype and memory layout (a flip of the two halves: no neg, no cat, and its
+    backward is a flip too, so q/k's gradients stay in the projections' layout with no copy),
+    the products read x in its dtype and compute in the tables' fp32 (no cast pass), one cast
+    back. Equal bit for bit to ``(x.float() * cos + cat(-x2, x1).float() * sin).to(x.dtype)``,
+    gradients too."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return (x * cos + swapped * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -79,8 +88,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as Llama does) and return the input dtype.
-        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
+        """Normalise in fp32 (as Llama does) and return the input dtype. Weight and input of one
+        dtype (fp32; bf16 under FSDP2's cast-once policy) take one ``F.rms_norm`` call, which
+        computes in fp32 and rounds once: a fused kernel pair on CUDA instead of five passes
+        and their backward. Mixed dtypes (autocast's bf16 q/k before QK-norm) keep the explicit
+        fp32 form, the same arithmetic."""
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * w.float()).to(x.dtype)
 
 
 class SDPAttention(nn.Module):
