@@ -27,7 +27,7 @@ from meshforge.data.tokenizer import ByteTokenizer
 from meshforge.errors import DataError
 from meshforge.health.text_check import refuse_binary
 
-DOCS = documents(40, long_doc=300_000)  # the long one spans three pieces
+DOCS = documents(40, long_doc=300_000)  # the long one spans five pieces
 
 
 def _prepare(inputs, out, **kw):

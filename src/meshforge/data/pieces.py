@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from meshforge.data.sources import Source, open_reader
 
-PIECE_CHARS = 1 << 17
-BATCH_BYTES = 1 << 18  # UTF-8 bytes of text per tokenizer call
+PIECE_CHARS = 1 << 16
+BATCH_BYTES = 1 << 17  # UTF-8 bytes of text per tokenizer call
 BATCH_PIECES = 4096  # and at most this many pieces (many tiny documents)
 
 

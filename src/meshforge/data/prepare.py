@@ -79,9 +79,8 @@ def _stdlib_sources(stdlib: str) -> tuple[Path, ...]:
 def _fingerprint(sources: list[Source], *settings: object) -> str:
     """The inputs (paths, formats, sizes, modification times) and settings, hashed."""
     h = hashlib.sha256("|".join(str(s) for s in (FORMAT_VERSION, *settings)).encode())
-    for src in sources:
-        st = src.path.stat()
-        h.update(f"{src.path.resolve()}|{src.kind}|{src.compression}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    for s in sources:
+        h.update(f"{os.path.abspath(s.path)}|{s.kind}|{s.compression}|{s.size}|{s.mtime_ns}\n".encode())
     return h.hexdigest()[:20]
 
 

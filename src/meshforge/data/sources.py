@@ -12,9 +12,10 @@ from __future__ import annotations
 import glob
 import io
 import json
+import os
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -33,10 +34,12 @@ class Source:
     path: Path
     kind: str  # "text" | "jsonl" | "parquet" | "arrow"
     compression: str = ""  # "" | "gz" | "zst"
+    size: int = 0  # bytes on disk, and the modification time, when it was found
+    mtime_ns: int = 0
 
-    @property
-    def size(self) -> int:
-        return self.path.stat().st_size
+    def stat(self) -> Source:
+        st = os.stat(self.path)
+        return replace(self, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 class Reader(Protocol):
@@ -79,8 +82,21 @@ def discover(inputs: Iterable[str | Path]) -> list[Source]:
                 f"data path {p} does not exist; point data.path (or --input) at text, JSONL, Parquet, a glob or shards"
             )
         for q in paths:
-            sources.extend(_walk(q) if q.is_dir() else [classify(q)])
+            sources.extend(_walk(q) if q.is_dir() else [classify(q).stat()])
     return sources
+
+
+def _files_under(d: str, parts: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str, os.stat_result]]:
+    """Every file below ``d`` (symlinks to files too, not to directories): its path's parts
+    below ``d`` (the order Path sorts in), its path and its stat."""
+    out = []
+    with os.scandir(d) as entries:
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                out += _files_under(e.path, (*parts, e.name))
+            elif e.is_file():
+                out.append(((*parts, e.name), e.path, e.stat()))
+    return out
 
 
 def _walk(d: Path) -> list[Source]:
@@ -93,7 +109,11 @@ def _walk(d: Path) -> list[Source]:
     hf = _hf_dataset_files(d)
     if hf is not None:
         return hf
-    found = [s for f in sorted(d.rglob("*")) if f.is_file() and (s := classify(f, explicit=False))]
+    found = [
+        replace(s, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        for _, f, st in sorted(_files_under(str(d)), key=lambda x: x[0])
+        if (s := classify(Path(f), explicit=False))
+    ]
     if not found:
         raise DataError(
             f"data path {d} is a directory with no text, JSONL, Parquet or Arrow files "
@@ -114,7 +134,7 @@ def _hf_dataset_files(d: Path) -> list[Source] | None:
         raise DataError(f"{state} is not a readable Hugging Face dataset state ({e}); save the dataset again") from None
     if not files or not all(isinstance(f, str) and f and Path(f).name == f for f in files):
         raise DataError(f"{state} lists no data files, or names outside {d}; save the dataset again")
-    return [Source(d / f, "arrow") for f in files]
+    return [Source(d / f, "arrow").stat() for f in files]
 
 
 def plain_text_files(path: str) -> list[Path]:
