@@ -148,18 +148,19 @@ def digest(out: Path) -> str:
     return h.update(json.dumps(index, sort_keys=True).encode()) or h.hexdigest()[:16]
 
 
-def throughput(tmp: Path, tok: Path, corpus: dict[str, Path], args: argparse.Namespace) -> dict[str, Path]:
+def throughput(tmp: Path, tok: str, corpus: dict[str, Path], args: argparse.Namespace) -> dict[str, Path]:
     print(f"\n1. throughput, {args.mb:g} MB corpus, {os.cpu_count()} cores (seconds; ratio = baseline / prepare)")
-    base = ["--child", "baseline", "--input", str(corpus["jsonl"]), "--tokenizer", str(tok)]
+    base = ["--child", "baseline", "--input", str(corpus["jsonl"]), "--tokenizer", tok]
     outs, times = {}, []
     for r in range(args.rounds):
         times.append(("baseline", run_child(*base, "--method", "encode_batch")[0]["seconds"]))
         for fmt, path in corpus.items():
             outs[fmt] = tmp / f"out-{fmt}-{r}"
-            res, _ = run_child("--child", "prepare", "--input", str(path), "--out", str(outs[fmt]), "--tokenizer", str(tok))
+            res, _ = run_child("--child", "prepare", "--input", str(path), "--out", str(outs[fmt]), "--tokenizer", tok)
             times.append((fmt, res["seconds"]))
             times.append(("baseline", run_child(*base, "--method", "encode_batch")[0]["seconds"]))
-            print(f"   round {r}: baseline {times[-3][1]:.1f} | {fmt} {res['seconds']:.1f} | baseline {times[-1][1]:.1f}")
+            before, after = times[-3][1], times[-1][1]
+            print(f"   round {r}: baseline {before:.1f} | {fmt} {res['seconds']:.1f} | baseline {after:.1f}")
         if r < args.rounds - 1:
             for o in outs.values():
                 shutil.rmtree(o)
@@ -167,8 +168,10 @@ def throughput(tmp: Path, tok: Path, corpus: dict[str, Path], args: argparse.Nam
         ratios = [(times[i - 1][1] + times[i + 1][1]) / 2 / t for i, (f, t) in enumerate(times) if f == fmt]
         tokens = json.loads((outs[fmt] / "index.json").read_text())["tokens"]
         best = min(t for f, t in times if f == fmt)
-        print(f"   {fmt:8s} prepare/encode_batch throughput ratio {min(ratios):.2f}..{max(ratios):.2f} (target >= 0.9)"
-              f"  [{args.mb / best:.2f} MB/s, {tokens / best:,.0f} tokens/s at best]")
+        print(
+            f"   {fmt:8s} prepare/encode_batch throughput ratio {min(ratios):.2f}..{max(ratios):.2f} (target >= 0.9)"
+            f"  [{args.mb / best:.2f} MB/s, {tokens / best:,.0f} tokens/s at best]"
+        )
     if args.fast_baseline:
         fast = run_child(*base, "--method", "encode_batch_fast")[0]["seconds"]
         print(f"   (encode_batch_fast once: {fast:.1f} s)")
@@ -180,8 +183,18 @@ def identity(tmp: Path, tok: Path, corpus: dict[str, Path], outs: dict[str, Path
     digests = {fmt: digest(o) for fmt, o in outs.items()}
     print(f"   shards per format: {digests} -> {'identical' if len(set(digests.values())) == 1 else 'DIFFERENT'}")
     one = tmp / "out-jsonl-1worker"
-    run_child("--child", "prepare", "--input", str(corpus["jsonl"]), "--out", str(one), "--tokenizer", str(tok),
-              "--workers", "1")
+    run_child(
+        "--child",
+        "prepare",
+        "--input",
+        str(corpus["jsonl"]),
+        "--out",
+        str(one),
+        "--tokenizer",
+        str(tok),
+        "--workers",
+        "1",
+    )
     same = digest(one) == digests["jsonl"]
     print(f"   JSONL with 1 worker vs {os.cpu_count()} (default): {'identical' if same else 'DIFFERENT'}")
     shutil.rmtree(one)
@@ -198,17 +211,32 @@ def memory(tmp: Path, tok: Path, text: str, args: argparse.Namespace) -> None:
             chunk = text[: args.single_mb * 2**20 - n]
             f.write(chunk)
             n += len(chunk)
-    for name, path in ((f"{big.stat().st_size / 1e6:,.0f} MB JSONL corpus", big),
-                       (f"single {single.stat().st_size / 1e6:,.0f} MB document", single)):
+    for name, path in (
+        (f"{big.stat().st_size / 1e6:,.0f} MB JSONL corpus", big),
+        (f"single {single.stat().st_size / 1e6:,.0f} MB document", single),
+    ):
         out = tmp / "mem" / "out"
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "meshforge", "data", "prepare", "--input", str(path), "--out", str(out),
-               "--tokenizer", str(tok)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshforge",
+            "data",
+            "prepare",
+            "--input",
+            str(path),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tok),
+        ]
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         _, status, usage = os.wait4(p.pid, 0)
         secs = time.perf_counter() - t0
-        print(f"   {name}: peak RSS {usage.ru_maxrss / 1024:,.0f} MB (status {status}, {secs:.0f} s; "
-              f"of which importing torch alone: {torch_mb:,.0f} MB)")
+        print(
+            f"   {name}: peak RSS {usage.ru_maxrss / 1024:,.0f} MB (status {status}, {secs:.0f} s; "
+            f"of which importing torch alone: {torch_mb:,.0f} MB)"
+        )
         shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(tmp / "mem")
 
@@ -228,8 +256,10 @@ def loader(out: Path, args: argparse.Namespace) -> None:
         batch = ds.train.get(sampler.next_batch())
         tokens += batch.shape[0] * args.seq_len
     rate = tokens / (time.perf_counter() - t0)
-    print(f"\n4. loader: {len(ds.train):,} sequences of {args.seq_len} (batches of {args.batch}, shuffled), one core:"
-          f" {rate:,.0f} tokens/s = {rate / GPU_TOKENS_PER_S:.1f}x 8 GPUs x 55k tokens/s (target >= 10x)")
+    print(
+        f"\n4. loader: {len(ds.train):,} sequences of {args.seq_len} (batches of {args.batch}, shuffled), one core:"
+        f" {rate:,.0f} tokens/s = {rate / GPU_TOKENS_PER_S:.1f}x 8 GPUs x 55k tokens/s (target >= 10x)"
+    )
     assert np.all(batch.numpy() < ds.vocab_size)
 
 
@@ -267,7 +297,7 @@ def main() -> None:
         formats = [f for f in args.formats.split(",") if f]
         corpus = write_corpus(tmp / "corpus", text, args.mb, formats)
         print(f"setup: 32K BPE trained, corpus written as {', '.join(formats)} ({time.perf_counter() - t0:.0f} s)")
-        outs = throughput(tmp, tok, corpus, args)
+        outs = throughput(tmp, str(tok), corpus, args)
         identity(tmp, tok, corpus, outs)
         if args.memory_mb:
             memory(tmp, tok, text, args)
