@@ -118,6 +118,13 @@ def test_bad_records_name_the_file_and_line_or_row(tmp_path):
         _prepare([str(tmp_path / "nothing-*.parquet")], tmp_path / "out")
 
 
+def test_a_lone_surrogate_becomes_a_replacement_not_a_crash(tmp_path):
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"text": "a\\ud800b"}\n{"text": "ok"}\n')  # valid JSON, not valid Unicode
+    out = _prepare([f], tmp_path / "out")
+    assert split_streams(out)["train"].tolist() == [*b"a?b", 257, *b"ok", 257]
+
+
 def test_bad_parquet_is_named(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -138,6 +145,14 @@ def test_bad_parquet_is_named(tmp_path):
     (dd / "dataset_dict.json").write_text('{"splits": ["train"]}')
     with pytest.raises(DataError, match=r"DatasetDict .* point at one split's directory .*dd/train"):
         _prepare([dd], tmp_path / "out")
+    (dd / "train" / "data-00001-of-00002.arrow").unlink()
+    with pytest.raises(DataError, match=r"state\.json lists no data files, or files missing from"):
+        _prepare([dd / "train"], tmp_path / "out")
+
+
+def test_prepared_shards_as_input_are_named(tmp_path, reference):
+    with pytest.raises(DataError, match=r"holds prepared token shards already \(index\.json\)"):
+        _prepare([reference], tmp_path / "out")
 
 
 def test_missing_optional_packages_say_how_to_install(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from meshforge.data.dataset import TokenDataset
 from meshforge.data.pieces import cut
 from meshforge.data.prepare import prepare
 from meshforge.data.progress import Progress
+from meshforge.data.sources import discover
 from meshforge.data.tokenizer import ByteTokenizer, load_tokenizer
 from meshforge.errors import DataError
 
@@ -69,6 +70,24 @@ def test_shards_are_byte_identical_whatever_the_worker_count(tmp_path, bpe, smal
     got = split_streams(outs[0])
     assert sorted(np.concatenate([got["train"], got["val"]]).tolist()) == sorted(stream.tolist())
     assert len(got["train"]) + len(got["val"]) == len(stream)
+
+
+def test_reading_resumes_at_any_cursor(tmp_path):
+    """From any piece's ``after`` cursor, the pieces are exactly the rest of the full read:
+    records skipped in JSONL and Parquet (whole row groups too), pieces inside a document."""
+    pytest.importorskip("pyarrow")
+    docs = documents(30, seed=4, long_doc=150_000)
+    (tmp_path / "t.txt").write_text(docs[15])
+    sources = discover(
+        [write_jsonl(tmp_path / "a.jsonl", docs), tmp_path / "t.txt", write_parquet(tmp_path / "b.parquet", docs)]
+    )
+    full = list(pieces.iter_pieces(sources, "text"))
+    assert len(full) == 2 * (len(docs) + 2) + 3  # the long document (docs[15]) is three pieces, three times
+    inside = [i for i, p in enumerate(full) if p.after[2]]  # cursors inside a document
+    assert len(inside) == 6
+    for i in sorted({*range(0, len(full) - 1, 5), *inside}):
+        rest = list(pieces.iter_pieces(sources, "text", full[i].after))
+        assert [(p.text, p.first, p.last) for p in rest] == [(p.text, p.first, p.last) for p in full[i + 1 :]]
 
 
 def _byte_docs(n=300, seed=2):

@@ -235,7 +235,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers} must be 0 (one per core) or more")
     tok = load_tokenizer(args.tokenizer)
-    out = prepare(args.input, args.out, tok, args.val_fraction, field=args.field, workers=args.workers)
+    out = prepare(
+        args.input, args.out, tok, args.val_fraction, field=args.field, workers=args.workers, progress=sys.stderr
+    )
     index = json.loads((out / "index.json").read_text())
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
     print(

@@ -145,11 +145,12 @@ def prepare(
     field: str = "text",
     workers: int = 0,
     shard_tokens: int = SHARD_TOKENS,
-    progress: TextIO | None = sys.stderr,
+    progress: TextIO | None = None,
 ) -> Path:
     """Tokenize ``inputs`` into shards under ``out_dir``; resumes an interrupted run of the same
     inputs and settings. ``field``: the JSONL field / Parquet or Arrow column holding the text;
-    ``workers``: tokenizing threads (0: one per core, at most 16). Returns ``out_dir``."""
+    ``workers``: tokenizing threads (0: one per core, at most 16); ``progress``: where the
+    progress line goes (None: nowhere). Returns ``out_dir``."""
     sources = discover(inputs)
     out = Path(out_dir)
     _check_out(out)
@@ -242,6 +243,6 @@ def prepared_dir_for(path: str, tokenizer: Tokenizer, val_fraction: float, cache
             flush=True,
         )
         t0 = time.perf_counter()
-        prepare([s.path for s in sources], out, tokenizer, val_fraction, source=source or [path])
+        prepare([s.path for s in sources], out, tokenizer, val_fraction, source=source or [path], progress=sys.stderr)
         print(f"meshforge: prepared the corpus in {time.perf_counter() - t0:.1f}s", flush=True)
     return out

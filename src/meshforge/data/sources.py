@@ -100,6 +100,8 @@ def _files_under(d: str, parts: tuple[str, ...] = ()) -> list[tuple[tuple[str, .
 
 
 def _walk(d: Path) -> list[Source]:
+    if (d / "index.json").is_file():
+        raise DataError(f"{d} holds prepared token shards already (index.json); train on it, or name the raw data")
     if (d / "dataset_dict.json").is_file():
         splits = sorted(x.name for x in d.iterdir() if x.is_dir())
         raise DataError(
@@ -132,8 +134,8 @@ def _hf_dataset_files(d: Path) -> list[Source] | None:
         files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{state} is not a readable Hugging Face dataset state ({e}); save the dataset again") from None
-    if not files or not all(isinstance(f, str) and f and Path(f).name == f for f in files):
-        raise DataError(f"{state} lists no data files, or names outside {d}; save the dataset again")
+    if not files or not all(isinstance(f, str) and f and Path(f).name == f and (d / f).is_file() for f in files):
+        raise DataError(f"{state} lists no data files, or files missing from {d}; save the dataset again")
     return [Source(d / f, "arrow").stat() for f in files]
 
 
@@ -238,6 +240,7 @@ class JsonlReader(_Stream):
         except json.JSONDecodeError as e:
             raise DataError(f"{where} is not valid JSON ({e.msg}); fix or remove that line") from None
         if not isinstance(rec, dict) or not isinstance(rec.get(self.field), str):
-            hint = "" if self.field != "text" or not isinstance(rec, dict) else " (or name the field with --field)"
-            raise DataError(f'{where} has no string field "{self.field}"; each JSONL line needs one{hint}')
+            raise DataError(
+                f'{where} has no string field "{self.field}"; each JSONL line needs one (--field names another field)'
+            )
         return rec[self.field]
