@@ -27,6 +27,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if not 0 <= args.val_fraction < 1:
         raise ConfigError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    if args.workers < 0:
+        raise ConfigError(f"--workers {args.workers} must be 0 (one per core) or more")
     for path in args.input:
         refuse_binary(path, args.allow_binary, "--input", "--allow-binary")
     out = Path(args.out)
@@ -35,7 +37,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         check_out_dir(out)
     tok = load_tokenizer(args.tokenizer)
     try:
-        out = prepare(args.input, out, tok, args.val_fraction)
+        out = prepare(
+            args.input, out, tok, args.val_fraction, field=args.field, workers=args.workers, progress=sys.stderr
+        )
     except OSError as e:
         raise DiskError(describe(out, e, "write", "--out")) from None
     index = json.loads((out / "index.json").read_text())
@@ -124,8 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train a model (meshforge train --help)", add_help=False)
     data = sub.add_parser("data", help="prepare corpora into token shards")
     dsub = data.add_subparsers(dest="data_command", required=True)
-    prep = dsub.add_parser("prepare", help="tokenize text, directories or JSONL into shards")
-    prep.add_argument("--input", nargs="+", required=True, help="text files, directories, or JSONL with a 'text' field")
+    prep = dsub.add_parser("prepare", help="tokenize text, JSONL, Parquet or Arrow into shards")
+    prep.add_argument("--input", nargs="+", required=True, help="files, directories, globs: text, JSONL, Parquet")
+    prep.add_argument("--field", default="text", help="the JSONL field / Parquet or Arrow column with the text")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizing threads (default 0: one per core, at most 16)")
     prep.add_argument("--out", required=True, help="directory to create")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
     prep.add_argument(

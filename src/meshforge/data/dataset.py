@@ -1,4 +1,5 @@
-"""Prepared token shards, read through memory maps as fixed-length training sequences."""
+"""Prepared token shards, read through memory maps as fixed-length training sequences, and
+the document offsets beside them."""
 
 from __future__ import annotations
 
@@ -12,46 +13,92 @@ from meshforge.errors import DataError
 from meshforge.manifest import read_manifest
 
 
+def _mapped(root: Path, name: str, count: int, dtype: str | np.dtype) -> np.ndarray:
+    """``root/name`` as a read-only memory map of ``count`` items, its size checked against the index."""
+    f = root / name
+    if not f.is_file():
+        raise DataError(f"shard {f} listed in {root / 'index.json'} is missing; re-run `meshforge data prepare`")
+    expected = count * np.dtype(dtype).itemsize
+    if f.stat().st_size != expected:
+        raise DataError(
+            f"shard {f} has {f.stat().st_size} bytes but index.json says {expected}; "
+            "it is truncated or was overwritten — re-run `meshforge data prepare`"
+        )
+    return np.memmap(f, dtype=dtype, mode="r") if count else np.empty(0, dtype)
+
+
 class TokenSplit:
     """One split as sequences of ``seq_len + 1`` tokens (inputs plus shifted targets).
 
     Sequence i of a shard is tokens [i*seq_len, i*seq_len + seq_len + 1): neighbouring
-    sequences share one token, so every token is a target exactly once.
+    sequences share one token, so every token is a target exactly once. Positions in
+    ``span``, ``doc_starts`` and ``seams`` count in the split's stream: its shards end to end.
+    ``seam_every``: the split's stream skips the other split's tokens after every this many
+    tokens (0: never; None: not recorded, format version 1).
     """
 
-    def __init__(self, root: Path, shards: list[dict], dtype: str, seq_len: int):
-        self.seq_len = seq_len
-        self.maps: list[np.memmap] = []
-        counts = []
-        for s in shards:
-            f = root / s["file"]
-            if not f.is_file():
-                raise DataError(
-                    f"shard {f} listed in {root / 'index.json'} is missing; re-run `meshforge data prepare`"
-                )
-            expected = s["tokens"] * np.dtype(dtype).itemsize
-            if f.stat().st_size != expected:
-                raise DataError(
-                    f"shard {f} has {f.stat().st_size} bytes but index.json says {expected}; "
-                    "it is truncated or was overwritten — re-run `meshforge data prepare`"
-                )
-            mm = np.memmap(f, dtype=dtype, mode="r")
-            self.maps.append(mm)
-            counts.append(max(0, (len(mm) - 1) // seq_len))
+    def __init__(self, root: Path, shards: list[dict], dtype: str, seq_len: int, seam_every: int | None = 0):
+        self.root, self.seq_len, self.seam_every = root, seq_len, seam_every
+        self.maps = [_mapped(root, s["file"], s["tokens"], dtype) for s in shards]
+        with_docs = all("docs" in s for s in shards)
+        self.doc_maps = [_mapped(root, s["docs"], s["doc_starts"], "<i8") for s in shards] if with_docs else None
+        counts = [max(0, (len(m) - 1) // seq_len) for m in self.maps]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.tokens = int(sum(len(m) for m in self.maps))
+        self.offsets = np.concatenate([[0], np.cumsum([len(m) for m in self.maps])]).astype(np.int64)
+        self.tokens = int(self.offsets[-1])
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        shard = int(np.searchsorted(self.starts, i, side="right") - 1)
+        return shard, (int(i) - int(self.starts[shard])) * self.seq_len
 
     def get(self, indices: np.ndarray | list[int]) -> torch.Tensor:
         """(n, seq_len + 1) int64 tensor for global sequence indices."""
         out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
         for row, i in enumerate(indices):
-            shard = int(np.searchsorted(self.starts, i, side="right") - 1)
-            off = (int(i) - int(self.starts[shard])) * self.seq_len
+            shard, off = self._locate(i)
             out[row] = self.maps[shard][off : off + self.seq_len + 1]
         return torch.from_numpy(out)
+
+    def span(self, i: int) -> tuple[int, int]:
+        """The stream positions [a, b) that sequence ``i`` covers (b - a = seq_len + 1)."""
+        shard, off = self._locate(i)
+        a = int(self.offsets[shard]) + off
+        return a, a + self.seq_len + 1
+
+    def doc_starts(self, a: int, b: int) -> np.ndarray:
+        """The positions p, a <= p < b, where a document's first token is (int64, ascending)."""
+        if self.doc_maps is None:
+            self._unrecorded()
+        out = []
+        first = max(0, int(np.searchsorted(self.offsets, a, side="right")) - 1)
+        for shard in range(first, len(self.maps)):
+            base = int(self.offsets[shard])
+            if base >= b:
+                break
+            m = self.doc_maps[shard]
+            lo, hi = np.searchsorted(m, (a - base, b - base))
+            out.append(np.asarray(m[lo:hi], dtype=np.int64) + base)
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+    def _unrecorded(self) -> None:
+        raise DataError(
+            f"{self.root} was prepared by an older meshforge, without document offsets; "
+            "prepare it again (`meshforge data prepare`) to use document boundaries"
+        )
+
+    def seams(self, a: int, b: int) -> np.ndarray:
+        """The positions p, a <= p < b (p > 0), where the stream resumes after tokens that went
+        to the other split: the tokens on either side are not neighbours in the corpus."""
+        if self.seam_every is None:
+            self._unrecorded()
+        if not self.seam_every:
+            return np.empty(0, np.int64)
+        k = self.seam_every
+        first = max(1, -(-a // k))
+        return np.arange(first * k, min(b, self.tokens), k, dtype=np.int64)
 
 
 class TokenDataset:
@@ -66,5 +113,10 @@ class TokenDataset:
         self.vocab_size = int(index["vocab_size"])
         self.tokenizer = index["tokenizer"]
         self.eos_id = index.get("eos_id")  # the end-of-text token that separates documents (data/documents.py)
-        self.train = TokenSplit(self.root, index["splits"].get("train", []), index["dtype"], seq_len)
-        self.val = TokenSplit(self.root, index["splits"].get("val", []), index["dtype"], seq_len)
+        splits, dtype = index["splits"], index["dtype"]
+        train_seams = val_seams = None  # (format version 1 did not record the split's period)
+        if "val_every" in index:
+            every, block = int(index["val_every"]), int(index["val_block"])
+            train_seams, val_seams = ((every - 1) * block, block) if every else (0, 0)
+        self.train = TokenSplit(self.root, splits.get("train", []), dtype, seq_len, train_seams)
+        self.val = TokenSplit(self.root, splits.get("val", []), dtype, seq_len, val_seams)

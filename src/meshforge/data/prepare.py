@@ -1,42 +1,59 @@
-"""Corpus preparation: text, directories and JSONL into memory-mappable token shards.
+"""Corpus preparation: text, JSONL, Parquet and Arrow (compressed or not) into token shards.
 
-Layout of a prepared directory::
+Layout of a prepared directory (docs/data.md has the details)::
 
-    index.json          format, dtype, tokenizer, vocab size, shards per split
-    train_00000.bin     raw little-endian uint16 (vocab <= 65536) or uint32 tokens
-    val_00000.bin
+    index.json              format, dtype, tokenizer, vocab size, shards per split
+    train_00000.bin         raw little-endian uint16 (vocab <= 65536) or uint32 tokens
+    train_00000.docs.bin    little-endian int64: where in that shard each document starts
+    val_00000.bin, val_00000.docs.bin
 
 Documents are concatenated with the tokenizer's EOS after each. The validation split
 takes every k-th block of tokens (k = 1 / val_fraction), so it samples the whole corpus
 rather than its last files, and works for a single file too. Blocks are VAL_BLOCK
 tokens for large inputs and shrink (down to MIN_VAL_BLOCK) for small ones, so that a
 small corpus still gets several validation blocks.
+
+Preparation streams: documents are read in chunks, cut into pieces (pieces.py), tokenized
+in batches by worker threads (encode.py) and appended to the shards as they come
+(shards.py), so memory is bounded whatever the corpus or document size. It is written
+into ``.NAME.partial`` beside the output and renamed when complete; a killed preparation
+resumes there from its last complete shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import json
 import os
 import shutil
+import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 
+from meshforge.data import pieces, shards
+from meshforge.data.encode import default_workers, encoded
+from meshforge.data.progress import Progress
+from meshforge.data.shards import JOURNAL, ShardSet, load_journal, save_journal, val_block_size
+from meshforge.data.sources import Source, discover
 from meshforge.data.tokenizer import Tokenizer
 from meshforge.errors import DataError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock between concurrent preparations of one directory
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "SHARD_TOKENS", "prepare", "prepared_dir_for", "val_block_size"]
+
 FORMAT = "meshforge-token-shards"
-FORMAT_VERSION = 1
-VAL_BLOCK = 16384
-MIN_VAL_BLOCK = 1024
+FORMAT_VERSION = 2  # 2: document offsets beside every shard; version 1 (no offsets) is still read
 SHARD_TOKENS = 1 << 28
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".jsonl", ".text", ".tex", ".c", ".h", ".html"}
 
 
 def default_cache_dir() -> Path:
@@ -59,123 +76,63 @@ def _stdlib_sources(stdlib: str) -> tuple[Path, ...]:
     return tuple(sorted(files, key=lambda f: f.relative_to(root).as_posix()))
 
 
-def _expand(inputs: list[str | Path]) -> list[Path]:
-    files: list[Path] = []
-    for raw in inputs:
-        p = Path(raw)
-        if not p.exists():
-            raise DataError(f"data path {p} does not exist; point data.path (or --input) at text, JSONL or shards")
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-            if not found:
-                raise DataError(
-                    f"data path {p} is a directory with no text files ({', '.join(sorted(TEXT_SUFFIXES))}) "
-                    "and no index.json; put text in it or run `meshforge data prepare`"
-                )
-            files.extend(found)
-        else:
-            files.append(p)
-    return files
-
-
-def iter_documents(files: list[Path]) -> Iterator[str]:
-    """One string per document: a whole text file, or the ``text`` field of each JSONL line."""
-    for f in files:
-        if f.suffix.lower() == ".jsonl":
-            with f.open("r", encoding="utf-8", errors="replace") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{f}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise DataError(f'{f}:{lineno} has no string field "text"; each JSONL line needs one')
-                    yield rec["text"]
-        else:
-            yield f.read_text(encoding="utf-8", errors="replace")
-
-
-def _fingerprint(files: list[Path], tok: Tokenizer, val_fraction: float) -> str:
-    h = hashlib.sha256(f"{FORMAT_VERSION}|{tok.name}|{val_fraction}".encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+def _fingerprint(sources: list[Source], *settings: object) -> str:
+    """The inputs (paths, formats, sizes, modification times) and settings, hashed."""
+    h = hashlib.sha256("|".join(str(s) for s in (FORMAT_VERSION, *settings)).encode())
+    for s in sources:
+        h.update(f"{os.path.abspath(s.path)}|{s.kind}|{s.compression}|{s.size}|{s.mtime_ns}\n".encode())
     return h.hexdigest()[:20]
 
 
-class _ShardWriter:
-    def __init__(self, out: Path, split: str, dtype: np.dtype):
-        self.out, self.split, self.dtype = out, split, dtype
-        self.shards: list[dict] = []
-        self.buf: list[np.ndarray] = []
-        self.n = 0
-
-    def add(self, arr: np.ndarray) -> None:
-        self.buf.append(arr)
-        self.n += len(arr)
-        if self.n >= SHARD_TOKENS:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.n:
-            return
-        name = f"{self.split}_{len(self.shards):05d}.bin"
-        np.concatenate(self.buf).astype(self.dtype).tofile(self.out / name)
-        self.shards.append({"file": name, "tokens": int(self.n)})
-        self.buf, self.n = [], 0
+def _check_out(out: Path) -> None:
+    if (out / "index.json").exists():
+        raise DataError(f"{out} already holds prepared data; choose another --out or delete it first")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out} exists and is not an empty directory; choose another --out (nothing was written)")
 
 
-def val_block_size(input_bytes: int, every: int) -> int:
-    """Block length giving about 8 validation blocks for small inputs, VAL_BLOCK for large ones."""
-    if not every:
-        return VAL_BLOCK
-    return int(min(VAL_BLOCK, max(MIN_VAL_BLOCK, input_bytes // (every * 8))))
+def _partial(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
 
 
-def _split_blocks(
-    files: list[Path], tokenizer: Tokenizer, writers: dict[str, _ShardWriter], every: int, block_size: int
-) -> int:
-    """Tokenize ``files`` (EOS after each document) into blocks of ``block_size`` tokens,
-    every ``every``-th to the validation split; returns the number of documents."""
-    dtype = writers["train"].dtype
-    pending: list[np.ndarray] = []
-    pending_n = 0
-    block = 0
-    docs = 0
-
-    def emit(arr: np.ndarray) -> None:
-        nonlocal block
-        split = "val" if every and block % every == every - 1 else "train"
-        writers[split].add(arr)
-        block += 1
-
-    for text in iter_documents(files):
-        ids = tokenizer.encode(text)
-        docs += 1
-        pending.append(np.append(ids, tokenizer.eos_id).astype(dtype))
-        pending_n += len(ids) + 1
-        while pending_n >= block_size:
-            stream = np.concatenate(pending)
-            emit(stream[:block_size])
-            rest = stream[block_size:]
-            pending, pending_n = [rest], len(rest)
-    if pending_n:
-        emit(np.concatenate(pending))
-    for w in writers.values():
-        w.flush()
-    return docs
+@contextlib.contextmanager
+def _claimed(out: Path) -> Iterator[Path | None]:
+    """``out``'s partial directory, locked by this process (other preparers of ``out`` wait);
+    None when one of them completed ``out`` meanwhile."""
+    partial = _partial(out)
+    while True:
+        partial.mkdir(parents=True, exist_ok=True)
+        fd = os.open(partial / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if (out / "index.json").is_file():
+                with contextlib.suppress(OSError):  # a partial directory only this waiter created
+                    if os.listdir(partial) == [".lock"]:
+                        shutil.rmtree(partial)
+                yield None
+                return
+            try:
+                ours = os.stat(partial / ".lock").st_ino == os.fstat(fd).st_ino  # not renamed away meanwhile
+            except OSError:
+                ours = False
+            if ours:
+                yield partial
+                return
+        finally:
+            os.close(fd)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished directory into place; if another process finished first, keep theirs."""
-    try:
-        tmp.rename(out)
-    except OSError:
-        if not (out / "index.json").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+def _publish(partial: Path, out: Path, index: dict[str, Any]) -> None:
+    """index.json last, then the rename: ``out`` is complete the moment it exists."""
+    import json
+
+    tmp = partial / "index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    tmp.replace(partial / "index.json")
+    (partial / JOURNAL).unlink(missing_ok=True)
+    (partial / ".lock").unlink()
+    partial.rename(out)
 
 
 def prepare(
@@ -183,72 +140,112 @@ def prepare(
     out_dir: str | Path,
     tokenizer: Tokenizer,
     val_fraction: float = 0.01,
-    source: str | None = None,
+    source: str | list[str] | None = None,
+    *,
+    field: str = "text",
+    workers: int = 0,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: TextIO | None = None,
 ) -> Path:
-    """Tokenize ``inputs`` into shards under ``out_dir`` (written atomically). Returns ``out_dir``."""
-    files = _expand(inputs)
+    """Tokenize ``inputs`` into shards under ``out_dir``; resumes an interrupted run of the same
+    inputs and settings. ``field``: the JSONL field / Parquet or Arrow column holding the text;
+    ``workers``: tokenizing threads (0: one per core, at most 16); ``progress``: where the
+    progress line goes (None: nowhere). Returns ``out_dir``."""
+    sources = discover(inputs)
     out = Path(out_dir)
-    if (out / "index.json").exists():
-        raise DataError(f"{out} already holds prepared data; choose another --out or delete it first")
+    _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
-        writers = {"train": _ShardWriter(tmp, "train", dtype), "val": _ShardWriter(tmp, "val", dtype)}
-        every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
-        block_size = val_block_size(sum(f.stat().st_size for f in files), every)
-        docs = _split_blocks(files, tokenizer, writers, every, block_size)
-        total = sum(s["tokens"] for w in writers.values() for s in w.shards)
-        if docs == 0 or total <= docs:
-            raise DataError(
-                f"data path {', '.join(str(i) for i in inputs)} holds no text to train on "
-                f"({docs} documents, {total} tokens); point it at non-empty text or JSONL"
-            )
-        index = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "dtype": dtype.name,
-            "tokenizer": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "documents": docs,
-            "val_block": block_size,
-            "source": source or [str(i) for i in inputs],
-            "splits": {k: w.shards for k, w in writers.items()},
-        }
-        (tmp / "index.json").write_text(json.dumps(index, indent=1))
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _claimed(out) as partial:
+        if partial is None:
+            return out
+        try:
+            workers = workers or default_workers()
+            index = _run(partial, sources, tokenizer, val_fraction, field, workers, shard_tokens, progress)
+        except DataError:
+            shutil.rmtree(partial, ignore_errors=True)  # the input needs fixing: nothing to resume
+            raise
+        except BaseException:
+            if progress is not None:
+                progress.write(f"\nmeshforge: preparation stopped; the same command resumes it from {partial}\n")
+            raise
+        index["source"] = source or [str(i) for i in inputs]
+        _publish(partial, out, index)
     return out
 
 
+def _run(
+    root: Path,
+    sources: list[Source],
+    tokenizer: Tokenizer,
+    val_fraction: float,
+    field: str,
+    workers: int,
+    shard_tokens: int,
+    stream: TextIO | None,
+) -> dict[str, Any]:
+    """Prepare into ``root`` (resuming from its journal if it has one); the index to publish."""
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
+    every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
+    settings = (tokenizer.name, val_fraction, field, shard_tokens)
+    key = _fingerprint(sources, *settings, pieces.PIECE_CHARS, pieces.BATCH_BYTES, shards.HEAD_TOKENS)
+    journal = load_journal(root, key, dtype.itemsize) or {"cursor": (0, 0, 0), "documents": 0, "done": 0}
+    sink = ShardSet(root, dtype, every, shard_tokens, journal.get("state"))
+    if "state" in journal and stream is not None:
+        stream.write(f"meshforge: resuming from {root}: {sink.position:,} tokens already prepared\n")
+    meter = Progress(sum(s.size for s in sources), stream, journal["done"], sink.position)
+    work = pieces.batches(pieces.iter_pieces(sources, field, tuple(journal["cursor"])))
+    docs = journal["documents"]
+    try:
+        for batch, tokens, starts in encoded(tokenizer, work, workers, tokenizer.eos_id, dtype):
+            sink.write(tokens, starts)
+            docs += len(starts)
+            meter.update(batch[-1].done, len(tokens))
+            if sink.full():  # a checkpoint: the shards so far, and where the input goes on
+                sink.close()
+                state = {"cursor": batch[-1].after, "documents": docs, "done": batch[-1].done}
+                save_journal(root, {"fingerprint": key, **state, "state": sink.state()})
+        sink.close()
+    except BaseException:
+        sink.abandon()
+        raise
+    meter.finish()
+    if docs == 0 or sink.position <= docs:
+        names = ", ".join(str(s.path) for s in sources[:3]) + (" ..." if len(sources) > 3 else "")
+        raise DataError(
+            f"data path {names} holds no text to train on ({docs} documents, {sink.position} tokens); "
+            "point it at non-empty text, JSONL or Parquet"
+        )
+    return {
+        **{"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "tokenizer": tokenizer.name},
+        **{"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "documents": docs, "tokens": sink.position},
+        **{"val_block": sink.block, "val_every": every, "splits": sink.state()["splits"]},
+    }
+
+
 def prepared_dir_for(path: str, tokenizer: Tokenizer, val_fraction: float, cache_dir: str = "") -> Path:
-    """Where ``data.path`` lives as token shards, preparing (and caching) raw text on first use."""
+    """Where ``data.path`` lives as token shards, preparing (and caching) raw data on first use."""
     if path and (Path(path) / "index.json").is_file():
         return Path(path)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if not path:
-        files = stdlib_sources()
-        name = "stdlib"
-        source = "python-stdlib"
+        sources = discover(stdlib_sources())
+        name, source = "stdlib", "python-stdlib"
     else:
-        files = _expand([path])
-        name = "text"
-        source = None
-    out = cache / "corpora" / f"{name}-{_fingerprint(files, tokenizer, val_fraction)}"
+        sources = discover([path])
+        name, source = "text", None
+    out = cache / "corpora" / f"{name}-{_fingerprint(sources, tokenizer.name, val_fraction)}"
     if not (out / "index.json").is_file():
-        size = sum(f.stat().st_size for f in files)
+        size = sum(s.size for s in sources)
         what = path or "the default corpus (Python standard library sources)"
         print(
-            f"meshforge: preparing {what} ({len(files)} file(s), {size / 1e6:.1f} MB) with the {tokenizer.name} "
+            f"meshforge: preparing {what} ({len(sources)} file(s), {size / 1e6:.1f} MB) with the {tokenizer.name} "
             f"tokenizer into {out} (first use only; later runs reuse it) ...",
             flush=True,
         )
         t0 = time.perf_counter()
         try:
-            prepare(files, out, tokenizer, val_fraction, source=source or [path])
+            files = [s.path for s in sources]
+            prepare(files, out, tokenizer, val_fraction, source=source or [path], progress=sys.stderr)
         except OSError as e:  # a cache that is a file, read-only, full; an input that cannot be read
             where = str(e.filename or out)
             ours = where.startswith(str(cache))

@@ -18,6 +18,7 @@ class Tokenizer(Protocol):
     name: str
 
     def encode(self, text: str) -> np.ndarray: ...
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
     def decode(self, ids: list[int] | np.ndarray) -> str: ...
 
 
@@ -35,6 +36,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """One uint8 array per text (the bytes themselves, no copy)."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
@@ -72,6 +77,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """One uint32 array per text, through the library's batch call (which releases the GIL,
+        so threads tokenize in parallel); ``encode_batch_fast`` skips the character offsets."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.array(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids])

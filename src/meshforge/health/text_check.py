@@ -23,18 +23,15 @@ def invalid_utf8_share(data: bytes) -> float:
 
 
 def not_text_files(path: str, threshold: float) -> list[tuple[Path, float]]:
-    """Files of ``data.path`` (a file or a directory of text files; not JSONL or prepared
+    """Plain text files of ``data.path`` (a file, directory or glob; not JSONL, Parquet or prepared
     shards) whose sampled share of invalid UTF-8 is above ``threshold``, worst first."""
-    from meshforge.data.prepare import TEXT_SUFFIXES
+    from meshforge.data.sources import plain_text_files
 
     p = Path(path)
-    if not path or not p.exists() or (p / "index.json").is_file():
+    if not path or (p / "index.json").is_file():
         return []
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
     bad = []
-    for f in files[:MAX_FILES]:
-        if f.suffix.lower() == ".jsonl":
-            continue
+    for f in plain_text_files(path)[:MAX_FILES]:
         with f.open("rb") as fh:
             share = invalid_utf8_share(fh.read(SAMPLE_BYTES))
         if share > threshold:
@@ -56,16 +53,14 @@ def refuse_binary(
     path: str, allow_binary: bool, key: str = "data.path", allow: str = "data.allow_binary = true"
 ) -> None:
     """Refuse ``data.path`` when a file of it is mostly not text, unless ``data.allow_binary``
-    (``key``/``allow``: how the command spells the path and the way around, e.g. --input, --allow-binary)."""
-    from meshforge.data.prepare import TEXT_SUFFIXES
+    (plain text files only: JSONL, Parquet, Arrow and compressed files are formats, not text;
+    ``key``/``allow``: how the command spells the path and the way around, e.g. --input, --allow-binary)."""
+    from meshforge.data.sources import plain_text_files
 
     p = Path(path)
-    if allow_binary or not path or not p.exists() or (p / "index.json").is_file():
+    if allow_binary or not path or (p / "index.json").is_file():
         return
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-    for f in files[:MAX_FILES]:
-        if f.suffix.lower() == ".jsonl":
-            continue
+    for f in plain_text_files(path)[:MAX_FILES]:
         with f.open("rb") as fh:
             share = non_text_share(fh.read(SAMPLE_BYTES))
         if share > REFUSE_FRACTION:
