@@ -43,7 +43,7 @@ from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context_parallel import apply_cp
-from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param
+from meshforge.parallel.data_parallel import apply_ddp, apply_fsdp, fill_param, param_region
 from meshforge.parallel.dims import casts_once, gathers_weights
 from meshforge.parallel.expert_parallel import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8, fp8_all_gather
@@ -145,7 +145,7 @@ def _apply(model: Transformer, cfg: Config, mesh: Mesh, seed: int | None) -> boo
     if not sharded:
         model.tie_weights()
     if seed is not None:
-        init_weights(model, seed, fill=fill_param)
+        init_weights(model, seed, fill=fill_param, region=param_region)
     if offload:
         for mod in model.modules():
             for name, buf in mod.named_buffers(recurse=False):
