@@ -1,5 +1,5 @@
 """Saved activation bytes of a run's own model, per block and per token, measured on a world of
-one (``metrics/saved_activations.py`` does the counting).
+one (``saved_activations.py`` does the counting).
 
 The model is built as ``meshforge train`` builds it — ``parallelize`` with the run's config:
 activation checkpointing, ``torch.compile`` of the blocks, bf16 by autocast or cast once by
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from meshforge.config import Config, load_config
-from meshforge.metrics.saved_activations import SavedReport, measure
+from meshforge.calibration.saved_activations import SavedReport, measure
 
 # the run settings that decide what a block keeps (config keys, as `meshforge train` takes them)
 MODE_KEYS = (

@@ -1,5 +1,5 @@
 """The bytes a forward pass keeps for its backward, measured on any device (the truth the
-planner's activation model is held to: ``metrics/activation_probe.py``, docs/planner.md).
+planner's activation model is held to: ``calibration/activation_probe.py``, docs/planner.md).
 
 Two views of one forward, merged by storage:
 
