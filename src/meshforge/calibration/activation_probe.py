@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from meshforge.config import Config, load_config
 from meshforge.calibration.saved_activations import SavedReport, measure
+from meshforge.config import Config, load_config
 
 # the run settings that decide what a block keeps (config keys, as `meshforge train` takes them)
 MODE_KEYS = (
