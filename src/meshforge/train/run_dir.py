@@ -128,11 +128,16 @@ def preflight(cfg: Config, world_size: int, launcher: bool = False) -> Config:
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(cfg)
     check_run_dir(cfg)
-    refuse_binary(cfg.data.path, cfg.data.allow_binary)
-    check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
-    open_data(cfg, shape)  # (input errors first: a config or data mistake is named before the memory verdict)
-    if not (launcher and uses_cuda(cfg)):  # a launcher leaves the GPUs to the ranks (no CUDA context here)
+    # A run that cannot fit its device hears that first, before any disk or data check. A
+    # launcher on CUDA leaves the GPUs to the ranks (no CUDA context here): rank 0 then checks
+    # the memory and after it the disk; the launcher still prepares the data once.
+    ranks_check_fit = launcher and uses_cuda(cfg)
+    if not ranks_check_fit:
         check_fit(cfg, world_size, launch_env.local_rank(), launch_env.local_world_size() or world_size)
+    refuse_binary(cfg.data.path, cfg.data.allow_binary)
+    if not ranks_check_fit:
+        check_disk(cfg)  # writable, and room for a checkpoint: refused here rather than mid-run
+    open_data(cfg, shape)
     return cfg
 
 
