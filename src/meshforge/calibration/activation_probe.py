@@ -73,23 +73,25 @@ def run_config(overrides: dict[str, Any], layers: int, seq: int) -> Config:
 
 @contextlib.contextmanager
 def _compile_backend(backend: str | None) -> Iterator[None]:
-    """Compile the blocks with ``backend`` instead of inductor (tests: aot_eager_decomp_partition
-    partitions the joint graph as inductor does, with its decompositions, without generating code)."""
+    """``torch.compile`` (the blocks' and the loss's) with ``backend`` instead of inductor:
+    ``partition_only`` gives inductor's own partition without generating code (see below)."""
     if backend is None:
         yield
         return
-    if backend == "partition_only":
-        backend = partition_only_backend()
-    original = torch.nn.Module.compile
+    chosen = partition_only_backend() if backend == "partition_only" else backend
+    original = torch.compile
 
-    def compile_with(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **{**kwargs, "backend": backend})
+    def compile_with(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, "backend": chosen, "dynamic": DYNAMIC})
 
-    torch.nn.Module.compile = compile_with
+    torch.compile = compile_with
     try:
         yield
     finally:
-        torch.nn.Module.compile = original
+        torch.compile = original
+
+
+DYNAMIC = None
 
 
 @functools.cache
@@ -111,15 +113,17 @@ def measure_run(cfg: Config, backend: str | None = None) -> Measured:
     """Build ``cfg``'s model on a world of one as training does and measure one forward + loss."""
     from meshforge.models.llama import build_model
     from meshforge.models.presets import model_shape
+    from meshforge.parallel.compile import compile_loss
     from meshforge.parallel.mesh import Mesh
     from meshforge.parallel.parallelize import build_loss, forward_context, parallelize
     from meshforge.resolve import layout
 
     mesh = Mesh(0, 1, 0, torch.device("cpu"), layout(cfg, 1))
     shape = model_shape(cfg.model)
+    loss, context = build_loss(cfg, mesh), forward_context(cfg, mesh)
     with _compile_backend(backend):
         model = parallelize(build_model(shape, device="meta"), cfg, mesh, seed=0)
-    loss_fn, context = build_loss(cfg, mesh), forward_context(cfg, mesh)
+        loss_fn = compile_loss(loss) if cfg.train.compile else loss  # as the step runs it (train/step.py)
     gen = torch.Generator().manual_seed(0)
     seq = cfg.train.seq_len
     tokens = torch.randint(0, shape.vocab_size, (1, seq + 1), generator=gen)
@@ -127,7 +131,7 @@ def measure_run(cfg: Config, backend: str | None = None) -> Measured:
     weights = [*model.parameters(), *model.buffers()]
 
     def forward() -> torch.Tensor:
-        with loss_fn.context():
+        with loss.context():
             with context():
                 out = model(tokens[:, :-1], positions)
             return loss_fn(out, tokens[:, 1:], model)
@@ -137,7 +141,7 @@ def measure_run(cfg: Config, backend: str | None = None) -> Measured:
 
 
 def per_block(
-    overrides: dict[str, Any], seqs: tuple[int, int] = (96, 160), depths: tuple[int, int] = (1, 2), **kw: Any
+    overrides: dict[str, Any], seqs: tuple[int, int] = (192, 320), depths: tuple[int, int] = (1, 2), **kw: Any
 ) -> PerBlock:
     """Measure at two depths and two lengths and split the bytes into blocks and ends, each a
     per-token and a fixed part (the fit is exact: four measurements, four unknowns)."""
