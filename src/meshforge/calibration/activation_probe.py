@@ -156,6 +156,22 @@ def per_block(
     return PerBlock(block_tok, block_fixed, ends_tok, ends_at_0 - ends_tok * seqs[0], runs)
 
 
+def planned(cfg: Config) -> tuple[float, float]:
+    """The planner's (block, ends) bytes per token for ``cfg``'s run (planner/activation_bytes.py)."""
+    from meshforge.models.presets import model_shape
+    from meshforge.parallel.precision import resolve_mixed_precision
+    from meshforge.planner import activation_bytes as ab
+    from meshforge.planner.memory import on_fsdp
+    from meshforge.resolve import layout
+
+    t, shape = cfg.train, model_shape(cfg.model)
+    mixed = resolve_mixed_precision(t.mixed_precision, torch.device("cpu"))
+    hold = ab.holding(t.precision, on_fsdp(layout(cfg, 1), t.precision, mixed))
+    eager = not t.compile
+    block = ab.block_bytes_per_token(shape, hold, t.activation_checkpoint, eager)
+    return block, ab.ends_bytes_per_token(shape, hold, t.loss_chunk_size, eager)
+
+
 def mode_overrides(base: dict[str, Any], **mode: Any) -> dict[str, Any]:
     """``base`` with a mode's settings, named by their keys less the section (``compile=True``)."""
     keys = {k.split(".", 1)[1]: k for k in MODE_KEYS}

@@ -116,12 +116,13 @@ class SavedTensors:
             self._mode.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
-    def report(self, params: Iterable[torch.Tensor] = ()) -> SavedReport:
+    def report(self, params: Iterable[torch.Tensor] = (), outputs: Iterable[torch.Tensor] = ()) -> SavedReport:
         """The storages kept: every saved one, plus (eager) every op output still alive. Call it
-        after dropping the forward's outputs but keeping what holds the graph (the loss);
-        ``params``: weights as they are now (FSDP2 keeps its gathered parameters after a forward)."""
+        after dropping the forward's outputs but keeping what holds the graph (the loss, named in
+        ``outputs``: alive, but not kept for backward); ``params``: weights as they are now (FSDP2
+        keeps its gathered parameters after a forward)."""
         gc.collect()
-        self.weights |= {k[0] for k in map(_key, params) if k}
+        self.weights |= {k[0] for k in map(_key, [*params, *outputs]) if k}
         found = {k: v for k, v in self.saved.items() if k not in self.weights}
         for ref, info in self._mode.refs if self._mode is not None else ():
             st = ref()
@@ -141,6 +142,6 @@ def measure(
     the weights as they are once the forward ran (see ``SavedTensors.report``)."""
     with SavedTensors(params, track_outputs=eager) as probe:
         loss = forward()
-    report = probe.report(after())
+    report = probe.report(after(), [loss])
     del loss
     return report

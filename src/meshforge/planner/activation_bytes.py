@@ -103,9 +103,9 @@ def ends_bytes_per_token(
 def loss_saved_bytes_per_token(shape: ModelShape, hold: Holding, loss_chunk: int, eager: bool, tp: int = 1) -> float:
     """The loss's saved tensors per token. Full logits: eager, the fp32 log-softmax (4 bytes per
     logit of this rank's vocabulary); compiled, the logits in the compute dtype and the rows' fp32
-    max and log-sum-exp. Chunked: eager, the hidden states' gradient (computed in forward, in the
-    final norm's output dtype); compiled, inductor recomputes the chunks in backward from the
-    hidden states in the compute dtype (and the head weight's cast: fixed, not per token)."""
+    max and log-sum-exp. Chunked (eager or compiled: its loop runs outside compiled graphs), the
+    hidden states' gradient, computed in forward in the final norm's output dtype (the head's
+    fp32 gradient is fixed, not per token)."""
     if loss_chunk <= 0:
         return 4 * shape.vocab_size / tp if eager else hold.bpe * shape.vocab_size / tp + 8
-    return shape.hidden * (hold.resid if eager else hold.bpe)
+    return shape.hidden * hold.resid
