@@ -2,6 +2,8 @@
 free memory is refused with exit 2 before anything is allocated, naming the fixes; the CUDA path
 with a patched ``torch.cuda.mem_get_info``; ``--dry-run`` names the real device and its memory."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -28,6 +30,17 @@ def test_the_8b_preset_on_a_small_cpu_machine_exits_2_with_the_fixes(tmp_path):
         assert fix in r.stderr, fix
     assert "--parallel.offload" not in r.stderr  # offload needs a GPU: not offered on a CPU
     assert not run.exists()
+
+
+def test_a_run_that_fits_neither_memory_nor_disk_hears_of_the_memory_first(tmp_path):
+    """405B's final weights (1.6 TB) fit no test machine's disk either; the memory verdict, which
+    decides whether the run can exist at all, comes first (before: the disk check spoke first)."""
+    need = 4 * 405e9
+    if shutil.disk_usage(tmp_path).free >= need:
+        pytest.skip("this disk holds 405B's final weights: the disk check would pass")
+    r = run_cli("train", "--model.preset=llama3.1-405b", f"--run.dir={tmp_path / 'run'}", env={AVAILABLE_ENV: "20"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "cannot fit" in r.stderr and "free on its filesystem" not in r.stderr
 
 
 def test_skip_memory_check_starts_a_run_the_check_refuses(tmp_path, corpus, monkeypatch):

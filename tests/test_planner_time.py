@@ -62,11 +62,24 @@ def test_last_stage_pays_for_the_output_head():
 
 
 def test_interleaving_only_where_megatron_runs_it():
+    """pp > 2, and every chunk count v that divides the blocks per stage (Megatron's argument
+    check), or with the embedding and the loss counted as a block each (first/last chunk one block
+    fewer); before, only v = 2 and 4 were tried, so 3 blocks per stage (the published 529.6B
+    layout, 105 blocks over pp 35) found no interleaving at all and the search was refused."""
     f = open_layout()
-    assert not [s for s, _ in _schedules(2, f, 32) if s == "interleaved_1f1b"]  # Megatron: pp > 2
-    assert [v for s, v in _schedules(4, f, 24) if s == "interleaved_1f1b"] == [2]  # 6 blocks per stage: not 4
-    assert not [v for s, v in _schedules(5, f, 15) if s == "interleaved_1f1b"]  # 3 per stage: neither 2 nor 4
-    assert [v for s, v in _schedules(4, f, 32) if s == "interleaved_1f1b"] == [2, 4]
+
+    def interleaved(pp, layers):
+        return [(v, split) for s, v, split in _schedules(pp, f, layers) if s == "interleaved_1f1b"]
+
+    assert not interleaved(2, 32)  # Megatron: pp > 2
+    assert [v for v, _ in interleaved(4, 24)] == [2, 3, 6]  # 6 blocks per stage
+    assert interleaved(35, 105) == [(3, ())] and [v for v, _ in interleaved(4, 60)] == [3, 5, 15]
+    llama3 = interleaved(16, 126)  # 8 blocks per stage (the last stage 6), and 128 = 126 + 2 in 16 x v chunks
+    assert [v for v, split in llama3 if not split] == [2, 4, 8]
+    assert (8, (0,) + (1,) * 126 + (0,)) in llama3 and (2, (3,) + (4,) * 30 + (3,)) in llama3
+    assert [
+        (v, split) for s, v, split in _schedules(4, open_layout(pp_layers=(1,) * 8), 8) if s == "interleaved_1f1b"
+    ] == [(2, (1,) * 8)]  # a given split implies its chunk count
 
 
 def test_async_tp_is_refused_off_cuda():

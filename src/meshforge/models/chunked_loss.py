@@ -16,6 +16,8 @@ reduce-scatter under sequence parallelism). The loop has no data-dependent contr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -55,14 +57,15 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``x @ w.T`` against ``targets``; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, chunk, cdt, group, vocab_start, need_grad):  # noqa: ANN001, ANN205
+    def forward(ctx, x, w, targets, chunk, cdt, group, vocab_start, need_grad, fused):  # noqa: ANN001, ANN205
+        chunk_loss = _fused_chunk_loss() if fused and group is None else _chunk_loss
         wc = w.to(cdt)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
-        for start in range(0, x.shape[0], chunk):  # static shapes: unrolled under torch.compile
+        for start in range(0, x.shape[0], chunk):
             xs, ts = x[start : start + chunk], targets[start : start + chunk]
-            part, g = _chunk_loss(xs, wc, ts, cdt, group, vocab_start, need_grad)
+            part, g = chunk_loss(xs, wc, ts, cdt, group, vocab_start, need_grad)
             loss = loss + part
             if need_grad:
                 grad_x[start : start + chunk] = g @ wc
@@ -87,7 +90,25 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+@functools.cache
+def _fused_chunk_loss():  # noqa: ANN202
+    """One chunk's math compiled on its own: a forward-only graph (the Function's forward runs
+    without autograd), so its upcast, log-softmax and gradient fuse and nothing is saved."""
+    return torch.compile(_chunk_loss, dynamic=False)
+
+
+@torch.compiler.disable
+def _apply_outside_graphs(*args):  # noqa: ANN002, ANN202
+    """The chunk loop runs outside any compiled graph around it (a deliberate graph break).
+    Traced into the loss's graph, AOT autograd's partitioner kept every chunk's tokens x vocab
+    gradient for backward — 2 bytes per vocabulary entry and token in bf16, the full logits the
+    chunking exists to avoid (measured by calibration/activation_probe.py) — where this Function
+    keeps only the hidden states' and the head's gradients. ``fused`` compiles each chunk instead."""
+    return _ChunkedHeadCrossEntropy.apply(*args)
 
 
 def _local_head(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup | None, int]:
@@ -117,19 +138,21 @@ def chunked_cross_entropy(
     chunk: int,
     reduction: str = "mean",
     compute_dtype: torch.dtype | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T).float(), targets, reduction=reduction)`` (mean over
     the targets that are not IGNORE_INDEX, or their sum), ``chunk`` tokens at a time.
 
     ``hidden`` (..., H) and ``targets`` (...) are flattened; the logits' matmul runs in
-    ``compute_dtype`` (default: ``hidden``'s dtype), the softmax in fp32."""
+    ``compute_dtype`` (default: ``hidden``'s dtype), the softmax in fp32. ``fused``: each chunk's
+    math compiled (a compiled step's loss; the loop itself always runs outside compiled graphs)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     x, w, group, start = _local_head(hidden, weight)
     x, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     need_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     cdt = compute_dtype or x.dtype
-    total = _ChunkedHeadCrossEntropy.apply(x, w, t, int(chunk), cdt, group, start, need_grad)
+    total = _apply_outside_graphs(x, w, t, int(chunk), cdt, group, start, need_grad, fused)
     if reduction == "sum":
         return total
     return total / (t != IGNORE_INDEX).sum()

@@ -21,7 +21,6 @@ positions passed in (a sequence shard passes its own), the feed-forward built by
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ from torch import nn
 
 from meshforge.models.document_attention import document_attention
 from meshforge.models.documents import Documents
+from meshforge.models.init import draw_normal
 from meshforge.models.moe import build_moe, is_moe_layer
 from meshforge.models.shape import ModelShape
 
@@ -264,38 +264,38 @@ class Transformer(nn.Module):
         return h if self.output is None or self.hidden_out else self.output(h)
 
 
-def _param_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+Region = Callable[[torch.Tensor], tuple[tuple[int, ...], tuple[int, ...]] | None]
 
 
 @torch.no_grad()
 def init_weights(
-    model: Transformer, seed: int, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    model: Transformer,
+    seed: int,
+    fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    region: Region | None = None,
 ) -> None:
-    """Initialise every parameter from (seed, parameter name) alone.
+    """Initialise every parameter from (seed, parameter name) alone, on every device alike.
 
-    Each parameter draws from its own generator seeded by its fully qualified name, so
-    the full weights do not depend on construction order, on which parameters a rank
-    holds, or on how they are later sharded. Output projections of the residual branches
-    (wo, w2) get std / sqrt(2 * layers), as in GPT-2, to keep the residual stream's
-    variance flat with depth. ``fill(param, full_tensor)`` stores the values; whoever
-    sharded the parameters passes one that keeps only the local shard.
+    Each parameter's values are drawn on the CPU from generators seeded by its fully qualified
+    name (models/init.py), so the full weights depend neither on construction order, on which
+    parameters a rank holds, on how they are sharded, nor on the device they live on (CPU,
+    CUDA, host memory under offload). Output projections of the residual branches (wo, w2)
+    get std / sqrt(2 * layers), as in GPT-2, to keep the residual stream's variance flat with
+    depth. ``region(param)`` names the box of the full tensor a sharded parameter holds
+    ((offset, local shape), None: all of it) and ``fill(param, values)`` stores that box's values.
     """
-    fill = fill or (lambda p, full: p.copy_(full))
+    fill = fill or (lambda p, values: p.copy_(values))
     args = model.args
     model.rope_inv_freq = rope_inv_freq(args, device=model.rope_inv_freq.device)
     residual_std = args.init_std / math.sqrt(2 * args.layers)
     for name, p in model.named_parameters():
+        box = region(p) if region is not None else None
+        offset, local = box if box is not None else (None, tuple(p.shape))
         if name.endswith("norm.weight"):
-            fill(p, torch.ones(p.shape, dtype=torch.float32, device=p.device))
+            fill(p, torch.ones(local, dtype=torch.float32))
             continue
         std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else args.init_std
-        gen = torch.Generator(device=p.device.type)
-        gen.manual_seed(_param_seed(seed, name))
-        full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        full.normal_(0.0, std, generator=gen)
-        fill(p, full)
+        fill(p, draw_normal(seed, name, tuple(p.shape), std, offset, local))
     _init_buffers(model)
 
 

@@ -63,6 +63,7 @@ class LanguageModelLoss:
     ):
         self.context = context
         self.chunk_size, self.compute_dtype = chunk_size, compute_dtype
+        self.fused_chunks = False  # each chunk's math compiled (parallel/compile.py: compile_loss sets it)
         self.terms: dict[str, torch.Tensor] = {}  # the last training call's parts, detached
         self.step_terms: dict[str, torch.Tensor] = {}  # the last step's parts, mean over its calls (end_step)
         self._sums: dict[str, torch.Tensor] = {}
@@ -130,5 +131,6 @@ class LanguageModelLoss:
             chunk=self.chunk_size,
             reduction=red,
             compute_dtype=self.compute_dtype,
+            fused=self.fused_chunks,
         )
         return head(out, loss_fn=fn)

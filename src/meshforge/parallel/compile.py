@@ -70,5 +70,9 @@ def compile_plan_event(blocks: list[nn.Module], fallback: dict[str, list[int]] |
 
 
 def compile_loss(loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The loss call, compiled (graph breaks allowed: the loss object keeps Python state)."""
+    """The loss call, compiled (graph breaks allowed: the loss object keeps Python state). The
+    chunked loss's loop stays outside the graph and compiles each chunk's math on its own
+    (models/chunked_loss.py: traced whole, the partitioner kept every chunk's logits gradient)."""
+    if hasattr(loss, "fused_chunks"):
+        loss.fused_chunks = True
     return torch.compile(loss)

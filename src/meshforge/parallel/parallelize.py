@@ -42,7 +42,7 @@ from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import compile_blocks
 from meshforge.parallel.context.moe import apply_moe_cp
 from meshforge.parallel.context.ring import apply_cp
-from meshforge.parallel.data.apply import apply_ddp, apply_fsdp, fill_param
+from meshforge.parallel.data.apply import apply_ddp, apply_fsdp, fill_param, param_region
 from meshforge.parallel.expert.dispatch import apply_ep, shard_experts
 from meshforge.parallel.fp8 import apply_fp8
 from meshforge.parallel.mesh import Mesh
@@ -103,7 +103,7 @@ def _apply(model: Transformer, plan: RunPlan, mesh: Mesh, seed: int | None) -> N
     if not plan.fsdp:
         model.tie_weights()
     if seed is not None:
-        init_weights(model, seed, fill=fill_param)
+        init_weights(model, seed, fill=fill_param, region=param_region)
     if offload:
         for mod in model.modules():
             for name, buf in mod.named_buffers(recurse=False):

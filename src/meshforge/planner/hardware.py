@@ -82,6 +82,9 @@ class Hardware:
     eager: bool = False
     # the run's train.loss_chunk_size (0: the full logits), for the memory model like ``eager``
     loss_chunk: int = DEFAULT_CHUNK
+    # the run's train.mixed_precision for bf16 (the memory model's activations, weight copies and
+    # gathered weights): "auto" is cast_once on a GPU and autocast on a CPU, as training resolves it
+    mixed_precision: str = "auto"
     # ZeRO-2/3 gradients reduce-scattered after every micro-batch's backward (a framework that does not
     # skip the reduction under accumulation, e.g. Composer's FSDP); False: once per step, as meshforge
     reduce_every_microbatch: bool = False
@@ -89,6 +92,12 @@ class Hardware:
     mean_doc_len: float = 0.0
     source: str = "preset"
     extra: dict = field(default_factory=dict)
+
+    def mixed(self) -> str:
+        """train.mixed_precision as a run on this hardware resolves it (parallel/precision.py)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "autocast" if self.name == "cpu" or self.name.startswith("cpu/") else "cast_once"
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:

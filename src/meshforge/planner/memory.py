@@ -14,7 +14,17 @@ from meshforge.parallel.context.cost import (
     local_tokens,
     ring_extra_saved_bytes_per_token,
 )
+from meshforge.parallel.dims import casts_once
 from meshforge.planner import moe_costs, offload_costs
+from meshforge.planner.activation_bytes import (
+    TOKEN_ID_BYTES,
+    Holding,
+    block_bytes_per_token,
+    ends_bytes_per_token,
+    holding,
+    loss_saved_bytes_per_token,
+    rope_bytes_per_token,
+)
 from meshforge.planner.hardware import GIB, Hardware
 from meshforge.planner.zero1_partition import largest_share
 
@@ -31,28 +41,35 @@ def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[st
 
 def allocated_state_bytes(shape: ModelShape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
     """What meshforge allocates for parameters, gradients and optimizer state on the most
-    loaded GPU (held equal to a run's ``state_mem_bytes`` by tests/test_planner_memory.py).
-    ZeRO-2/3 are FSDP2, which keeps fp32 shards of parameters and gradients (the sharded
-    parameter is the fp32 master; bf16 working copies are gathered per unit and counted under
-    buffers): 4Ψ/N + 4Ψ/N + 8Ψ/N in either precision — the ZeRO paper's 16Ψ/N for stage 3,
-    and stage 2 without its replicated 2Ψ (FSDP2 holds it gathered only from forward to
-    backward). DDP and ZeRO-1 follow the paper. fp32 ZeRO-1 (``ZeroRedundancyOptimizer``)
-    splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded
-    rank holds more than 1/N; bf16/fp8 ZeRO-1 (parallel/data/zero1.py) splits flat buffers evenly."""
+    loaded GPU (held equal to a run's ``state_mem_bytes`` per part by tests/test_planner_memory.py).
+    meshforge keeps fp32 weights and gradients in every precision (bf16 comes from autocast, or
+    from FSDP2's cast of the gathered weights, counted under buffers) except bf16/fp8 ZeRO-1
+    (parallel/data/zero1.py: bf16 working weights and gradients, the fp32 master and Adam's moments
+    split evenly: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N). ZeRO-2/3 are FSDP2's fp32 shards, 4Ψ/N +
+    4Ψ/N + 8Ψ/N; DDP (and a world of one) 4Ψ + 4Ψ + 8Ψ; fp32 ZeRO-1 (``ZeroRedundancyOptimizer``)
+    splits its optimizer state by whole parameters (zero1_partition.py), so its most loaded rank
+    holds more than 1/N."""
     n = lay.dp * lay.cp
     if lay.zero_stage >= 2 and (n > 1 or lay.offload == "cpu"):  # FSDP2 (a world of one: when offloading)
         return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
-    states = model_state_bytes(psi, n, lay.zero_stage, precision)
-    if lay.zero_stage == 1 and n > 1 and precision not in ("bf16", "fp8"):
-        states["optimizer"] *= n * largest_share(shape, lay.tp, lay.pp, n)
-    return states
+    if lay.zero_stage == 1 and n > 1:
+        if precision in ("bf16", "fp8"):
+            return model_state_bytes(psi, n, 1, "bf16")
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi * largest_share(shape, lay.tp, lay.pp, n)}
+    return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
 
 
-def autocast_layout(lay: Layout, precision: str) -> bool:
-    """Mixed precision by autocast over fp32 weights (one device, DDP, ZeRO-1, tp without FSDP):
-    the residual stream stays fp32 and the bf16 casts of the weights are saved for backward.
-    Under FSDP2 (``uses_fsdp``) the weights are gathered in bf16 and the whole block runs in bf16."""
-    return precision in ("bf16", "fp8") and not lay.uses_fsdp()
+def on_fsdp(lay: Layout, precision: str, mixed: str = "autocast") -> bool:
+    """The layout runs on FSDP2: ``Layout.uses_fsdp``, or ``dims.casts_once`` (bf16 cast once on
+    a world of one or DDP's layouts, a world of one offloading)."""
+    return lay.uses_fsdp() or casts_once(lay, precision, mixed)
+
+
+def autocast_layout(lay: Layout, precision: str, mixed: str = "autocast") -> bool:
+    """Mixed precision by autocast over fp32 weights (one device, DDP, ZeRO-1, tp without FSDP,
+    unless cast once): the residual stream stays fp32 and the bf16 casts of the weights are saved
+    for backward. On FSDP2 the weights are gathered in bf16 and the whole block runs in bf16."""
+    return precision in ("bf16", "fp8") and not on_fsdp(lay, precision, mixed)
 
 
 def activation_bytes_per_layer(
@@ -65,6 +82,7 @@ def activation_bytes_per_layer(
     bytes_per: int = 2,
     resid_bytes: int | None = None,
     eager: bool = False,
+    unit_cast: bool = False,
 ) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch (see module doc)."""
     s, b, h, a = seq, micro, shape.hidden, shape.heads
@@ -76,31 +94,8 @@ def activation_bytes_per_layer(
         if sp:
             return s * b * h * 34 / tp + attn_sq
         return s * b * h * (10 + 24 / tp) + attn_sq
-    return s * b * llama_layer_bytes_per_token(shape, tp, sp, recompute, bytes_per, rb, eager)
-
-
-def llama_layer_bytes_per_token(
-    shape: ModelShape, tp: int, sp: bool, recompute: str, bpe: int, rb: int, eager: bool
-) -> float:
-    """Per token, a Llama block (SwiGLU, flash attention: O(s), no dropout), Korthikanti et al.'s
-    accounting: the two norms' inputs (the residual stream, ``rb`` bytes: fp32 under autocast)
-    and outputs (the matmuls' inputs), q, k, v and the attention output (flash keeps those and
-    an O(s) log-sum-exp), the MLP's gate and up outputs and their product: 12h + 4kv + 6f bytes
-    in bf16. Eager autocast also keeps each norm's fp32 normalised output (before the weight)
-    and silu's output; a compiled block recomputes those. Residual-stream parts split over tp
-    only under SP, the rest (heads, columns) always; full recompute keeps the block input."""
-    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
-    seq_split = tp if sp else 1
-    if recompute == "full":
-        return h * rb / seq_split
-    if recompute == "selective":  # matmul outputs only (the attention core and activation recomputed)
-        return (2 * kv + 2 * f + 2 * h) * bpe / tp + 2 * h * rb / seq_split
-    whole = 2 * h * rb + 2 * h * bpe  # norm inputs, norm outputs
-    sharded = (2 * h + 2 * kv + 3 * f) * bpe  # q, k, v, attention output; gate, up, product
-    if eager:
-        whole += 2 * h * 4  # the fp32 normalised outputs
-        sharded += f * bpe  # silu(gate)
-    return sharded / tp + whole / seq_split
+    hold = Holding(bytes_per, rb, rb > bytes_per, unit_cast)
+    return s * b * block_bytes_per_token(shape, hold, recompute, eager, tp, sp)
 
 
 def loss_bytes(tokens: float, vocab_local: float, precision: str, chunk: int) -> float:
@@ -169,55 +164,74 @@ LOSS_CHUNK = DEFAULT_CHUNK  # train.loss_chunk_size's default: the loss never ho
 
 
 def activation_parts(
-    shape: ModelShape, lay: Layout, seq: int, precision: str, compiled: bool = True, loss_chunk: int = LOSS_CHUNK
+    shape: ModelShape,
+    lay: Layout,
+    seq: int,
+    precision: str,
+    compiled: bool = True,
+    loss_chunk: int = LOSS_CHUNK,
+    mixed: str = "autocast",
 ) -> tuple[float, float]:
     """Bytes of (saved activations, the loss's peak) on the most loaded GPU. Pipelined, the first
-    stage holds the in-flight micro-batches and the last one a micro-batch plus the loss: the
-    larger of the two is the peak, the loss part being what the last stage adds beyond the first.
-    Under full recompute the loss part is the larger of the loss and one block recomputed."""
-    bpe = 4 if precision == "fp32" else 2
-    rb = 4 if autocast_layout(lay, precision) else bpe
+    stage holds the in-flight micro-batches and the last one a micro-batch plus the final norm and
+    the loss: the larger of the two is the peak, the loss part being what the last stage adds
+    beyond the first. Under full recompute the loss part is the larger of the loss and one block
+    recomputed (the recompute window). Per token the parts are planner/activation_bytes.py's."""
+    hold = holding(precision, on_fsdp(lay, precision, mixed))
     mb, ac, tokens = lay.micro_batch_size, lay.activation_checkpoint, local_tokens(seq, lay.cp)
-    args = (shape, tokens, mb, lay.tp, lay.sequence_parallel)
-    act_layer = activation_bytes_per_layer(*args, ac, bpe, rb, eager=not compiled)
+    rows, split = mb * tokens, (lay.tp, lay.sequence_parallel)
+    args = (shape, tokens, mb, *split)
+    kind = (hold.bpe, hold.resid, not compiled, hold.unit_cast)
+    act_layer = activation_bytes_per_layer(*args, ac, *kind[:3], unit_cast=hold.unit_cast)
     if lay.cp > 1 and ac != "full":  # ring attention's lse (and fp32 output under bf16)
-        act_layer += mb * tokens * ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, bpe)
+        act_layer += rows * ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, hold.bpe)
     layers = stage_layers(shape, lay.pp)
-    moe = moe_costs.activation_delta_bytes(shape, mb * tokens, lay.tp, ac, bpe)
+    moe = moe_costs.activation_delta_bytes(shape, rows, lay.tp, ac, hold.bpe)
     act_layer += moe_costs.moe_layers_on_stage(shape, lay.pp) / layers * moe
-    loss = loss_bytes(mb * tokens, shape.vocab_size / lay.tp, precision, loss_chunk)
-    if 0 < loss_chunk < mb * tokens:  # the chunked loss's fp32 head-gradient accumulator
+    saved = loss_saved_bytes_per_token(shape, hold, loss_chunk, not compiled, lay.tp)
+    first_ends = rows * (TOKEN_ID_BYTES + (0.0 if hold.unit_cast else rope_bytes_per_token(shape)))
+    last_ends = rows * ends_bytes_per_token(shape, hold, loss_chunk, not compiled, *split) - first_ends
+    loss = loss_bytes(rows, shape.vocab_size / lay.tp, precision, loss_chunk) + last_ends
+    if loss_chunk > 0:  # the chunked loss's fp32 head gradient (its hidden states' gradient: in last_ends)
         loss += shape.vocab_size * shape.hidden / lay.tp * 4
+    else:
+        loss -= rows * saved  # (the saved log-softmax is part of the loss's peak already)
     if ac == "full":
-        loss = max(loss, activation_bytes_per_layer(*args, "none", bpe, rb, eager=not compiled))
-    first = act_layer * held_layers(shape, lay)
+        loss = max(loss, activation_bytes_per_layer(*args, "none", *kind[:3], unit_cast=hold.unit_cast))
+    held = held_layers(shape, lay)
+    first = act_layer * held + first_ends * max(1.0, held / layers)
     if lay.pp == 1:
         return first, loss
-    return first, max(0.0, act_layer * layers + loss - first)
+    return first, max(0.0, act_layer * layers + first_ends + loss - first)
 
 
-def weight_copy_bytes(shape: ModelShape, lay: Layout, psi: float, precision: str) -> float:
+def weight_copy_bytes(
+    shape: ModelShape, lay: Layout, psi: float, precision: str, mixed: str = "autocast", loss_chunk: int = 0
+) -> float:
     """Autocast's bf16 copies of the weights, saved for backward by every matmul that cast them
-    (the embedding lookup casts none; a tied head casts the shared table). Under full recompute
-    only the head's copy (outside the recomputed blocks) is held."""
-    if not autocast_layout(lay, precision):
+    (the embedding lookup casts none; a tied head casts the shared table; the chunked loss casts
+    the head inside its Function and keeps none). Under full recompute only the head's copy
+    (outside the recomputed blocks) is held."""
+    if not autocast_layout(lay, precision, mixed):
         return 0.0
-    head = shape.vocab_size * shape.hidden / lay.tp
+    head = 0.0 if loss_chunk > 0 else shape.vocab_size * shape.hidden / lay.tp
     if lay.activation_checkpoint == "full":
         return 2 * head
-    untied_embedding = 0.0 if shape.tie_embeddings else shape.embedding_params() / lay.tp
-    return 2 * (psi - untied_embedding)
+    untied = 0.0 if shape.tie_embeddings else shape.embedding_params() / lay.tp  # (tied: the table is the head)
+    return 2 * (psi - untied - shape.vocab_size * shape.hidden / lay.tp + head)
 
 
-def _buffers(shape: ModelShape, lay: Layout, psi: float, per_layer: float, precision: str) -> float:
-    """Communication buckets, FSDP2's gathered parameters, offload staging (bytes)."""
+def _buffers(shape: ModelShape, lay: Layout, psi: float, per_layer: float, precision: str, fsdp: bool) -> float:
+    """Communication buckets, FSDP2's gathered parameters, offload staging (bytes). FSDP2 keeps
+    the gathered parameters from forward to backward below ZeRO-3 (its stage 0 on a world of one
+    or under tp, its replicated DDP layouts cast once, ZeRO-2); ZeRO-3 the running and the
+    prefetched block's."""
     psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)  # 0 for a dense model
     w = 2 if precision != "fp32" else 4
-    fsdp = lay.dp > 1 or lay.offload == "cpu"  # (a world of one offloads on a one-rank FSDP2 mesh)
-    if lay.zero_stage == 2 and fsdp:
-        gathered = psi * w  # parameters kept gathered from forward to backward
-    elif lay.zero_stage == 3 and fsdp:
-        gathered = 2 * per_layer * w  # the running block and the prefetched one
+    if fsdp and lay.zero_stage < 3:
+        gathered = psi * w
+    elif fsdp:
+        gathered = 2 * per_layer * w
     else:
         gathered = 0.0
     gathered += moe_costs.gathered_delta_bytes(shape, lay, psi_e, w) if lay.dp > 1 else 0.0
@@ -236,28 +250,29 @@ def memory(
     *,
     compiled: bool = True,
     loss_chunk: int = LOSS_CHUNK,
+    mixed: str = "autocast",
 ) -> dict[str, float]:
     """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
     states are on the host (``offload_costs``) and only their staging copies stay here.
+    ``mixed``: train.mixed_precision as resolved for the device (``cast_once`` or ``autocast``).
     ``grads_not_at_peak`` (<= 0): with one micro-batch and no pipeline, gradients are
     allocated during backward as the activations are freed, so they do not add to the peak."""
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
     states = stage_state_bytes(shape, lay, precision)
     if lay.offload == "cpu":
         states = {k: 0.0 for k in states}
-    acts, loss = activation_parts(shape, lay, seq, precision, compiled, loss_chunk)
+    acts, loss = activation_parts(shape, lay, seq, precision, compiled, loss_chunk, mixed)
     not_at_peak = 0.0
     if lay.pp == 1 and lay.num_microbatches <= 1 and lay.zero_stage < 2:
-        grads = 4 * psi if autocast_layout(lay, precision) else states["grads"]  # autocast: fp32 .grad
-        not_at_peak = -min(grads, acts + loss)
+        not_at_peak = -min(states["grads"], acts + loss)
     out = {
         "params": states["params"],
         "grads": states["grads"],
         "optimizer": states["optimizer"],
         "activations": acts,
         "loss": loss,
-        "weight_copies": weight_copy_bytes(shape, lay, psi, precision),
-        "buffers": _buffers(shape, lay, psi, per_layer, precision),
+        "weight_copies": weight_copy_bytes(shape, lay, psi, precision, mixed, loss_chunk),
+        "buffers": _buffers(shape, lay, psi, per_layer, precision, on_fsdp(lay, precision, mixed)),
         "grads_not_at_peak": not_at_peak,
     }
     out = {k: v / GIB for k, v in out.items()}

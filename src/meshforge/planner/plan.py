@@ -192,6 +192,13 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
     )
     c.add_argument("--compiled", dest="eager", action="store_const", const=False, help="the run is compiled (default)")
+    p.add_argument(
+        "--mixed-precision",
+        choices=("auto", "cast_once", "autocast"),
+        help="how bf16 runs (train.mixed_precision; --config takes the file's): cast_once, FSDP2 casting the "
+        "gathered weights once (bf16 activations), or autocast over fp32 weights (an fp32 residual stream and "
+        "bf16 weight copies); auto (default): cast_once on a GPU, autocast on a CPU",
+    )
 
 
 FIXED_HELP = {
@@ -332,6 +339,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
     from_cfg["device"] = t.device
     from_cfg["loss_chunk"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
+    from_cfg["mixed_precision"] = t.mixed_precision  # bf16 by autocast or cast once (auto: by the device)
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
@@ -415,6 +423,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         hw.inter_bw = args.inter_node_bw * 1e9
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
     hw.loss_chunk = dflt.get("loss_chunk", hw.loss_chunk)
+    hw.mixed_precision = args.mixed_precision or dflt.get("mixed_precision", hw.mixed_precision)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
     hw.reduce_every_microbatch = bool(args.reduce_every_microbatch)

@@ -119,7 +119,7 @@ def _per_rank_choices(
             continue
         for zero in _zero_choices(dp * cp, ep, f):
             for rc in [f.activation_checkpoint] if f.activation_checkpoint else RECOMPUTE:
-                for sched, v in _schedules(pp, f, shape.layers):
+                for sched, v, split in _schedules(pp, f, shape.layers):
                     yield plan_layout(
                         tp,
                         pp,
@@ -135,7 +135,7 @@ def _per_rank_choices(
                         sequence_parallel=f.sequence_parallel,
                         async_tp=f.async_tp,
                         offload=offload,
-                        pp_layers=f.pp_layers,
+                        pp_layers=split,
                     )
 
 
@@ -157,25 +157,41 @@ def layouts(
             yield lay, reason
 
 
-def _schedules(pp: int, f: Layout, layers: int = 0) -> Iterator[tuple[str, int]]:
-    """(schedule, chunks per rank) to try; the V schedules only when asked for. Interleaved
-    1F1B is searched only as Megatron-LM can run it: pp > 2 (its parallel_state refuses the
-    interleaved schedule at pp <= 2) and a chunk count dividing the blocks per stage, ceil(L/p)
-    (its arguments check num_layers_per_pipeline_stage % layers_per_virtual_stage == 0); a fixed
-    --virtual-stages is priced as asked."""
+def _schedules(pp: int, f: Layout, layers: int = 0) -> Iterator[tuple[str, int, tuple[int, ...]]]:
+    """(schedule, chunks per rank, blocks per chunk or ()) to try; the V schedules only when asked
+    for. Interleaved 1F1B is searched only as Megatron-LM can run it: pp > 2 (its parallel_state
+    refuses the interleaved schedule at pp <= 2), over the chunk counts ``_interleavings`` gives;
+    a fixed --virtual-stages (or a --pp-layers split, which implies it) is priced as asked."""
     if pp == 1:
-        yield "none", 1
+        yield "none", 1, f.pp_layers
         return
     for s in [f.pp_schedule] if f.pp_schedule else SCHEDULES:
         if s == "interleaved_1f1b":
-            if f.pp_virtual_stages:
-                yield s, f.pp_virtual_stages
+            if f.pp_virtual_stages or f.pp_layers:
+                yield s, f.pp_virtual_stages or max(1, len(f.pp_layers) // pp), f.pp_layers
             elif pp > 2:
-                yield from ((s, v) for v in (2, 4) if not layers or -(-layers // pp) % v == 0)
+                yield from ((s, v, split) for v, split in _interleavings(pp, layers))
         elif s in V_SCHEDULES:
-            yield s, 2
+            yield s, 2, f.pp_layers
         else:
-            yield s, f.pp_virtual_stages if s == "zero_bubble" and f.pp_virtual_stages else 1
+            yield s, f.pp_virtual_stages if s == "zero_bubble" and f.pp_virtual_stages else 1, f.pp_layers
+
+
+def _interleavings(pp: int, layers: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """The chunk counts Megatron-LM runs: every v >= 2 dividing the blocks per stage, ceil(L/p)
+    (its arguments check num_layers_per_pipeline_stage % layers_per_virtual_stage == 0), evenly
+    split; and every v for which the blocks plus the embedding and the loss, each counted as one
+    block (Megatron's account_for_embedding/loss_in_pipeline_split; Llama 3's 126 blocks in
+    16 x 8 chunks), divide into pp x v equal chunks: then the first and the last chunk hold one
+    block fewer (none, at one block per chunk)."""
+    per_stage = -(-layers // pp)
+    for v in range(2, per_stage + 1):
+        if per_stage % v == 0:
+            yield v, ()
+    for v in range(2, (layers + 2) // pp + 1):
+        k, rest = divmod(layers + 2, pp * v)
+        if not rest and k >= 1 and (k > 1 or layers >= pp * v - 2):
+            yield v, (k - 1,) + (k,) * (pp * v - 2) + (k - 1,)
 
 
 class Ranked(list):

@@ -96,12 +96,17 @@ def preflight(cfg: Config, world_size: int, launcher: bool = False) -> RunPlan:
     if not plan.run.dir:
         plan = plan.with_run_dir(default_run_dir(plan))
     check_run_dir(plan)
-    refuse_binary(plan.data.path, plan.data.allow_binary)
-    check_disk(plan)  # writable, and room for a checkpoint: refused here rather than mid-run
-    data = open_data(plan, plan.shape)  # input errors first: a config or data mistake before the memory verdict
-    check_extras(plan)
-    if not (launcher and plan.world.device == "cuda"):  # a launcher leaves the GPUs to the ranks (no CUDA context)
+    # A run that cannot fit its device hears that first, before any disk or data check. A
+    # launcher on CUDA leaves the GPUs to the ranks (no CUDA context here): rank 0 then checks
+    # the memory and after it the disk; the launcher still prepares the data once.
+    ranks_check_fit = launcher and plan.world.device == "cuda"
+    if not ranks_check_fit:
         check_fit(plan, launch_env.local_rank(), launch_env.local_world_size() or world_size)
+    refuse_binary(plan.data.path, plan.data.allow_binary)
+    if not ranks_check_fit:
+        check_disk(plan)  # writable, and room for a checkpoint: refused here rather than mid-run
+    data = open_data(plan, plan.shape)
+    check_extras(plan)
     return plan.with_resume(find_resume_point(plan, resuming(plan), len(data.train), hashes=not launcher))
 
 

@@ -32,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # private: used here only
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: here and chunked_loss
 from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.parallel.data.zero1 import FlatZero1
@@ -188,11 +189,24 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def fill_param(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter that may be a DTensor shard (no communication:
-    every rank computed the same full tensor from the seed)."""
+def param_region(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offset, local shape): the box of the full tensor this rank's shard of ``p`` holds, so that
+    init_weights draws only those values; None where it holds all of it or no box (a strided
+    shard of FSDP over tp rows): the full tensor is drawn and ``fill_param`` keeps the shard."""
+    if not isinstance(p, DTensor) or any(type(pl) not in (Shard, Replicate) for pl in p.placements):
+        return None
+    local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(offset), tuple(local)
+
+
+def fill_param(p: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy a parameter's values (its whole tensor, or the box ``param_region`` names) into it,
+    a DTensor shard or not (no communication: every rank draws the same values from the seed)."""
     if isinstance(p, DTensor):
-        local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        if tuple(values.shape) != tuple(p.shape):  # this rank's box already
+            p.to_local().copy_(values)
+            return
+        local = distribute_tensor(values.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
         p.to_local().copy_(local)
     else:
-        p.copy_(full)
+        p.copy_(values)
