@@ -103,7 +103,7 @@ def test_mismatched_model_and_loss_are_refused():
 
 def test_config_key_is_validated():
     assert load_config(None, {}).train.loss_chunk_size > 0  # on by default: long sequences are safe
-    with pytest.raises(ConfigError, match="train.loss_chunk_size = -1 must be >= 0"):
+    with pytest.raises(ConfigError, match=r"train.loss_chunk_size = -1 is out of range: it must be in \[0, "):
         load_config(None, {"train.loss_chunk_size": -1})
     with pytest.raises(ConfigError, match="train.fp8_exclude"):
         load_config(None, {"train.precision": "fp8", "train.fp8_exclude": ["*router*"]})
@@ -193,7 +193,8 @@ def test_planner_counts_one_chunk_of_logits():
     plain = memory(shape, lay, 32768, "bf16", hw, loss_chunk=0)["loss"]
     chunked = memory(shape, lay, 32768, "bf16", hw, loss_chunk=1024)["loss"]
     per_logit = 2 + 4 + 4 + 4  # bf16 logits; fp32 log-softmax, its gradient, the logits' fp32 gradient
-    assert plain == pytest.approx(32768 * shape.vocab_size * per_logit / 2**30, rel=1e-9)
+    logits = 32768 * shape.vocab_size * per_logit / 2**30
+    assert 0 <= plain - logits < 1.0  # (plus what the ends keep per token: final norm, hidden states)
     assert chunked >= (1024 * shape.vocab_size * per_logit + shape.vocab_size * shape.hidden * 4) / 2**30 - 1e-9
     assert plain - chunked > 35  # GiB: where 1B at 32K ran out of memory
 

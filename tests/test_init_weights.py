@@ -13,19 +13,19 @@ import torch.multiprocessing as mp
 from meshforge.config import load_config
 from meshforge.models import init
 from meshforge.models.llama import Transformer, build_model, init_weights
-from meshforge.models.presets import model_shape
 
 SMALL_BLOCK = 4096  # elements per generator: the embedding (512 x 128) spans 16 blocks
 SEED = 7
 
 
 def _cfg(**over):
+    """The run plan (machine checks off: offload on a CPU world of one is what is tested here)."""
     from meshforge.resolve import resolve
 
     o = {"model.preset": "debug", "train.precision": "fp32", "train.global_batch_size": 2, "train.device": "cpu"}
     o.update(over)
     world = 2 if any(k in over for k in ("parallel.dp_shard", "parallel.tp")) else 1
-    return resolve(load_config(None, o), world)
+    return resolve(load_config(None, o), world, machine=False)
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -42,7 +42,7 @@ def small_blocks(monkeypatch):
 
 
 def _reference() -> dict[str, torch.Tensor]:
-    return _full(build_model(model_shape(_cfg().model), "cpu", seed=SEED))
+    return _full(build_model(_cfg().shape, "cpu", seed=SEED))
 
 
 def test_a_box_has_the_values_of_the_whole_tensor_there():
@@ -65,7 +65,7 @@ def test_block_zero_continues_the_whole_tensor_stream():
 def test_direct_and_meta_built_models_are_identical(small_blocks):
     ref = _reference()
     with torch.device("cpu"):
-        direct = Transformer(model_shape(_cfg().model))
+        direct = Transformer(_cfg().shape)
     init_weights(direct, SEED)
     for name, t in _full(direct).items():
         assert torch.equal(t, ref[name]), name
@@ -74,12 +74,10 @@ def test_direct_and_meta_built_models_are_identical(small_blocks):
 def test_offload_on_a_world_of_one_is_identical(small_blocks):
     from meshforge.parallel.mesh import Mesh
     from meshforge.parallel.parallelize import parallelize
-    from meshforge.resolve import layout
-
     cfg = _cfg(**{"parallel.zero_stage": 3, "parallel.offload": "cpu"})
-    mesh = Mesh(0, 1, 0, torch.device("cpu"), layout(cfg, 1))
+    mesh = Mesh(0, 1, 0, torch.device("cpu"), cfg.layout)
     try:
-        model = parallelize(build_model(model_shape(cfg.model), "meta"), cfg, mesh, seed=SEED)
+        model = parallelize(build_model(cfg.shape, "meta"), cfg, mesh, seed=SEED)
         assert any(hasattr(p, "full_tensor") for p in model.parameters())  # FSDP2's DTensors
         got = _full(model)
     finally:
@@ -93,7 +91,6 @@ def _sharded_worker(rank: int, port: int, out: str) -> None:
 
     from meshforge.parallel.mesh import build_mesh
     from meshforge.parallel.parallelize import parallelize
-    from meshforge.resolve import layout
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -101,8 +98,8 @@ def _sharded_worker(rank: int, port: int, out: str) -> None:
     got = {}
     for name, over in {"zero3": {"parallel.dp_shard": 2, "parallel.zero_stage": 3}, "tp2": {"parallel.tp": 2}}.items():
         cfg = _cfg(**over)
-        mesh = build_mesh(layout(cfg, 2), "cpu")
-        model = parallelize(build_model(model_shape(cfg.model), "meta"), cfg, mesh, seed=SEED)
+        mesh = build_mesh(cfg.layout, "cpu")
+        model = parallelize(build_model(cfg.shape, "meta"), cfg, mesh, seed=SEED)
         got[name] = _full(model)
     if rank == 0:
         torch.save(got, out)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from meshforge.calibration.saved_activations import SavedReport, measure
-from meshforge.config import Config, load_config
+from meshforge.config import load_config
+from meshforge.run_plan import RunPlan
 
 # the run settings that decide what a block keeps (config keys, as `meshforge train` takes them)
 MODE_KEYS = (
@@ -62,8 +63,8 @@ class PerBlock:
         return self.ends_fixed + self.ends_per_token * tokens
 
 
-def run_config(overrides: dict[str, Any], layers: int, seq: int) -> Config:
-    """The resolved world-of-one config of ``overrides`` at ``layers`` blocks and ``seq`` tokens (one sequence)."""
+def run_config(overrides: dict[str, Any], layers: int, seq: int) -> RunPlan:
+    """The world-of-one run plan of ``overrides`` at ``layers`` blocks and ``seq`` tokens (one sequence)."""
     from meshforge.resolve import resolve
 
     base = {"train.global_batch_size": 1, "train.micro_batch_size": 1, "train.device": "cpu"}
@@ -109,23 +110,21 @@ def partition_only_backend() -> Callable[..., Any]:
     return functools.partial(compile_fx, inner_compile=run_as_is)
 
 
-def measure_run(cfg: Config, backend: str | None = None) -> Measured:
-    """Build ``cfg``'s model on a world of one as training does and measure one forward + loss."""
+def measure_run(plan: RunPlan, backend: str | None = None) -> Measured:
+    """Build ``plan``'s model on a world of one as training does and measure one forward + loss."""
     from meshforge.models.llama import build_model
-    from meshforge.models.presets import model_shape
     from meshforge.parallel.compile import compile_loss
     from meshforge.parallel.mesh import Mesh
     from meshforge.parallel.parallelize import build_loss, forward_context, parallelize
-    from meshforge.resolve import layout
 
-    mesh = Mesh(0, 1, 0, torch.device("cpu"), layout(cfg, 1))
-    shape = model_shape(cfg.model)
-    loss, context = build_loss(cfg, mesh), forward_context(cfg, mesh)
+    mesh = Mesh(0, 1, 0, torch.device("cpu"), plan.layout)
+    shape = plan.shape
+    loss, context = build_loss(plan), forward_context(plan, mesh.device)
     with _compile_backend(backend):
-        model = parallelize(build_model(shape, device="meta"), cfg, mesh, seed=0)
-        loss_fn = compile_loss(loss) if cfg.train.compile else loss  # as the step runs it (train/step.py)
+        model = parallelize(build_model(shape, device="meta"), plan, mesh, seed=0)
+        loss_fn = compile_loss(loss) if plan.train.compile else loss  # as the step runs it (train/step.py)
     gen = torch.Generator().manual_seed(0)
-    seq = cfg.train.seq_len
+    seq = plan.train.seq_len
     tokens = torch.randint(0, shape.vocab_size, (1, seq + 1), generator=gen)
     positions = torch.arange(seq)
     weights = [*model.parameters(), *model.buffers()]
@@ -136,7 +135,7 @@ def measure_run(cfg: Config, backend: str | None = None) -> Measured:
                 out = model(tokens[:, :-1], positions)
             return loss_fn(out, tokens[:, 1:], model)
 
-    report = measure(forward, weights, eager=not cfg.train.compile, after=model.parameters)
+    report = measure(forward, weights, eager=not plan.train.compile, after=model.parameters)
     return Measured(shape.layers, seq, report.total, report)
 
 
@@ -156,19 +155,14 @@ def per_block(
     return PerBlock(block_tok, block_fixed, ends_tok, ends_at_0 - ends_tok * seqs[0], runs)
 
 
-def planned(cfg: Config) -> tuple[float, float]:
-    """The planner's (block, ends) bytes per token for ``cfg``'s run (planner/activation_bytes.py)."""
-    from meshforge.models.presets import model_shape
-    from meshforge.parallel.precision import resolve_mixed_precision
+def planned(plan: RunPlan) -> tuple[float, float]:
+    """The planner's (block, ends) bytes per token for ``plan``'s run (planner/activation_bytes.py)."""
     from meshforge.planner import activation_bytes as ab
-    from meshforge.planner.memory import on_fsdp
-    from meshforge.resolve import layout
 
-    t, shape = cfg.train, model_shape(cfg.model)
-    mixed = resolve_mixed_precision(t.mixed_precision, torch.device("cpu"))
-    hold = ab.holding(t.precision, on_fsdp(layout(cfg, 1), t.precision, mixed))
+    t, shape = plan.train, plan.shape
+    hold = ab.holding(t.precision, plan.fsdp)
     eager = not t.compile
-    block = ab.block_bytes_per_token(shape, hold, t.activation_checkpoint, eager)
+    block = ab.block_bytes_per_token(shape, hold, plan.layout.activation_checkpoint, eager)
     return block, ab.ends_bytes_per_token(shape, hold, t.loss_chunk_size, eager)
 
 
