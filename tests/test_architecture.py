@@ -52,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "launcher_tie": set(),
     "peer_lost": {"health", "launch_env"},
     # the top: what drives the rest
-    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
+    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "run_plan", "train"},
     "launch": {"errors", "launcher_tie"},
     "cli_train": {
         *("checkpoint", "config", "errors", "fit", "launch", "launch_env", "launcher_tie", "models", "report"),

@@ -14,9 +14,9 @@ from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
 from meshforge.planner import output
+from meshforge.planner.candidates import candidates, judge
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
-from meshforge.planner.search import candidates, judge
 from meshforge.resolve import resolve
 from test_architecture import import_graph
 

@@ -10,7 +10,7 @@ from meshforge.errors import ConfigError
 from meshforge.layout import open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims import partial_problems
-from meshforge.planner.search import PLAN_FLAGS, check_fixed
+from meshforge.planner.candidates import PLAN_FLAGS, check_fixed
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "meshforge"
 MOE = ModelShape(hidden=256, layers=4, heads=16, kv_heads=16, ffn_hidden=512, vocab_size=1000, num_experts=8)

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 
 from meshforge.data.documents import document_lengths
 from meshforge.errors import DataError
-from meshforge.models.document_attention import TILE, attended_fraction, dense_mask, document_attention
+from meshforge.models.document_attention import (
+    TILE,
+    attended_fraction,
+    dense_mask,
+    document_attention,
+    prepare_block_mask,
+)
 from meshforge.models.documents import Documents
 from meshforge.models.llama import build_model, rope_cos_sin
 from meshforge.models.loss import LanguageModelLoss
@@ -132,7 +138,7 @@ def test_flex_attention_path_equals_the_dense_mask():
     has no CPU backward), against the dense reference."""
     seq = 256
     docs = Documents.from_lengths(random_documents(2, seq, 40, seed=5), seq)
-    docs.prepare(torch.device("cpu"), flex=True)
+    prepare_block_mask(docs, torch.device("cpu"), flex=True)
     assert docs.block_mask is not None
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, n, seq, 16, generator=gen) for n in (4, 2, 2))

@@ -10,8 +10,8 @@ import pytest
 from meshforge.cli import build_parser, main
 from meshforge.errors import ConfigError
 from meshforge.planner import output
+from meshforge.planner.candidates import divisors as _divisors
 from meshforge.planner.plan import parse_plan_args, plan_from_args
-from meshforge.planner.search import _divisors
 
 BASE = ["--model", "debug", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2"]
 

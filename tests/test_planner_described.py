@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from meshforge.planner.estimate import _dp_time, plan_layout
+from meshforge.planner.comm_time import dp_time
+from meshforge.planner.estimate import plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, plan_from_args
@@ -17,7 +18,7 @@ SHAPE = from_preset("llama3.1-8b")
 
 
 def _fsdp(n: int, hw=H100) -> float:
-    return _dp_time(SHAPE, plan_layout(1, 1, 8, zero_stage=3, num_microbatches=n), "bf16", hw, 8)
+    return dp_time(SHAPE, plan_layout(1, 1, 8, zero_stage=3, num_microbatches=n), "bf16", hw, 8)
 
 
 def test_reduce_every_microbatch_repeats_the_reduce_scatter_per_microbatch():

@@ -150,7 +150,7 @@ def test_rows_per_expert_follow_the_dispatch():
     """Mean rows per local expert as expert_parallel's dispatch and moe_tensor_parallel's tp
     shares hand them out, against the planner's formula."""
     from meshforge.parallel.expert.dispatch import _by_local_expert
-    from meshforge.parallel.tensor.moe import _share
+    from meshforge.parallel.tensor.moe import share_rows
 
     s = from_preset("debug-moe")
     e, k, tokens_mb = s.num_experts, s.experts_per_token, 96
@@ -164,7 +164,7 @@ def test_rows_per_expert_follow_the_dispatch():
         ]
         rows = []
         for t in range(tp):
-            shares = [_share(c, t, tp)[1].tolist() for c in counts]
+            shares = [share_rows(c, t, tp)[1].tolist() for c in counts]
             for d in range(ep):  # what ep rank d's grouped GEMM gets per local expert
                 _, local_counts = _by_local_expert([sh[d * local : (d + 1) * local] for sh in shares], "cpu")
                 rows += local_counts.tolist()

@@ -11,11 +11,12 @@ from meshforge.layout import open_layout
 from meshforge.parallel import dims
 from meshforge.parallel.dims import Batch
 from meshforge.planner import time_terms
-from meshforge.planner.estimate import _dp_time, collective_time, estimate, plan_layout
+from meshforge.planner.candidates import schedules as _schedules
+from meshforge.planner.comm_time import collective_time, dp_time
+from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.memory import stage_params
 from meshforge.planner.model_flags import from_preset
-from meshforge.planner.search import _schedules
 
 H100 = get_hardware("h100-sxm")
 SHAPE = from_preset("llama3.1-8b")
@@ -26,10 +27,10 @@ def test_zero1_is_a_reduce_scatter_plus_an_all_gather():
     psi = stage_params(SHAPE, 1, 1)[0]
     rs = collective_time(H100, "reduce_scatter", 4 * psi, 1, 8, 8)
     ag = collective_time(H100, "all_gather", 2 * psi, 1, 8, 8)
-    assert _dp_time(SHAPE, lay, "bf16", H100, 8) == pytest.approx(rs + ag)
-    ddp = _dp_time(SHAPE, plan_layout(1, 1, 8, zero_stage=0), "bf16", H100, 8)
-    assert _dp_time(SHAPE, lay, "bf16", H100, 8) == pytest.approx(0.75 * ddp, rel=0.01)  # 6 of 8 bytes
-    bf16 = _dp_time(SHAPE, lay.replace(grad_reduce_dtype="bf16"), "bf16", H100, 8)
+    assert dp_time(SHAPE, lay, "bf16", H100, 8) == pytest.approx(rs + ag)
+    ddp = dp_time(SHAPE, plan_layout(1, 1, 8, zero_stage=0), "bf16", H100, 8)
+    assert dp_time(SHAPE, lay, "bf16", H100, 8) == pytest.approx(0.75 * ddp, rel=0.01)  # 6 of 8 bytes
+    bf16 = dp_time(SHAPE, lay.replace(grad_reduce_dtype="bf16"), "bf16", H100, 8)
     assert bf16 == pytest.approx(0.5 * ddp, rel=0.01)  # 4 of 8 bytes: a bf16 all-reduce's
 
 
@@ -82,9 +83,13 @@ def test_interleaving_only_where_megatron_runs_it():
     ] == [(2, (1,) * 8)]  # a given split implies its chunk count
 
 
-def test_async_tp_is_refused_off_cuda():
+def test_async_tp_runs_on_any_backend_but_needs_sequence_parallelism():
+    """The decomposed ring runs on gloo too (parallel/tensor/async_tp.py): no device refusal;
+    it overlaps sequence parallelism's collectives, so without SP it is refused."""
     lay = plan_layout(2, 1, 1, micro_batch_size=1, async_tp=True)
     shape = from_preset("debug")
-    with pytest.raises(ConfigError, match="parallel.async_tp"):
-        dims.check(lay, shape, Batch(128, 1, 2, "cpu"))
+    dims.check(lay, shape, Batch(128, 1, 2, "cpu"))
     dims.check(lay, shape, Batch(128, 1, 2, "cuda"))
+    no_sp = plan_layout(2, 1, 1, micro_batch_size=1, async_tp=True, sequence_parallel=False)
+    with pytest.raises(ConfigError, match="parallel.async_tp"):
+        dims.check(no_sp, shape, Batch(128, 1, 2, "cpu"))

@@ -6,3 +6,4 @@ _.frame  # noqa: F821, B018
 _.closure  # noqa: F821, B018
 _.set_to_none  # noqa: F821, B018
 _.async_op  # noqa: F821, B018
+_.example_inputs  # noqa: F821, B018

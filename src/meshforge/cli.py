@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
     )
     conv.add_argument("--out", required=True, metavar="DIR", help="directory to write the converted weights to")
-    from meshforge.planner.plan import add_arguments, whole
+    from meshforge.planner.plan_args import add_arguments, whole
 
     plan = sub.add_parser("plan", help="find the layout that fits and runs fastest; predict memory, time and MFU")
     add_arguments(plan)

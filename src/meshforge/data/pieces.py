@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from meshforge.data.sources import Source, open_reader
+from meshforge.data.columnar import ArrowReader, ParquetReader
+from meshforge.data.sources import JsonlReader, Reader, Source, TextReader
 
 PIECE_CHARS = 1 << 16
 BATCH_BYTES = 1 << 17  # UTF-8 bytes of text per tokenizer call
@@ -31,6 +32,12 @@ class Piece:
     last: bool  # the document ends here (EOS follows)
     after: tuple[int, int, int]  # cursor (source, record, piece) of the next piece
     done: int  # bytes of the inputs on disk read so far
+
+
+def open_reader(src: Source, field: str = "text") -> Reader:
+    if src.kind in ("parquet", "arrow"):
+        return (ParquetReader if src.kind == "parquet" else ArrowReader)(src, field)
+    return (JsonlReader if src.kind == "jsonl" else TextReader)(src, field)
 
 
 def cut_point(text: str, start: int, end: int) -> int:

@@ -147,14 +147,6 @@ def plain_text_files(path: str) -> list[Path]:
         return []
 
 
-def open_reader(src: Source, field: str = "text") -> Reader:
-    if src.kind in ("parquet", "arrow"):
-        from meshforge.data.columnar import ArrowReader, ParquetReader
-
-        return (ParquetReader if src.kind == "parquet" else ArrowReader)(src, field)
-    return (JsonlReader if src.kind == "jsonl" else TextReader)(src, field)
-
-
 def _decompressed(src: Source, raw: IO[bytes]) -> IO[bytes]:
     if src.compression == "gz":
         import gzip

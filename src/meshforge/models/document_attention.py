@@ -150,3 +150,12 @@ def flex_block_mask(ids: torch.Tensor) -> Any:
     rows, s = ids.shape
     # compiled on CUDA: the eager build materialises the whole (rows, s, s) mask first
     return create_block_mask(same_document_causal, rows, None, s, s, device=ids.device, _compile=ids.is_cuda)
+
+
+def prepare_block_mask(documents: Documents, device: torch.device, flex: bool | None = None) -> None:
+    """Before the blocks run (outside any compiled region): on CUDA (or when ``flex``), the
+    FlexAttention block mask every layer's attention uses."""
+    if documents.single or documents.block_mask is not None:
+        return
+    if device.type == "cuda" if flex is None else flex:
+        documents.block_mask = flex_block_mask(documents.ids.to(device))

@@ -91,12 +91,3 @@ class Documents:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
-
-    def prepare(self, device: torch.device, flex: bool | None = None) -> None:
-        """Before the blocks run (outside any compiled region): on CUDA (or when ``flex``), the
-        FlexAttention block mask every layer's attention uses (models/document_attention.py)."""
-        if self.single or self.block_mask is not None or not (device.type == "cuda" if flex is None else flex):
-            return
-        from meshforge.models.document_attention import flex_block_mask  # (imports FlexAttention on use)
-
-        self.block_mask = flex_block_mask(self.ids.to(device))

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.document_attention import document_attention
+from meshforge.models.document_attention import document_attention, prepare_block_mask
 from meshforge.models.documents import Documents
 from meshforge.models.init import draw_normal
 from meshforge.models.moe import build_moe, is_moe_layer
@@ -255,7 +255,7 @@ class Transformer(nn.Module):
             cos, sin = (t.view(*positions.shape, -1).unsqueeze(1) for t in (cos, sin))
         if documents is not None:
             documents.check_rows(tokens.shape[0])
-            documents.prepare(self.rope_inv_freq.device)
+            prepare_block_mask(documents, self.rope_inv_freq.device)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)

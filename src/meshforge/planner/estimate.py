@@ -49,15 +49,11 @@ from typing import Any
 from meshforge.layout import Layout
 from meshforge.models import flops
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.context.cost import (
-    local_tokens,
-    ring_bytes,
-    ring_messages,
-)
 from meshforge.parallel.pipeline.schedules import SCHEDULES as DIMS_SCHEDULES
 from meshforge.parallel.pipeline.schedules import V_SHAPED, bubble_fraction
+from meshforge.planner import comm_time as comm
 from meshforge.planner import document_costs, kernel_costs, moe_costs, offload_costs, time_terms
-from meshforge.planner.hardware import GIB, Hardware, cost_coefficients
+from meshforge.planner.hardware import GIB, Hardware
 from meshforge.planner.memory import (
     memory,
     model_state_bytes,
@@ -70,7 +66,6 @@ from meshforge.planner.memory import (
 # the pipeline schedules and their bubble are the layout rules' (parallel/dims/)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
 V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per rank
-REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # parallel.grad_reduce_dtype: what ZeRO-1 reduce-scatters
 
 
 def run_layout(lay: Layout) -> Layout:
@@ -145,31 +140,8 @@ class Estimate:
 # ----------------------------------------------------------------------------- time
 
 
-def ring_time(kind: str, payload: float, n: int, bw: float, alpha: float) -> float:
-    """α–β time of a collective (``cost_coefficients``); ``payload`` is the full
-    (unsharded) size in bytes."""
-    if n <= 1 or payload <= 0:
-        return 0.0
-    steps, mult = cost_coefficients(kind, n)
-    return mult * payload / bw + steps * alpha
-
-
-def collective_time(
-    hw: Hardware, kind: str, payload: float, inner: int, n: int, gpus_per_node: int, latency: bool = True
-) -> float:
-    """A ``kind`` collective over ``n`` ranks at stride ``inner``, on the link it crosses
-    (with the profile's own figures for that collective where calibrated). ``latency``:
-    False where the layout's measured fixed costs include it (``_layout_fixed``)."""
-    bw, alpha = hw.link(kind, inner * n <= gpus_per_node)
-    return ring_time(kind, payload, n, bw, alpha if latency else 0.0)
-
-
 def gemm_efficiency(hw: Hardware, flop: float) -> float:
     return hw.gemm_efficiency * flop / (flop + hw.gemm_half_flop)
-
-
-def _bytes_per_element(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
 
 
 def _compute_time(
@@ -201,7 +173,7 @@ def _compute_time(
     routed_flops = moe_costs.routed_flops_per_token(shape, lay.activation_checkpoint) * tokens_gpu
     expert_s, expert_recompute_s = moe_costs.expert_gemm_seconds(shape, lay, tokens_mb, tokens_gpu, hw, precision)
     gemm_s = imbalance * ((flops_step - attn_flops - routed_flops) / rate + attn_s) + expert_s
-    bpe = _bytes_per_element(precision)
+    bpe = comm.bytes_per_element(precision)
     other_s = imbalance * kernel_costs.elementwise_seconds(
         shape, hw, tokens_gpu, shape.layers, lay.activation_checkpoint, bpe, 1 if lay.sequence_parallel else lay.tp
     )
@@ -220,189 +192,29 @@ def _compute_time(
     }
 
 
-def _layout_fixed(lay: Layout, hw: Hardware) -> dict[str, float] | None:
-    """The measured fixed costs of this layout's kind (hw.layout_fixed_s, a calibrated CPU):
-    tensor parallelism's (DTensor) if tp > 1, else FSDP2's for ZeRO-2/3 over several ranks;
-    None for plain modules (hw.block_fixed_s and hw.optimizer_fixed_s price those)."""
-    if not hw.layout_fixed_s:
-        return None
-    if lay.tp > 1:
-        return hw.layout_fixed_s.get("tp")
-    if lay.zero_stage >= 2 and lay.dp * lay.cp > 1:
-        return hw.layout_fixed_s.get("fsdp")
-    return None
-
-
 def _dispatch_time(shape: ModelShape, lay: Layout, hw: Hardware) -> float:
     """Per-op costs whatever the size (measured on a CPU): every block on the stage, every
     micro-batch, forward + backward (+ the recomputed forward), plus the embedding, head and
-    loss - as measured for the layout's kind (``_layout_fixed``), or as about one plain block more."""
+    loss - as measured for the layout's kind (``layout_fixed``), or as about one plain block more."""
     passes = 4 / 3 if lay.activation_checkpoint != "none" else 1.0
     blocks = stage_layers(shape, lay.pp) * passes
-    kind = _layout_fixed(lay, hw)
+    kind = comm.layout_fixed(lay, hw)
     if kind:
         return lay.num_microbatches * (kind["block"] * blocks + kind["ends"])
     per_block = hw.tp_block_fixed_s if lay.tp > 1 and hw.tp_block_fixed_s else hw.block_fixed_s
     return per_block * lay.num_microbatches * (blocks + 1)
 
 
-def _tp_time(
-    shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int
-) -> tuple[float, float]:
-    """(all, hidden) seconds of tensor-parallel collectives, on the critical path except what
-    async TP hides beside the blocks' GEMMs (``parallel.async_tp``: time_terms.tp_overlap_hidden).
-    Per layer and micro-batch two all-reduces of the block's activations in forward and two in backward (each a
-    reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
-    vocab-parallel embedding (forward) and the head's input (backward) one each, on the
-    stages holding them; the loss-parallel cross-entropy three small all-reduces; under
-    ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds)."""
-    tokens_mb = lay.micro_batch_size * seq / lay.cp
-    act = tokens_mb * shape.hidden * _bytes_per_element(precision)
-    per_mb = stage_layers(shape, lay.pp) * (6 if lay.activation_checkpoint == "full" else 4) + (2 if lay.pp == 1 else 1)
-
-    latency = _layout_fixed(lay, hw) is None  # else measured with the layout's fixed costs
-
-    def tp_coll(kind: str, payload: float) -> float:
-        return collective_time(hw, "dtensor_" + kind, payload, 1, lay.tp, gpus_per_node, latency)
-
-    if lay.sequence_parallel:
-        one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
-    else:
-        one = tp_coll("all_reduce", act)
-    moe = moe_costs.tp_seconds(shape, lay, tokens_mb, _bytes_per_element(precision), tp_coll)
-    total = lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
-    rate = kernel_costs.gemm_rate(
-        hw, 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp, precision
-    )
-    blocks = stage_layers(shape, lay.pp)
-    return total, time_terms.tp_overlap_hidden(shape, lay, tokens_mb, one / 2, rate, blocks)
-
-
-def _cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
-    """Ring attention: K/V blocks passed around the cp ranks, half of it exposed beside the
-    attention compute."""
-    if lay.cp <= 1:
-        return 0.0
-    tokens_mb = lay.micro_batch_size * local_tokens(seq, lay.cp)
-    recompute = lay.activation_checkpoint != "none"  # the block's forward, ring included, runs again in backward
-    sent = sum(
-        ring_bytes(tokens_mb, shape.kv_dim / lay.tp, lay.cp, "ring", _bytes_per_element(precision), recompute).values()
-    )
-    cp_bw, cp_alpha = hw.link("send_recv", lay.tp * lay.cp <= gpus_per_node)
-    layers_stage = stage_layers(shape, lay.pp)
-    per_layer = sent / cp_bw + ring_messages(lay.cp, "ring", recompute) * cp_alpha
-    return 0.5 * layers_stage * lay.num_microbatches * per_layer
-
-
-def _pp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
-    """Activations (forward) and their gradients (backward) between stages, per micro-batch
-    and model chunk."""
-    if lay.pp <= 1:
-        return 0.0
-    act = lay.micro_batch_size * seq / lay.cp * shape.hidden * _bytes_per_element(precision)
-    inner = lay.tp * lay.cp * lay.dp
-    return (
-        2
-        * lay.num_microbatches
-        * lay.pp_virtual_stages
-        * collective_time(hw, "send_recv", act / lay.tp, inner, lay.pp, gpus_per_node)
-    )
-
-
-def _dp_time(
-    shape: ModelShape,
-    lay: Layout,
-    precision: str,
-    hw: Hardware,
-    gpus_per_node: int,
-    psi: float | None = None,
-    group: tuple[int, int] | None = None,
-) -> float:
-    """All data-parallel traffic of one step: DDP's (and ZeRO-1's) gradient all-reduce (plus
-    ZeRO-1's parameter all-gather), or FSDP's per-layer gathers and reduce-scatters, whose
-    latency is paid once per layer unit. ``psi``: the parameters (default: the stage's);
-    ``group``: (ranks, stride) when not the data-parallel ranks (the experts' edp under ep)."""
-    psi = stage_params(shape, lay.tp, lay.pp)[0] if psi is None else psi
-    dp_n, stride = group or (lay.dp * lay.cp, lay.tp)
-    grad_bytes = 4 * psi  # gradients are reduced in fp32
-    w = _bytes_per_element(precision)
-
-    def dp_coll(kind: str, payload: float) -> float:
-        return collective_time(hw, kind, payload, stride, dp_n, gpus_per_node)
-
-    if dp_n == 1:
-        return 0.0
-    if lay.zero_stage == 0 and group is None:
-        return dp_coll("all_reduce", grad_bytes)
-    if lay.zero_stage == 1 and group is None:  # a distributed optimizer (parallel/data/zero1.py)
-        return dp_coll("reduce_scatter", psi * REDUCE_BYTES[lay.grad_reduce_dtype]) + dp_coll("all_gather", psi * w)
-    gathers = (2 if lay.zero_stage == 3 else 1) * lay.num_microbatches
-    units = max(1, round(stage_layers(shape, lay.pp)))
-    latency = group is not None or _layout_fixed(lay, hw) is None  # else in the measured fixed costs
-
-    def unit_coll(kind: str, payload: float) -> float:
-        return collective_time(hw, kind, payload / units, stride, dp_n, gpus_per_node, latency)
-
-    reduces = lay.num_microbatches if hw.reduce_every_microbatch else 1
-    return gathers * units * unit_coll("fsdp_all_gather", psi * w) + reduces * units * unit_coll(
-        "fsdp_reduce_scatter", grad_bytes
-    )
-
-
-def _dp_exposed(
-    dp_s: float, compute_s: float, shape: ModelShape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
-) -> float:
-    """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
-    reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
-    window (forward and backward) or backward, as far as the hardware runs communication
-    beside compute (hw.comm_overlap). Hidden traffic is not free: the collective kernels
-    take SMs and memory bandwidth from the compute they run beside (hw.comm_interference), in
-    proportion to the bytes they move per second (``interference_scale``: the link's share of
-    the in-node bandwidth)."""
-    layers_stage = stage_layers(shape, lay.pp)
-    window = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)
-    last_bucket = dp_s / max(1.0, layers_stage) if lay.dp * lay.cp > 1 else 0.0
-    hidden = min((dp_s - last_bucket) * hw.comm_overlap, window)
-    return dp_s - hidden + hidden * hw.comm_interference * interference_scale
-
-
-def _dp_link_share(lay: Layout, hw: Hardware, gpus_per_node: int) -> float:
-    """The data-parallel link's bandwidth as a share of the in-node one (1 inside a node)."""
-    if lay.tp * lay.dp * lay.cp <= gpus_per_node:
-        return 1.0
-    return min(1.0, hw.inter_bw / hw.intra_bw)
-
-
 def _optimizer_time(shape: ModelShape, lay: Layout, precision: str, hw: Hardware) -> float:
     """The optimizer step: a memory-bound pass (read and write) over this GPU's state."""
     psi, _ = stage_params(shape, lay.tp, lay.pp)
     opt_state = model_state_bytes(psi, lay.dp * lay.cp, lay.zero_stage, precision)
-    kind = _layout_fixed(lay, hw)  # per-tensor costs (and, for a measured kind, reduction and clipping)
+    kind = comm.layout_fixed(lay, hw)  # per-tensor costs (and, for a measured kind, reduction and clipping)
     if kind:
         fixed = kind["block_step"] * stage_layers(shape, lay.pp) + kind["ends_step"]
     else:
         fixed = hw.optimizer_fixed_s * (stage_layers(shape, lay.pp) + 1)
     return 2 * (opt_state["optimizer"] + opt_state["grads"] + opt_state["params"]) / hw.hbm_bw + fixed
-
-
-def _offload_time(
-    shape: ModelShape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, dp_s: float, compute_s: float
-) -> tuple[float, float, float]:
-    """(exposed host-link seconds, all host-link seconds, CPU optimizer seconds) under CPU
-    offload (planner/offload_costs.py). The copies are chained to the data-parallel traffic: a
-    unit's shard goes up on the all-gather's copy-in stream right before its all-gather (so it
-    rides the same prefetch), its gradient shard down right after its reduce-scatter. So they
-    hide under the same window, in what the dp traffic leaves of it, as far as comm_overlap
-    allows, and the last unit's share waits: exposed is what dp traffic plus copies expose
-    beyond the dp traffic alone. Hidden copies cost the compute nothing (copy engines, no SMs;
-    ~50 GB/s is noise beside HBM's), so neither side charges interference."""
-    psi, _ = stage_params(shape, lay.tp, lay.pp)
-    link_s = offload_costs.link_seconds(psi, lay.dp * lay.cp, lay.zero_stage, lay.num_microbatches, hw)
-    exposed = _dp_exposed(dp_s + link_s, compute_s, shape, lay, hw, 0.0) - _dp_exposed(
-        dp_s, compute_s, shape, lay, hw, 0.0
-    )
-    opt_s = offload_costs.cpu_optimizer_seconds(stage_state_bytes(shape, lay, precision), hw)
-    return exposed, link_s, opt_s
 
 
 def _fit(mem: dict[str, float], host: dict[str, float], hw: Hardware) -> tuple[bool, str]:
@@ -436,6 +248,30 @@ def _budget(time: dict[str, float], recompute_s: float, step: float) -> dict[str
     }
 
 
+def _comm(
+    shape: ModelShape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
+) -> dict[str, float]:
+    """Each axis's communication seconds in one step (comm_time.py); ``dp`` is all of the
+    data-parallel traffic, the experts' share over edp under ep."""
+    n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    tp_all, tp_hidden = comm.tp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    dp_s = comm.dp_time(shape, lay, precision, hw, gpus_per_node)
+    if lay.ep > 1:  # the experts' 1/ep share (whole on each tp rank) is gathered and reduced over edp only
+        psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)
+        edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
+        dp_s = max(0.0, dp_s + comm.dp_time(shape, lay, precision, hw, gpus_per_node, psi_e * lay.tp / lay.ep, edp))
+        dp_s = max(0.0, dp_s - comm.dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
+    bpe, ac = comm.bytes_per_element(precision), lay.activation_checkpoint
+    return {
+        "tp": tp_all - tp_hidden,
+        "tp_hidden": tp_hidden,
+        "cp": comm.cp_time(shape, lay, seq, precision, hw, gpus_per_node),
+        "pp": comm.pp_time(shape, lay, seq, precision, hw, gpus_per_node),
+        "dp": dp_s,
+        "ep": moe_costs.a2a_seconds(shape, lay, global_batch * seq / n_gpus, bpe, hw, gpus_per_node, ac),
+    }
+
+
 def estimate(
     shape: ModelShape, lay: Layout, seq: int, global_batch: int, precision: str, hw: Hardware, gpus_per_node: int
 ) -> Estimate:
@@ -448,48 +284,26 @@ def estimate(
         host = offload_costs.host_memory_gib(stage_state_bytes(shape, lay, precision), min(gpus_per_node, n_gpus))
     fits, overflow = _fit(mem, host, hw)
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
-    tp_all, tp_hidden = _tp_time(shape, lay, seq, precision, hw, gpus_per_node)
-    tp_s = tp_all - tp_hidden
-    cp_s = _cp_time(shape, lay, seq, precision, hw, gpus_per_node)
-    pp_s = _pp_time(shape, lay, seq, precision, hw, gpus_per_node)
+    c = _comm(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
-    dp_s = _dp_time(shape, lay, precision, hw, gpus_per_node)
-    if lay.ep > 1:  # the experts' 1/ep share (whole on each tp rank) is gathered and reduced over edp only
-        psi_e = moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)
-        edp = (lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)
-        dp_s = max(0.0, dp_s + _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e * lay.tp / lay.ep, edp))
-        dp_s = max(0.0, dp_s - _dp_time(shape, lay, precision, hw, gpus_per_node, psi_e))
-    bpe, ac = _bytes_per_element(precision), lay.activation_checkpoint
-    ep_s = moe_costs.a2a_seconds(shape, lay, global_batch * seq / n_gpus, bpe, hw, gpus_per_node, ac)
-    dp_exposed = _dp_exposed(dp_s, compute_s, shape, lay, hw, _dp_link_share(lay, hw, gpus_per_node))
+    dp_exposed = comm.dp_exposed(c["dp"], compute_s, shape, lay, hw, comm.dp_link_share(lay, hw, gpus_per_node))
     bubble = bubble_fraction(lay.pp_schedule, lay.pp, lay.num_microbatches, lay.pp_virtual_stages)
-    pipelined = compute_s + tp_s + cp_s + pp_s + ep_s  # the bubble is over the per-micro-batch work
-    bubble_s = pipelined * bubble / (1 - bubble)
+    pipelined = compute_s + c["tp"] + c["cp"] + c["pp"] + c["ep"]  # the bubble is over the per-micro-batch work
     opt_s = _optimizer_time(shape, lay, precision, hw)
     off_exposed = off_total = 0.0
     if lay.offload == "cpu":
-        off_exposed, off_total, opt_s = _offload_time(shape, lay, precision, hw, gpus_per_node, dp_s, compute_s)
-
-    step = pipelined + bubble_s + dp_exposed + off_exposed + opt_s
+        off_exposed, off_total, opt_s = comm.offload_time(shape, lay, precision, hw, gpus_per_node, c["dp"], compute_s)
+    time = {
+        **{k: comp[k] for k in ("ideal_compute", "gemm", "non_gemm")},
+        **{"tp_comm": c["tp"], "tp_comm_hidden": c["tp_hidden"], "cp_comm": c["cp"], "pp_p2p": c["pp"]},
+        **{"ep_a2a": c["ep"], "dp_comm_total": c["dp"], "dp_comm_exposed": dp_exposed},
+        **{"offload_copy": off_exposed, "offload_copy_total": off_total},
+        **{"bubble": pipelined * bubble / (1 - bubble), "optimizer": opt_s},
+    }
+    step = pipelined + time["bubble"] + dp_exposed + off_exposed + opt_s
     tps = global_batch * seq / step / n_gpus
     peak = hw.peak(precision)
     mfu = shape.model_flops_per_token(comp["span"]) * tps / peak  # active parameters for an MoE (models/flops.py)
     hfu = shape.hardware_flops_per_token(comp["span"], lay.activation_checkpoint) * tps / peak
-    time = {
-        "ideal_compute": comp["ideal_compute"],
-        "gemm": comp["gemm"],
-        "non_gemm": comp["non_gemm"],
-        "tp_comm": tp_s,
-        "tp_comm_hidden": tp_hidden,
-        "cp_comm": cp_s,
-        "pp_p2p": pp_s,
-        "ep_a2a": ep_s,
-        "dp_comm_total": dp_s,
-        "dp_comm_exposed": dp_exposed,
-        "offload_copy": off_exposed,
-        "offload_copy_total": off_total,
-        "bubble": bubble_s,
-        "optimizer": opt_s,
-    }
     budget = _budget(time, comp["recompute"], step)
     return Estimate(lay, shape.num_params(), mem, fits, overflow, time, step, tps, mfu, hfu, budget, host_memory=host)
