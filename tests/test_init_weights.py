@@ -74,6 +74,7 @@ def test_direct_and_meta_built_models_are_identical(small_blocks):
 def test_offload_on_a_world_of_one_is_identical(small_blocks):
     from meshforge.parallel.mesh import Mesh
     from meshforge.parallel.parallelize import parallelize
+
     cfg = _cfg(**{"parallel.zero_stage": 3, "parallel.offload": "cpu"})
     mesh = Mesh(0, 1, 0, torch.device("cpu"), cfg.layout)
     try:
