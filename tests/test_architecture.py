@@ -45,7 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     # the run's guards: a full or read-only disk, the run.dir lock, ranks tied to their launcher,
     # one line for a rank whose peer went away
     "disk": {"errors", "models", "planner"},
-    "fit": {"config", "errors", "models", "planner"},  # the pre-flight fit check: the planner's estimate vs free memory
+    "fit": {"config", "errors", "host_limits", "models", "planner"},  # the pre-flight fit check: estimate vs memory
+    "host_limits": set(),  # the cgroup and rlimits a CPU process runs under (read by the fit check)
     "run_lock": {"disk", "errors"},
     "run_files": set(),  # what meshforge writes into a run directory (never over what it did not)
     "out_paths": {"disk", "errors", "run_files"},  # where convert and report write, checked first
@@ -82,6 +83,7 @@ RUNNING = (
     "launcher_tie",
     "peer_lost",
     "fit",
+    "host_limits",
 )
 # what the analysing side may import from outside itself, module by module
 SHARED_CORE = {

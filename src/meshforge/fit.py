@@ -3,8 +3,9 @@ anything is allocated, with what would make it fit.
 
 One estimate serves both ``meshforge train --dry-run`` and this check (``estimate_run``): the
 planner's estimate of exactly the resolved layout, on a hardware profile whose memory is this
-machine's (the free memory of the rank's GPU, or the host RAM available to each rank on a CPU),
-so the planner's own verdict and overflow text speak of the real device. Without the check an
+machine's (the free memory of the rank's GPU; on a CPU the host RAM available to each rank, or
+less where a cgroup or rlimit allows less: host_limits.py), so the planner's own verdict and
+overflow text speak of the real device. Without the check an
 8B model on a 24 GiB CPU machine is killed by the kernel minutes later with no message, and on
 a GPU dies out of memory after its first steps.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import MeshforgeError
+from meshforge.host_limits import Limit, cgroup_limits, rlimits
 
 GIB = 2**30
 AVAILABLE_ENV = "MESHFORGE_TEST_AVAILABLE_GIB"  # tests: pretend this many GiB are available (CPU and CUDA)
@@ -41,16 +43,29 @@ class DeviceMemory:
     free_gib: float  # free (CUDA) or available (CPU, the whole host's)
     total_gib: float
     ranks: int = 1  # ranks on this host sharing it (CPU)
+    limit: Limit | None = None  # CPU: a cgroup or rlimit that leaves a rank less than its share of the RAM
+    limit_gib: float = 0.0  # what the planner's estimate for one rank may total under ``limit``
 
     @property
     def per_rank_gib(self) -> float:
-        return self.free_gib / self.ranks if self.kind == "cpu" else self.free_gib
+        if self.kind != "cpu":
+            return self.free_gib
+        return self.limit_gib if self.limit else self.free_gib / self.ranks
 
     def describe(self) -> str:
         if self.kind == "cpu":
-            share = f", {self.per_rank_gib:.1f} GiB for each of {self.ranks} ranks" if self.ranks > 1 else ""
-            return f"CPU, {self.free_gib:.1f} GiB RAM available (of {self.total_gib:.1f} GiB){share}"
+            share = f", {self.free_gib / self.ranks:.1f} GiB for each of {self.ranks} ranks" if self.ranks > 1 else ""
+            ram = f"{self.free_gib:.1f} GiB RAM available (of {self.total_gib:.1f} GiB){share}"
+            if self.limit:
+                return f"CPU, {self.limit_gib:.2f} GiB per rank under {self.limit_text()}; {ram}"
+            return f"CPU, {ram}"
         return f"{self.name}, {self.free_gib:.1f} GiB free of {self.total_gib:.1f} GiB"
+
+    def limit_text(self) -> str:
+        """The binding limit, its size and what it already counts, e.g. for the refusal."""
+        lim = self.limit
+        held = "in the cgroup now" if lim.shared else "by this process now and the threads a run starts"
+        return f"{lim.name} = {lim.limit / GIB:.2f} GiB ({lim.held / GIB:.2f} GiB held {held})"
 
 
 def _meminfo(key: str) -> int | None:
@@ -87,7 +102,9 @@ def device_memory(cuda: bool, local_rank: int = 0, local_ranks: int = 1) -> Devi
     (``local_rank`` modulo the visible devices) is asked, which creates its context there."""
     if not cuda:
         avail, total = host_memory()
-        return DeviceMemory("cpu", "CPU", avail, total, max(1, local_ranks))
+        ranks = max(1, local_ranks)
+        limit, budget = binding_limit(avail / ranks, ranks)
+        return DeviceMemory("cpu", "CPU", avail, total, ranks, limit, budget)
     import torch
 
     index = local_rank % max(1, torch.cuda.device_count())
@@ -95,6 +112,23 @@ def device_memory(cuda: bool, local_rank: int = 0, local_ranks: int = 1) -> Devi
     if os.environ.get(AVAILABLE_ENV):
         free = float(os.environ[AVAILABLE_ENV]) * GIB
     return DeviceMemory("cuda", torch.cuda.get_device_name(index), free / GIB, total / GIB)
+
+
+def binding_limit(ram_per_rank_gib: float, ranks: int) -> tuple[Limit | None, float]:
+    """The cgroup or rlimit (host_limits.py) that leaves a rank less than its share of the host's
+    available RAM, with what the planner's estimate may total under it (GiB); (None, 0) if none."""
+    if os.environ.get(AVAILABLE_ENV):
+        return None, 0.0  # a test pretends this much memory: nothing else is read
+    import torch
+
+    from meshforge.planner.hardware import get_hardware, preset_for_device
+
+    reserve = int(get_hardware(preset_for_device("cpu")).reserve_gib * GIB)  # the process itself, in the estimate
+    limits = [*cgroup_limits(), *rlimits(torch.get_num_threads())]
+    tightest = min(limits, key=lambda x: x.budget(ranks, reserve), default=None)
+    if tightest is None or tightest.budget(ranks, reserve) / GIB >= ram_per_rank_gib:
+        return None, 0.0
+    return tightest, tightest.budget(ranks, reserve) / GIB
 
 
 @dataclass
@@ -155,10 +189,15 @@ def check_fit(cfg: Any, local_rank: int = 0, local_ranks: int = 1) -> RunEstimat
     if not e.fits:
         raise FitError(refusal(cfg, world, mem, est))
     if need > WARN_SHARE * mem.per_rank_gib:
+        why = (
+            "its estimate can be 10-20% low"
+            if mem.kind == "cuda"
+            else "its share for Python, torch and threads is fixed"
+        )
         print(
-            f"meshforge: warning: the planner estimates {need:.1f} GiB per rank, over {WARN_SHARE:.0%} of the "
-            f"{mem.per_rank_gib:.1f} GiB this rank has ({mem.describe()}); its estimate can be 10-20% low, so this "
-            "run may still run out of memory",
+            f"meshforge: warning: the planner estimates {need:.2f} GiB per rank, over {WARN_SHARE:.0%} of the "
+            f"{mem.per_rank_gib:.2f} GiB this rank has ({mem.describe()}); {why}, so this run may still run out of "
+            "memory",
             file=sys.stderr,
         )
     return est
@@ -169,10 +208,13 @@ def refusal(cfg: Any, world: int, mem: DeviceMemory, est: RunEstimate) -> str:
     e = est.estimate
     need = e.memory["total"]
     shared = f", {mem.per_rank_gib:.1f} GiB for each of {mem.ranks} ranks" if mem.ranks > 1 else ""
+    room = f"{mem.free_gib:.1f} GiB {'RAM available on this CPU' if mem.kind == 'cpu' else 'free on ' + mem.name}"
+    if mem.limit:
+        room = f"{mem.limit_gib:.2f} GiB a rank may use under {mem.limit_text()}"
+        shared = ""
     head = (
-        f"this run cannot fit: the planner estimates {need:.1f} GiB per rank, more than the "
-        f"{mem.free_gib:.1f} GiB {'RAM available on this CPU' if mem.kind == 'cpu' else 'free on ' + mem.name}"
-        f"{shared} ({e.overflow}); it would be killed or run out of memory later. To make it fit:"
+        f"this run cannot fit: the planner estimates {need:.2f} GiB per rank, more than the {room}{shared} "
+        f"({e.overflow}); it would be killed or run out of memory later. To make it fit:"
     )
     return "\n".join([head, *(f"  - {f}" for f in fixes(cfg, world, mem, e)), SKIP_LINE])
 
@@ -184,6 +226,9 @@ def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
     """What would shrink this run's memory, for the settings it does not already use."""
     t, out = cfg.train, []
     lay = e.layout
+    if mem.limit:  # the limit raised by what the estimate lacks (a shared one: for every rank)
+        short = (e.memory["total"] - mem.limit_gib) * (mem.ranks if mem.limit.shared else 1)
+        out.append(mem.limit.raise_to(mem.limit.limit + short * GIB))
     if cfg.layout.activation_checkpoint != "full":
         out.append("activation checkpointing: --train.activation_checkpoint=full (recompute each block's activations)")
     if lay.micro_batch_size > 1:
