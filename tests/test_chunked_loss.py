@@ -78,7 +78,7 @@ def test_loss_object_seam_matches_plain_model(tied):
     tokens = torch.randint(0, 101, (2, 23))
     targets = torch.randint(0, 101, (2, 23))
     ref = LanguageModelLoss()(plain(tokens), targets, plain)
-    got = LanguageModelLoss(chunk_size=10)(chunked(tokens), targets, chunked)
+    got = LanguageModelLoss(loss_chunk_size=10)(chunked(tokens), targets, chunked)
     ref.backward()
     got.backward()
     assert abs(float((got - ref).detach())) <= 1e-6 * float(ref.detach())
@@ -87,7 +87,7 @@ def test_loss_object_seam_matches_plain_model(tied):
         assert rel_err(q.grad, p.grad) <= 1e-6, name
     with torch.no_grad():
         s_ref = LanguageModelLoss().token_sum(plain(tokens), targets, plain)
-        s_got = LanguageModelLoss(chunk_size=7).token_sum(chunked(tokens), targets, chunked)
+        s_got = LanguageModelLoss(loss_chunk_size=7).token_sum(chunked(tokens), targets, chunked)
     assert float(s_got) == pytest.approx(float(s_ref), rel=1e-6)
 
 
@@ -95,7 +95,7 @@ def test_mismatched_model_and_loss_are_refused():
     model = tiny_model(False)
     tokens = torch.randint(0, 101, (1, 8))
     with pytest.raises(ValueError, match="chunked loss"):
-        LanguageModelLoss(chunk_size=4)(model(tokens), tokens, model)  # logits, not hidden states
+        LanguageModelLoss(loss_chunk_size=4)(model(tokens), tokens, model)  # logits, not hidden states
     model.hidden_out = True
     with pytest.raises(ValueError, match="hidden_out"):
         LanguageModelLoss()(model(tokens), tokens, model)
@@ -190,8 +190,8 @@ def test_planner_counts_one_chunk_of_logits():
 
     shape, hw = from_preset("llama3.2-1b"), get_hardware("h100-sxm")
     lay = plan_layout(activation_checkpoint="full")
-    plain = memory(shape, lay, 32768, "bf16", hw, loss_chunk=0)["loss"]
-    chunked = memory(shape, lay, 32768, "bf16", hw, loss_chunk=1024)["loss"]
+    plain = memory(shape, lay, 32768, "bf16", hw, loss_chunk_size=0)["loss"]
+    chunked = memory(shape, lay, 32768, "bf16", hw, loss_chunk_size=1024)["loss"]
     per_logit = 2 + 4 + 4 + 4  # bf16 logits; fp32 log-softmax, its gradient, the logits' fp32 gradient
     logits = 32768 * shape.vocab_size * per_logit / 2**30
     assert 0 <= plain - logits < 1.0  # (plus what the ends keep per token: final norm, hidden states)

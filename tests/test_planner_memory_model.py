@@ -14,7 +14,7 @@ H100 = get_hardware("h100-sxm")
 GB = 1e9
 
 # One H100, bf16, meshforge's single-device path (autocast over fp32 weights, AdamW), 2026-11-24
-# (issues 27 and 28). The runs predate the chunked loss: loss_chunk = 0 (full fp32 logits).
+# (issues 27 and 28). The runs predate the chunked loss: loss_chunk_size = 0 (full fp32 logits).
 # Issue 28 gives predicted/measured ratios against the planner of then (41.0 GiB for the 1B rows,
 # 61.0 for 3B): measured = that prediction / ratio. Issue 27 gives the no-accumulation peaks.
 # (name, preset, seq, micro-batch, micro-batches per step, recompute, compiled, measured GiB)
@@ -36,15 +36,15 @@ def test_h100_peak_memory_within_5_percent(row):
     part (the total less the context/fragmentation reserve), within 0.95-1.05."""
     _, preset, seq, mb, m, ac, compiled, measured = row
     lay = plan_layout(1, 1, 1, micro_batch_size=mb, num_microbatches=m, activation_checkpoint=ac)
-    mem = memory(from_preset(preset), lay, seq, "bf16", H100, compiled=compiled, loss_chunk=0)
+    mem = memory(from_preset(preset), lay, seq, "bf16", H100, compiled=compiled, loss_chunk_size=0)
     assert 0.95 <= allocated_gib(mem) / measured <= 1.05, mem
 
 
 def test_chunked_loss_removes_the_full_logits():
     """With train.loss_chunk_size = 1024 a 1B run at 32K holds one chunk's logits, not 32K rows'."""
     lay = plan_layout(1, 1, 1, micro_batch_size=1, num_microbatches=1, activation_checkpoint="full")
-    full = memory(from_preset("llama3.2-1b"), lay, 32768, "bf16", H100, loss_chunk=0)
-    chunked = memory(from_preset("llama3.2-1b"), lay, 32768, "bf16", H100, loss_chunk=1024)
+    full = memory(from_preset("llama3.2-1b"), lay, 32768, "bf16", H100, loss_chunk_size=0)
+    chunked = memory(from_preset("llama3.2-1b"), lay, 32768, "bf16", H100, loss_chunk_size=1024)
     assert full["loss"] > 50 and chunked["loss"] < full["loss"] / 10  # (the rest: final norm, hidden-state gradient)
     assert chunked["total"] < full["total"] - 50
 
@@ -124,9 +124,9 @@ def test_plan_from_config_prices_the_runs_compile_and_loss_chunk(tmp_path, compi
     e = plan_from_args(parse_plan_args(argv)).results[0]
     resolved = "cast_once" if mixed == "auto" else mixed
     shape = from_preset("llama3.2-1b")
-    want = memory(shape, e.layout, 4096, "bf16", H100, compiled=compile_, loss_chunk=chunk, mixed=resolved)
+    want = memory(shape, e.layout, 4096, "bf16", H100, compiled=compile_, loss_chunk_size=chunk, mixed=resolved)
     assert e.memory == pytest.approx(want)
     default = memory(shape, e.layout, 4096, "bf16", H100, mixed=resolved)  # compiled, 1024-row chunks
     assert e.memory["total"] > default["total"]  # each of these runs holds more than the default
     other = "autocast" if resolved == "cast_once" else "cast_once"
-    assert memory(shape, e.layout, 4096, "bf16", H100, compiled=compile_, loss_chunk=chunk, mixed=other) != want
+    assert memory(shape, e.layout, 4096, "bf16", H100, compiled=compile_, loss_chunk_size=chunk, mixed=other) != want

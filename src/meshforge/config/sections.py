@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from meshforge.layout import Layout
-from meshforge.models.chunked_loss import DEFAULT_CHUNK
+from meshforge.models.chunked_loss import LOSS_CHUNK_SIZE
 from meshforge.models.presets import get_preset
 from meshforge.models.shape import ModelShape
 
@@ -57,7 +57,7 @@ class TrainConfig:
     casts each fp32 weight to bf16 once per micro-batch and reduces gradients in fp32; a world of one and DDP's
     layouts run on FSDP2 for it) or `autocast` (`torch.autocast` casts every weight at every use).
     See [precision.md](precision.md#one-cast-per-step)"""
-    loss_chunk_size: int = DEFAULT_CHUNK
+    loss_chunk_size: int = LOSS_CHUNK_SIZE
     """tokens per chunk of the fused head + cross-entropy (only one chunk's logits exist, in fp32 for the
     softmax); 0 = the plain loss over the full logits. See [model.md](model.md#chunked-loss)"""
     grad_clip: float = 1.0

@@ -9,7 +9,7 @@ values for logging. The loss knows nothing of parallelism: whoever parallelizes 
 passes a ``context`` (tensor parallelism's loss-parallel cross-entropy) that wraps the
 loss and its backward.
 
-With ``chunk_size > 0`` the model hands over its final hidden states instead of logits
+With ``loss_chunk_size > 0`` the model hands over its final hidden states instead of logits
 (``Transformer.hidden_out``) and the loss applies the head chunk by chunk through the head
 module's call (models/chunked_loss.py), so the full fp32 logits never exist.
 """
@@ -51,18 +51,18 @@ class LanguageModelLoss:
     """Mean (training) or summed (evaluation) next-token cross-entropy over logits
     ``(batch, seq, vocab)`` and targets ``(batch, seq)``, computed in fp32.
 
-    ``chunk_size > 0``: the model's output is its final hidden states ``(batch, seq, hidden)``
-    (the model must have ``hidden_out`` set) and the head runs here, ``chunk_size`` tokens at a
+    ``loss_chunk_size > 0``: the model's output is its final hidden states ``(batch, seq, hidden)``
+    (the model must have ``hidden_out`` set) and the head runs here, ``loss_chunk_size`` tokens at a
     time, its matmul in ``compute_dtype`` (None: the hidden states' dtype)."""
 
     def __init__(
         self,
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        chunk_size: int = 0,
+        loss_chunk_size: int = 0,
         compute_dtype: torch.dtype | None = None,
     ):
         self.context = context
-        self.chunk_size, self.compute_dtype = chunk_size, compute_dtype
+        self.loss_chunk_size, self.compute_dtype = loss_chunk_size, compute_dtype
         self.fused_chunks = False  # each chunk's math compiled (parallel/compile.py: compile_loss sets it)
         self.terms: dict[str, torch.Tensor] = {}  # the last training call's parts, detached
         self.step_terms: dict[str, torch.Tensor] = {}  # the last step's parts, mean over its calls (end_step)
@@ -115,9 +115,9 @@ class LanguageModelLoss:
         """The plain fp32 cross-entropy over logits, or the chunked one over hidden states
         (``model``'s head applied here). A model whose output does not match is refused."""
         hidden_out = getattr(model, "hidden_out", False)
-        if not self.chunk_size:
+        if not self.loss_chunk_size:
             if hidden_out:
-                raise ValueError("the model returns hidden states (hidden_out) but the loss has no chunk_size")
+                raise ValueError("the model returns hidden states (hidden_out) but the loss has no loss_chunk_size")
             return F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), reduction=red)
         head = getattr(model, "output", None)
         if not hidden_out or not getattr(head, "takes_loss_fn", False):
@@ -128,7 +128,7 @@ class LanguageModelLoss:
         fn = functools.partial(
             chunked_cross_entropy,
             targets=targets,
-            chunk=self.chunk_size,
+            chunk=self.loss_chunk_size,
             reduction=red,
             compute_dtype=self.compute_dtype,
             fused=self.fused_chunks,

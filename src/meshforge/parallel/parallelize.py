@@ -61,7 +61,7 @@ def build_loss(plan: RunPlan) -> LanguageModelLoss:
     train.loss_chunk_size the head runs in the loss, in bf16 where the layout autocasts."""
     return LanguageModelLoss(
         context=functools.partial(loss_context, plan.layout.tp > 1),
-        chunk_size=plan.train.loss_chunk_size,
+        loss_chunk_size=plan.train.loss_chunk_size,
         compute_dtype=torch.bfloat16 if plan.autocast else None,  # else: the hidden states' dtype
     )
 

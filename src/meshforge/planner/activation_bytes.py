@@ -86,7 +86,7 @@ def _whole_block(shape: ModelShape, hold: Holding, eager: bool) -> tuple[float, 
 
 
 def ends_bytes_per_token(
-    shape: ModelShape, hold: Holding, loss_chunk: int, eager: bool, tp: int = 1, sp: bool = False
+    shape: ModelShape, hold: Holding, loss_chunk_size: int, eager: bool, tp: int = 1, sp: bool = False
 ) -> float:
     """Per token, what the model keeps outside its blocks: the token ids, the fp32 RoPE tables
     every block shares (FSDP2's blocks keep casts of their own instead), the final norm (run
@@ -95,17 +95,19 @@ def ends_bytes_per_token(
     (``loss_saved_bytes_per_token``)."""
     h = shape.hidden
     rope = 0.0 if hold.unit_cast else rope_bytes_per_token(shape)
-    norm = 8 * h + 4 + (hold.bpe * h if loss_chunk <= 0 else 0)  # (autocast: the head's one bf16 cast)
+    norm = 8 * h + 4 + (hold.bpe * h if loss_chunk_size <= 0 else 0)  # (autocast: the head's one bf16 cast)
     split = tp if sp else 1
-    return TOKEN_ID_BYTES + rope + norm / split + loss_saved_bytes_per_token(shape, hold, loss_chunk, eager, tp)
+    return TOKEN_ID_BYTES + rope + norm / split + loss_saved_bytes_per_token(shape, hold, loss_chunk_size, eager, tp)
 
 
-def loss_saved_bytes_per_token(shape: ModelShape, hold: Holding, loss_chunk: int, eager: bool, tp: int = 1) -> float:
+def loss_saved_bytes_per_token(
+    shape: ModelShape, hold: Holding, loss_chunk_size: int, eager: bool, tp: int = 1
+) -> float:
     """The loss's saved tensors per token. Full logits: eager, the fp32 log-softmax (4 bytes per
     logit of this rank's vocabulary); compiled, the logits in the compute dtype and the rows' fp32
     max and log-sum-exp. Chunked (eager or compiled: its loop runs outside compiled graphs), the
     hidden states' gradient, computed in forward in the final norm's output dtype (the head's
     fp32 gradient is fixed, not per token)."""
-    if loss_chunk <= 0:
+    if loss_chunk_size <= 0:
         return 4 * shape.vocab_size / tp if eager else hold.bpe * shape.vocab_size / tp + 8
     return shape.hidden * hold.resid

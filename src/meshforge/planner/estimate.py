@@ -278,7 +278,9 @@ def estimate(
     """Memory and step time of one layout, each as a breakdown (see the module doc)."""
     n_gpus = lay.tp * lay.pp * lay.dp * lay.cp
     hw = hw.for_ranks(min(n_gpus, gpus_per_node))  # a CPU rank's threads: cores / local ranks
-    mem = memory(shape, lay, seq, precision, hw, compiled=not hw.eager, loss_chunk=hw.loss_chunk, mixed=hw.mixed())
+    mem = memory(
+        shape, lay, seq, precision, hw, compiled=not hw.eager, loss_chunk_size=hw.loss_chunk_size, mixed=hw.mixed()
+    )
     host: dict[str, float] = {}
     if lay.offload == "cpu":
         host = offload_costs.host_memory_gib(stage_state_bytes(shape, lay, precision), min(gpus_per_node, n_gpus))

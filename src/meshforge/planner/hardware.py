@@ -15,7 +15,7 @@ from pathlib import Path
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.metrics.mfu import PEAK_TFLOPS
-from meshforge.models.chunked_loss import DEFAULT_CHUNK
+from meshforge.models.chunked_loss import LOSS_CHUNK_SIZE
 
 GIB = 2**30
 
@@ -81,7 +81,7 @@ class Hardware:
     # (planner/kernel_costs.py: eager_extra_bytes, loss_seconds); False: fused, as compiled
     eager: bool = False
     # the run's train.loss_chunk_size (0: the full logits), for the memory model like ``eager``
-    loss_chunk: int = DEFAULT_CHUNK
+    loss_chunk_size: int = LOSS_CHUNK_SIZE
     # the run's train.mixed_precision for bf16 (the memory model's activations, weight copies and
     # gathered weights): "auto" is cast_once on a GPU and autocast on a CPU, as training resolves it
     mixed_precision: str = "auto"

@@ -8,7 +8,7 @@ Megatron/TE runs and ``train.compile``) and the chunked loss unless told otherwi
 from __future__ import annotations
 
 from meshforge.layout import Layout
-from meshforge.models.chunked_loss import DEFAULT_CHUNK
+from meshforge.models.chunked_loss import LOSS_CHUNK_SIZE
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.context.cost import (
     local_tokens,
@@ -160,16 +160,13 @@ def stage_state_bytes(shape: ModelShape, lay: Layout, precision: str) -> dict[st
     return {k: v + experts[k] for k, v in states.items()}
 
 
-LOSS_CHUNK = DEFAULT_CHUNK  # train.loss_chunk_size's default: the loss never holds more logits rows than this
-
-
 def activation_parts(
     shape: ModelShape,
     lay: Layout,
     seq: int,
     precision: str,
     compiled: bool = True,
-    loss_chunk: int = LOSS_CHUNK,
+    loss_chunk_size: int = LOSS_CHUNK_SIZE,
     mixed: str = "autocast",
 ) -> tuple[float, float]:
     """Bytes of (saved activations, the loss's peak) on the most loaded GPU. Pipelined, the first
@@ -188,11 +185,11 @@ def activation_parts(
     layers = stage_layers(shape, lay.pp)
     moe = moe_costs.activation_delta_bytes(shape, rows, lay.tp, ac, hold.bpe)
     act_layer += moe_costs.moe_layers_on_stage(shape, lay.pp) / layers * moe
-    saved = loss_saved_bytes_per_token(shape, hold, loss_chunk, not compiled, lay.tp)
+    saved = loss_saved_bytes_per_token(shape, hold, loss_chunk_size, not compiled, lay.tp)
     first_ends = rows * (TOKEN_ID_BYTES + (0.0 if hold.unit_cast else rope_bytes_per_token(shape)))
-    last_ends = rows * ends_bytes_per_token(shape, hold, loss_chunk, not compiled, *split) - first_ends
-    loss = loss_bytes(rows, shape.vocab_size / lay.tp, precision, loss_chunk) + last_ends
-    if loss_chunk > 0:  # the chunked loss's fp32 head gradient (its hidden states' gradient: in last_ends)
+    last_ends = rows * ends_bytes_per_token(shape, hold, loss_chunk_size, not compiled, *split) - first_ends
+    loss = loss_bytes(rows, shape.vocab_size / lay.tp, precision, loss_chunk_size) + last_ends
+    if loss_chunk_size > 0:  # the chunked loss's fp32 head gradient (its hidden states' gradient: in last_ends)
         loss += shape.vocab_size * shape.hidden / lay.tp * 4
     else:
         loss -= rows * saved  # (the saved log-softmax is part of the loss's peak already)
@@ -206,7 +203,7 @@ def activation_parts(
 
 
 def weight_copy_bytes(
-    shape: ModelShape, lay: Layout, psi: float, precision: str, mixed: str = "autocast", loss_chunk: int = 0
+    shape: ModelShape, lay: Layout, psi: float, precision: str, mixed: str = "autocast", loss_chunk_size: int = 0
 ) -> float:
     """Autocast's bf16 copies of the weights, saved for backward by every matmul that cast them
     (the embedding lookup casts none; a tied head casts the shared table; the chunked loss casts
@@ -214,7 +211,7 @@ def weight_copy_bytes(
     (outside the recomputed blocks) is held."""
     if not autocast_layout(lay, precision, mixed):
         return 0.0
-    head = 0.0 if loss_chunk > 0 else shape.vocab_size * shape.hidden / lay.tp
+    head = 0.0 if loss_chunk_size > 0 else shape.vocab_size * shape.hidden / lay.tp
     if lay.activation_checkpoint == "full":
         return 2 * head
     untied = 0.0 if shape.tie_embeddings else shape.embedding_params() / lay.tp  # (tied: the table is the head)
@@ -249,7 +246,7 @@ def memory(
     hw: Hardware,
     *,
     compiled: bool = True,
-    loss_chunk: int = LOSS_CHUNK,
+    loss_chunk_size: int = LOSS_CHUNK_SIZE,
     mixed: str = "autocast",
 ) -> dict[str, float]:
     """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
@@ -261,7 +258,7 @@ def memory(
     states = stage_state_bytes(shape, lay, precision)
     if lay.offload == "cpu":
         states = {k: 0.0 for k in states}
-    acts, loss = activation_parts(shape, lay, seq, precision, compiled, loss_chunk, mixed)
+    acts, loss = activation_parts(shape, lay, seq, precision, compiled, loss_chunk_size, mixed)
     not_at_peak = 0.0
     if lay.pp == 1 and lay.num_microbatches <= 1 and lay.zero_stage < 2:
         not_at_peak = -min(states["grads"], acts + loss)
@@ -271,7 +268,7 @@ def memory(
         "optimizer": states["optimizer"],
         "activations": acts,
         "loss": loss,
-        "weight_copies": weight_copy_bytes(shape, lay, psi, precision, mixed, loss_chunk),
+        "weight_copies": weight_copy_bytes(shape, lay, psi, precision, mixed, loss_chunk_size),
         "buffers": _buffers(shape, lay, psi, per_layer, precision, on_fsdp(lay, precision, mixed)),
         "grads_not_at_peak": not_at_peak,
     }

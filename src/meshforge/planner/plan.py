@@ -63,7 +63,7 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     p, t = cfg.layout, cfg.train
     from_cfg = {"seq_len": t.seq_len, "global_batch": t.global_batch_size, "compile": t.compile}
     from_cfg["device"] = t.device
-    from_cfg["loss_chunk"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
+    from_cfg["loss_chunk_size"] = t.loss_chunk_size  # the memory model's loss part (planner/memory.py)
     from_cfg["mixed_precision"] = t.mixed_precision  # bf16 by autocast or cast once (auto: by the device)
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
@@ -147,7 +147,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
-    hw.loss_chunk = dflt.get("loss_chunk", hw.loss_chunk)
+    hw.loss_chunk_size = dflt.get("loss_chunk_size", hw.loss_chunk_size)
     hw.mixed_precision = args.mixed_precision or dflt.get("mixed_precision", hw.mixed_precision)
     if args.comm_overlap is not None:
         hw.comm_overlap = args.comm_overlap
