@@ -49,7 +49,7 @@ def build(args: argparse.Namespace) -> tuple[dict, dict, int]:
         saves[name] = []
         tr.checkpoints.checkpointer.event = lambda event, _name=name, **f: saves[_name].append(f)  # total write times
         trainers[name] = tr
-    return trainers, saves, num_params(trainers["none"].args)
+    return trainers, saves, num_params(trainers["none"].plan.shape)
 
 
 def run_blocks(args: argparse.Namespace, trainers: dict) -> tuple[dict, dict, dict, list[float]]:

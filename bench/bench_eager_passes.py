@@ -78,7 +78,7 @@ def make_step(precision: str, batch: int, seq: int) -> tuple[Callable[[], float]
     model = build_model(get_preset("debug"), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, model.args.vocab_size, (batch, seq + 1), generator=gen)
+    data = torch.randint(0, model.shape.vocab_size, (batch, seq + 1), generator=gen)
     x, y = data[:, :-1], data[:, 1:]
 
     def step() -> float:

@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
             prepare_run_dir(cfg)
         dist.barrier()
         trainers[name] = Trainer(cfg, mesh)
-    psi = num_params(next(iter(trainers.values())).args)
+    psi = num_params(next(iter(trainers.values())).plan.shape)
 
     def timed(tr, steps: int) -> float:
         dist.barrier()

@@ -76,7 +76,7 @@ def ds_engine(args: argparse.Namespace, stage: int, trainers: dict, world: int):
 
     from meshforge.models.llama import build_model
 
-    model = build_model(trainers[0].args, device="cpu", seed=0)
+    model = build_model(trainers[0].plan.shape, device="cpu", seed=0)
     adamw = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True}
     config = {
         "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     trainers = build_trainers(args, world, rank)
-    psi = num_params(trainers[0].args)
+    psi = num_params(trainers[0].plan.shape)
     results = [measure_stage(args, stage, trainers, world, psi) for stage in trainers]
     if rank == 0:
         for r in results:

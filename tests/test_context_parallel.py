@@ -203,7 +203,7 @@ def test_cp_ranks_share_parameter_and_optimizer_state(layout_runs):
     """cp ranks hold the same parameters, so they share the sharded state like dp ranks: HSDP
     2 x cp 2 keeps 1/2 of parameters, gradients and Adam state per rank (sharded over
     dp_shard x cp = 2, replicated over dp_replicate), ZeRO-1 under cp 2 a real fraction of Adam's."""
-    psi = num_params(load_weights(layout_runs("cp2-hsdp2") / "final").args)
+    psi = num_params(load_weights(layout_runs("cp2-hsdp2") / "final").shape)
     mem = _metrics(layout_runs("cp2-hsdp2"))[-1]["state_mem_bytes"]
     assert [mem["params"], mem["grads"], mem["optimizer"]] == pytest.approx([2 * psi, 2 * psi, 4 * psi], rel=1e-3)
     mem = _metrics(layout_runs("cp2-zero1"))[-1]["state_mem_bytes"]

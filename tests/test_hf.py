@@ -116,7 +116,7 @@ def test_llama_with_explicit_head_dim_round_trips(tmp_path):
     )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     ours, back = _round_trip(hf, transformers.LlamaForCausalLM, tmp_path, torch.randint(0, 120, (2, 50)))
-    assert ours.args.head_dim == 24 and not ours.args.qk_norm
+    assert ours.shape.head_dim == 24 and not ours.shape.qk_norm
     assert back["model_type"] == "llama" and back["head_dim"] == 24
 
 
@@ -141,7 +141,7 @@ def test_dense_qwen3_round_trips_with_qk_norm(tmp_path):
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     ours, back = _round_trip(hf, transformers.Qwen3ForCausalLM, tmp_path, torch.randint(0, 120, (2, 50)))
-    assert ours.args.qk_norm and ours.args.head_dim == 24
+    assert ours.shape.qk_norm and ours.shape.head_dim == 24
     w = hf.model.layers[1].self_attn.k_norm.weight
     torch.testing.assert_close(ours.state_dict()["layers.1.attention.k_norm.weight"], w, rtol=0, atol=0)
     assert back["model_type"] == "qwen3" and back["architectures"] == ["Qwen3ForCausalLM"]

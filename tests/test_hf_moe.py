@@ -79,7 +79,7 @@ def _round_trip(hf, tmp_path, x):
 def test_mixtral_round_trips(tmp_path):
     hf = mixtral()
     ours, back = _round_trip(hf, tmp_path, torch.randint(0, 120, (2, 40)))
-    a = ours.args
+    a = ours.shape
     assert (a.num_experts, a.experts_per_token, a.norm_topk, a.qk_norm) == (4, 2, True, False)
     w = hf.model.layers[1].mlp.experts.down_proj[3]  # transformers 5 fuses the experts in memory
     torch.testing.assert_close(ours.state_dict()["layers.1.feed_forward.experts.w2"][3], w, rtol=0, atol=0)
@@ -90,7 +90,7 @@ def test_mixtral_round_trips(tmp_path):
 def test_qwen3_moe_round_trips(tmp_path, norm_topk, dense):
     hf = qwen3_moe(norm_topk, dense)
     ours, back = _round_trip(hf, tmp_path, torch.randint(0, 120, (2, 40)))
-    a = ours.args
+    a = ours.shape
     assert a.qk_norm and a.head_dim == 24 and a.norm_topk == norm_topk and a.moe_ffn_hidden == 48
     assert a.first_dense_layers == len(dense) and a.ffn_hidden == 96
     assert back["model_type"] == "qwen3_moe" and back["mlp_only_layers"] == dense

@@ -19,7 +19,7 @@ from meshforge.models.llama import (
     build_model,
 )
 from meshforge.models.loss import LanguageModelLoss, drain_aux, report_aux
-from meshforge.models.presets import PRESETS, check_model_args
+from meshforge.models.presets import PRESETS, check_model_shape
 from meshforge.parallel.pipeline.split import give_positions
 
 # Published parameter counts (Meta's model cards / HF configs).
@@ -85,7 +85,7 @@ def test_residual_projections_scaled_by_depth():
 def test_tied_embeddings_share_storage():
     model = build_model(ModelShape(**{**SMALL.__dict__, "tie_embeddings": True}), seed=0)
     assert model.output.weight is model.tok_embeddings.weight
-    assert sum(p.numel() for p in model.parameters()) == num_params(model.args)
+    assert sum(p.numel() for p in model.parameters()) == num_params(model.shape)
 
 
 def test_grouped_query_attention_equals_repeated_kv_heads():
@@ -153,11 +153,11 @@ def test_head_dim_is_resolved_after_config_overrides():
 
 
 def test_head_dim_checks():
-    check_model_args(_args(hidden=62, head_dim=16))  # hidden % heads no longer matters
+    check_model_shape(_args(hidden=62, head_dim=16))  # hidden % heads no longer matters
     with pytest.raises(ConfigError, match="divisible by model.heads"):
-        check_model_args(_args(hidden=62))
+        check_model_shape(_args(hidden=62))
     with pytest.raises(ConfigError, match="model.head_dim = 15 must be even"):
-        check_model_args(_args(head_dim=15))
+        check_model_shape(_args(head_dim=15))
 
 
 def test_qk_norm_has_named_params_and_changes_output():
@@ -168,7 +168,7 @@ def test_qk_norm_has_named_params_and_changes_output():
     sd = normed.state_dict()
     assert sd["layers.0.attention.q_norm.weight"].shape == (16,)
     torch.testing.assert_close(sd["layers.1.attention.k_norm.weight"], torch.ones(16))
-    assert sum(p.numel() for p in normed.parameters()) == num_params(normed.args)
+    assert sum(p.numel() for p in normed.parameters()) == num_params(normed.shape)
     for n, t in plain.state_dict().items():  # same weights elsewhere: only the norms differ
         torch.testing.assert_close(t, sd[n], rtol=0, atol=0)
     x = torch.randint(0, 100, (2, 12))

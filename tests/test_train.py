@@ -63,7 +63,7 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
     tb = read_scalars(next((run / "tensorboard").iterdir()))
     assert {tag for _, tag, _ in tb} >= {"loss", "mfu", "val_loss"}
     final = load_weights(run / "final")
-    assert final.args.hidden == 64
+    assert final.shape.hidden == 64
     text = out.getvalue()
     assert "step 30/30" in text and "done: 30 steps" in text and "MFU" in text
     assert f"meshforge train --config {run / 'config.toml'} --model.init_from {run / 'final'}" in text  # goes on
@@ -247,4 +247,4 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path, corpus):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] and 3 <= summary["steps"] < 100000
     assert len(metrics(run)) == summary["steps"]
-    assert load_weights(run / "final").args.hidden == 64
+    assert load_weights(run / "final").shape.hidden == 64

@@ -19,7 +19,7 @@ from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
 from meshforge.checkpoint.weights import shape_mismatch
 from meshforge.errors import ConfigError
-from meshforge.models.presets import check_model_args
+from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ModelShape
 from meshforge.run_plan import ResumePoint, RunPlan
 
@@ -67,7 +67,7 @@ def checkpoint_shape(meta: dict[str, Any], path: Path) -> ModelShape:
     """The model shape a checkpoint's meta.json describes (a damaged or edited one is named)."""
     try:
         shape = ModelShape(**meta["model"])
-        check_model_args(shape)
+        check_model_shape(shape)
     except (KeyError, TypeError, ValueError, ConfigError) as e:
         raise CheckpointError(
             f"{path / 'meta.json'} holds no readable model shape ({e}); the file is damaged"

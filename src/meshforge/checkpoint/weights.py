@@ -18,9 +18,9 @@ from torch import nn
 
 from meshforge.errors import ConfigError, MeshforgeError
 from meshforge.manifest import read_manifest
-from meshforge.models.hf import args_from_hf_config, check_weights_hold, load_hf_checkpoint, read_hf_config, unwrap
+from meshforge.models.hf import check_weights_hold, load_hf_checkpoint, read_hf_config, shape_from_hf_config, unwrap
 from meshforge.models.llama import Transformer, build_model
-from meshforge.models.presets import check_model_args
+from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 
 FORMAT = "meshforge-weights"
@@ -45,7 +45,7 @@ def save_weights(args: ModelShape, state_dict: dict[str, torch.Tensor], path: st
 def save_model_weights(model: nn.Module, path: str | Path) -> Path:
     """``save_weights`` for an unsharded model (or a DDP/compile wrapper around one)."""
     m = unwrap(model)
-    return save_weights(m.args, m.state_dict(), path)
+    return save_weights(m.shape, m.state_dict(), path)
 
 
 def _weights_shape(p: Path) -> ModelShape:
@@ -53,7 +53,7 @@ def _weights_shape(p: Path) -> ModelShape:
     meta = read_manifest(p / "meshforge.json", FORMAT, VERSION, MeshforgeError, "re-export the weights")
     try:
         shape = ModelShape(**meta["model"])
-        check_model_args(shape)
+        check_model_shape(shape)
         return shape
     except (KeyError, TypeError, ValueError, ConfigError) as e:
         raise MeshforgeError(
@@ -67,7 +67,7 @@ def pretrained_shape(path: str | Path) -> ModelShape:
     if (p / "meshforge.json").is_file():
         return _weights_shape(p)
     if (p / "config.json").is_file():
-        return args_from_hf_config(read_hf_config(p), str(p / "config.json"))
+        return shape_from_hf_config(read_hf_config(p), str(p / "config.json"))
     raise MeshforgeError(f"{p} holds neither meshforge.json nor a Hugging Face config.json")
 
 

@@ -15,7 +15,7 @@ from meshforge.config.keys import keys, plain_text, value_of
 from meshforge.config.ranges import check_ranges
 from meshforge.config.sections import Config
 from meshforge.errors import ConfigError
-from meshforge.models.presets import check_model_args
+from meshforge.models.presets import check_model_shape
 
 MAX_INT = 2**40  # no count or size meshforge takes comes near it
 
@@ -31,7 +31,7 @@ def check_values(cfg: Config) -> None:
     _check_magnitudes(cfg)
     table = keys()
     check_ranges(lambda k: value_of(cfg, k), lambda k: plain_text(table[k].help).split(";")[0][:100])
-    check_model_args(cfg.shape)
+    check_model_shape(cfg.shape)
     _check_train(cfg)
     _check_run(cfg)
     _check_health(cfg)

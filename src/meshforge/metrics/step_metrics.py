@@ -32,12 +32,12 @@ SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 class StepMetrics:
     """Turns measured steps into records; keeps step times and loss handles in between."""
 
-    def __init__(self, cfg: Config, args: ModelShape, world_size: int, peak: float, device: torch.device):
+    def __init__(self, cfg: Config, shape: ModelShape, world_size: int, peak: float, device: torch.device):
         t = cfg.train
         self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
-        self.args, self.seq_len, self.recompute = args, t.seq_len, cfg.layout.activation_checkpoint
-        self.flops_per_token = model_flops_per_token(args, t.seq_len)
-        self.hw_flops_per_token = hardware_flops_per_token(args, t.seq_len, cfg.layout.activation_checkpoint)
+        self.shape, self.seq_len, self.recompute = shape, t.seq_len, cfg.layout.activation_checkpoint
+        self.flops_per_token = model_flops_per_token(shape, t.seq_len)
+        self.hw_flops_per_token = hardware_flops_per_token(shape, t.seq_len, cfg.layout.activation_checkpoint)
         self.spans: list[float] = []  # packed documents masked: the logged windows' attention spans
         self.peak, self.device = peak, device
         self.times: list[float] = []  # every step's wall time (host clock, no sync)
@@ -109,7 +109,7 @@ class StepMetrics:
         ``span`` keys per query (``Documents.span``) rather than the sequence (docs/metrics.md)."""
         if span is None:
             return self.flops_per_token, self.hw_flops_per_token
-        return model_flops_per_token(self.args, span), hardware_flops_per_token(self.args, span, self.recompute)
+        return model_flops_per_token(self.shape, span), hardware_flops_per_token(self.shape, span, self.recompute)
 
     def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
         """The run's summary. ``reduce_loss`` turns the kept per-rank losses into global ones in

@@ -23,13 +23,13 @@ from meshforge.errors import MeshforgeError
 from meshforge.models.hf_moe import (
     check_exportable,
     hf_moe_family,
-    moe_args_from_hf,
     moe_from_hf,
     moe_hf_config,
+    moe_shape_from_hf,
     moe_to_hf,
 )
 from meshforge.models.llama import ModelShape, Transformer, build_model
-from meshforge.models.presets import check_model_args
+from meshforge.models.presets import check_model_shape
 
 _LAYER_MAP = {
     "attention.wq": "self_attn.q_proj",
@@ -97,7 +97,7 @@ def _check_hf_family(cfg: dict, source: str) -> bool:
     return qwen3
 
 
-def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelShape:
+def shape_from_hf_config(cfg: dict, source: str = "config.json") -> ModelShape:
     """The model shape a Hugging Face config.json describes; a missing key or a value of the wrong
     type is named (a hand-made or damaged config.json), not a traceback."""
     try:
@@ -117,7 +117,7 @@ def _args_from_hf_config(cfg: dict, source: str) -> ModelShape:
     if rtype not in ("default", "llama3"):
         raise HFCheckpointError(f"{source}: rope type '{rtype}' is not supported (only default and llama3)")
     heads = cfg["num_attention_heads"]
-    args = ModelShape(
+    shape = ModelShape(
         hidden=cfg["hidden_size"],
         layers=cfg["num_hidden_layers"],
         heads=heads,
@@ -134,16 +134,16 @@ def _args_from_hf_config(cfg: dict, source: str) -> ModelShape:
         qk_norm=qwen3,
     )
     if rtype == "llama3":
-        args.rope_factor = float(scaling["factor"])
-        args.rope_low_freq_factor = float(scaling["low_freq_factor"])
-        args.rope_high_freq_factor = float(scaling["high_freq_factor"])
-        args.rope_original_max_seq_len = int(scaling["original_max_position_embeddings"])
+        shape.rope_factor = float(scaling["factor"])
+        shape.rope_low_freq_factor = float(scaling["low_freq_factor"])
+        shape.rope_high_freq_factor = float(scaling["high_freq_factor"])
+        shape.rope_original_max_seq_len = int(scaling["original_max_position_embeddings"])
     family = hf_moe_family(cfg)
     if family:  # Mixtral / Qwen3-MoE: the expert fields (models/hf_moe.py)
-        for key, value in moe_args_from_hf(cfg, family, args.layers, source).items():
-            setattr(args, key, value)
-    check_model_args(args)
-    return args
+        for key, value in moe_shape_from_hf(cfg, family, shape.layers, source).items():
+            setattr(shape, key, value)
+    check_model_shape(shape)
+    return shape
 
 
 def hf_config_from_args(a: ModelShape, dtype: torch.dtype) -> dict:
@@ -203,11 +203,11 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def check_weights_hold(args: ModelShape, files: list[Path], described_by: Path) -> None:
+def check_weights_hold(shape: ModelShape, files: list[Path], described_by: Path) -> None:
     """Refuse a description (config.json, meshforge.json) of a model larger than its weight files
     could hold at one byte per parameter, before memory is taken for what it claims."""
     have = sum(f.stat().st_size for f in files if f.is_file())
-    need = args.num_params()
+    need = shape.num_params()
     if need > have:
         raise HFCheckpointError(
             f"{described_by} describes a model of {need:,} parameters, but its weight files hold {have:,} bytes; "
@@ -234,10 +234,10 @@ def load_hf_checkpoint(
 ) -> Transformer:
     """A meshforge model with the weights of the Hugging Face Llama checkpoint at ``path``."""
     p = Path(path)
-    args = args_from_hf_config(read_hf_config(p), str(p / "config.json"))
+    shape = shape_from_hf_config(read_hf_config(p), str(p / "config.json"))
     files = _weight_files(p)
-    check_weights_hold(args, files, p / "config.json")
-    model = build_model(args, device=device, seed=None).to(dtype)
+    check_weights_hold(shape, files, p / "config.json")
+    model = build_model(shape, device=device, seed=None).to(dtype)
     expected = dict(model.state_dict())
     loaded: set[str] = set()
     for f in files:
@@ -251,7 +251,7 @@ def load_hf_checkpoint(
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise HFCheckpointError(f"cannot read {f}: {e}") from None
-    if args.tie_embeddings:
+    if shape.tie_embeddings:
         loaded.add("output.weight") if "tok_embeddings.weight" in loaded else None
     for name, t in expected.items():  # stacked experts: complete once every expert's slice came
         if t.dim() == 3 and all((name, e) in loaded for e in range(t.shape[0])):
@@ -301,23 +301,23 @@ def save_hf_checkpoint(
 ) -> Path:
     """Write ``model`` as a Hugging Face Llama directory (config.json + safetensors)."""
     m = unwrap(model)
-    return save_hf_state(m.args, m.state_dict(), path, dtype, max_shard_bytes)
+    return save_hf_state(m.shape, m.state_dict(), path, dtype, max_shard_bytes)
 
 
 def save_hf_state(
-    args: ModelShape,
+    shape: ModelShape,
     state_dict: dict[str, torch.Tensor],
     path: str | Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
     """Write full meshforge weights as a Hugging Face Llama directory."""
-    family = check_exportable(args, state_dict) if args.num_experts > 0 else ""
+    family = check_exportable(shape, state_dict) if shape.num_experts > 0 else ""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
-        if name == "output.weight" and args.tie_embeddings:
+        if name == "output.weight" and shape.tie_embeddings:
             continue  # HF re-ties lm_head to embed_tokens
         t = t.detach().to("cpu")
         parts = moe_to_hf(name, t, family) if family else None  # experts and router; None: not MoE
@@ -347,5 +347,5 @@ def save_hf_state(
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
-    (out / "config.json").write_text(json.dumps(hf_config_from_args(args, out_dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config_from_args(shape, out_dtype), indent=2))
     return out

@@ -24,7 +24,7 @@ import torch
 from meshforge.errors import MeshforgeError
 from meshforge.models.moe import is_moe_layer
 
-ArgsLike = Any  # a ModelShape (duck-typed, like models/moe.py)
+ShapeLike = Any  # a ModelShape (duck-typed, like models/moe.py)
 
 MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # per-expert names by family: meshforge's stacked weight -> HF's per-expert projection
@@ -73,7 +73,7 @@ def _layer_plan(cfg: dict, layers: int, source: str) -> tuple[int, int]:
     )
 
 
-def moe_args_from_hf(cfg: dict, family: str, layers: int, source: str) -> dict:
+def moe_shape_from_hf(cfg: dict, family: str, layers: int, source: str) -> dict:
     """The ModelShape MoE fields (and QK-norm) for a Mixtral / Qwen3-MoE config.json."""
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:
@@ -99,51 +99,51 @@ def moe_args_from_hf(cfg: dict, family: str, layers: int, source: str) -> dict:
     return out
 
 
-def check_exportable(args: ArgsLike, state_dict: dict[str, torch.Tensor]) -> str:
-    """The family ``args`` is written as (Qwen3-MoE with QK-norm, else Mixtral); refuses
+def check_exportable(shape: ShapeLike, state_dict: dict[str, torch.Tensor]) -> str:
+    """The family ``shape`` is written as (Qwen3-MoE with QK-norm, else Mixtral); refuses
     what neither family computes the same way."""
-    family = "qwen3_moe" if args.qk_norm else "mixtral"
+    family = "qwen3_moe" if shape.qk_norm else "mixtral"
     why = []
-    if args.router_score != "softmax":
-        why.append(f"model.router_score = '{args.router_score}' (HF routes by softmax)")
-    if args.num_shared_experts:
+    if shape.router_score != "softmax":
+        why.append(f"model.router_score = '{shape.router_score}' (HF routes by softmax)")
+    if shape.num_shared_experts:
         why.append("model.num_shared_experts > 0 (no shared experts in Mixtral/Qwen3-MoE)")
     bias = [t for n, t in state_dict.items() if n.endswith("expert_bias")]
     if any(bool(t.detach().ne(0).any()) for t in bias):
         why.append("a non-zero balance bias (model.load_balance = 'bias' changes which experts are chosen)")
     if family == "mixtral":
-        if not args.norm_topk:
+        if not shape.norm_topk:
             why.append("model.norm_topk = false without QK-norm (Mixtral always renormalises the top k)")
-        if args.first_dense_layers or args.moe_interval != 1:
+        if shape.first_dense_layers or shape.moe_interval != 1:
             why.append(
                 "dense blocks (model.first_dense_layers / model.moe_interval) without QK-norm (Mixtral is all-MoE)"
             )
-        if args.moe_ffn_hidden not in (0, args.ffn_hidden):
+        if shape.moe_ffn_hidden not in (0, shape.ffn_hidden):
             why.append("model.moe_ffn_hidden != model.ffn_hidden without QK-norm (Mixtral has one intermediate_size)")
     if why:
         raise HFMoEError(f"cannot write this MoE model as Hugging Face {MOE_FAMILIES[family]}: " + "; ".join(why))
     return family
 
 
-def moe_hf_config(args: ArgsLike, family: str) -> dict:
+def moe_hf_config(shape: ShapeLike, family: str) -> dict:
     """config.json keys of the MoE family (merged over the dense Llama/Qwen3 keys)."""
     cfg: dict = {
         "architectures": [MOE_FAMILIES[family]],
         "model_type": family,
-        "num_local_experts": args.num_experts,
-        "num_experts_per_tok": args.experts_per_token,
-        "router_aux_loss_coef": args.aux_loss_coeff,
+        "num_local_experts": shape.num_experts,
+        "num_experts_per_tok": shape.experts_per_token,
+        "router_aux_loss_coef": shape.aux_loss_coeff,
         "output_router_logits": False,
         "sliding_window": None,
     }
     if family == "mixtral":
         cfg["router_jitter_noise"] = 0.0
         return cfg
-    cfg["num_experts"] = args.num_experts
-    cfg["moe_intermediate_size"] = args.moe_ffn_hidden or args.ffn_hidden
-    cfg["norm_topk_prob"] = bool(args.norm_topk)
+    cfg["num_experts"] = shape.num_experts
+    cfg["moe_intermediate_size"] = shape.moe_ffn_hidden or shape.ffn_hidden
+    cfg["norm_topk_prob"] = bool(shape.norm_topk)
     cfg["decoder_sparse_step"] = 1
-    cfg["mlp_only_layers"] = [i for i in range(args.layers) if not is_moe_layer(args, i)]
+    cfg["mlp_only_layers"] = [i for i in range(shape.layers) if not is_moe_layer(shape, i)]
     cfg["use_sliding_window"] = False
     return cfg
 

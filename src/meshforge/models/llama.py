@@ -35,24 +35,26 @@ from meshforge.models.moe import build_moe, is_moe_layer
 from meshforge.models.shape import ModelShape
 
 
-def rope_inv_freq(args: ModelShape, device: torch.device | str | None = None) -> torch.Tensor:
+def rope_inv_freq(shape: ModelShape, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies per rotated pair, with the Llama 3.1 long-context scaling when asked.
 
     Llama 3.1 scaling leaves high frequencies (wavelength shorter than
     original_max / high_freq_factor) alone, divides low frequencies (wavelength longer
     than original_max / low_freq_factor) by ``factor``, and interpolates smoothly between.
     """
-    hd = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
-    if args.rope_scaling == "llama3":
-        old = args.rope_original_max_seq_len
-        low_wavelen = old / args.rope_low_freq_factor
-        high_wavelen = old / args.rope_high_freq_factor
+    hd = shape.head_dim
+    inv = 1.0 / (shape.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+    if shape.rope_scaling == "llama3":
+        old = shape.rope_original_max_seq_len
+        low_wavelen = old / shape.rope_low_freq_factor
+        high_wavelen = old / shape.rope_high_freq_factor
         wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - args.rope_low_freq_factor) / (args.rope_high_freq_factor - args.rope_low_freq_factor)
-        scaled = torch.where(wavelen > low_wavelen, inv / args.rope_factor, inv)
+        smooth = (old / wavelen - shape.rope_low_freq_factor) / (
+            shape.rope_high_freq_factor - shape.rope_low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv / shape.rope_factor, inv)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        scaled = torch.where(mid, (1 - smooth) * inv / args.rope_factor + smooth * inv, scaled)
+        scaled = torch.where(mid, (1 - smooth) * inv / shape.rope_factor + smooth * inv, scaled)
         inv = scaled
     return inv.float()
 
@@ -138,17 +140,17 @@ class Attention(nn.Module):
     on), optional QK-norm, RoPE, and the replaceable core between them; the projections are
     applied through the ``project_in`` / ``project_out`` seams."""
 
-    def __init__(self, args: ModelShape):
+    def __init__(self, shape: ModelShape):
         super().__init__()
-        hd = args.head_dim
+        hd = shape.head_dim
         self.head_dim = hd
-        self.wq = nn.Linear(args.hidden, args.heads * hd, bias=False)
-        self.wk = nn.Linear(args.hidden, args.kv_heads * hd, bias=False)
-        self.wv = nn.Linear(args.hidden, args.kv_heads * hd, bias=False)
-        self.wo = nn.Linear(args.heads * hd, args.hidden, bias=False)
+        self.wq = nn.Linear(shape.hidden, shape.heads * hd, bias=False)
+        self.wk = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(shape.heads * hd, shape.hidden, bias=False)
         # Qwen3: one RMSNorm weight of size head_dim shared by all heads of q (and of k)
-        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(hd, shape.norm_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(hd, shape.norm_eps) if shape.qk_norm else None
         self.core: nn.Module = SDPAttention()
         self.project_in: nn.Module = Projections()
         self.project_out: nn.Module = Projection()
@@ -171,11 +173,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x), through the ``project_in`` / ``project_out`` seams."""
 
-    def __init__(self, args: ModelShape):
+    def __init__(self, shape: ModelShape):
         super().__init__()
-        self.w1 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(args.hidden, args.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden, args.hidden, bias=False)
+        self.w1 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(shape.ffn_hidden, shape.hidden, bias=False)
         self.project_in: nn.Module = Projections()
         self.project_out: nn.Module = Projection()
 
@@ -184,22 +186,22 @@ class FeedForward(nn.Module):
         return self.project_out(F.silu(gate) * up, self.w2)
 
 
-def build_feed_forward(args: ModelShape, layer_id: int) -> nn.Module:
+def build_feed_forward(shape: ModelShape, layer_id: int) -> nn.Module:
     """The feed-forward layer of block ``layer_id``: the one place that chooses it, so a
     mixture-of-experts layer can replace the dense SwiGLU on chosen layers."""
-    if is_moe_layer(args, layer_id):
-        return build_moe(args)
-    return FeedForward(args)
+    if is_moe_layer(shape, layer_id):
+        return build_moe(shape)
+    return FeedForward(shape)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelShape, layer_id: int):
+    def __init__(self, shape: ModelShape, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.hidden, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.hidden, args.norm_eps)
-        self.feed_forward = build_feed_forward(args, layer_id)
+        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.feed_forward = build_feed_forward(shape, layer_id)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
@@ -220,19 +222,19 @@ class Head(nn.Linear):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelShape):
+    def __init__(self, shape: ModelShape):
         super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden)
-        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.layers)})
-        self.norm = RMSNorm(args.hidden, args.norm_eps)
-        self.output = Head(args.hidden, args.vocab_size, bias=False)
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(shape, i) for i in range(shape.layers)})
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.output = Head(shape.hidden, shape.vocab_size, bias=False)
         self.hidden_out = False  # True: forward stops at the final norm; the loss applies the head
-        self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(shape), persistent=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+        if self.shape.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def forward(
@@ -285,16 +287,16 @@ def init_weights(
     ((offset, local shape), None: all of it) and ``fill(param, values)`` stores that box's values.
     """
     fill = fill or (lambda p, values: p.copy_(values))
-    args = model.args
-    model.rope_inv_freq = rope_inv_freq(args, device=model.rope_inv_freq.device)
-    residual_std = args.init_std / math.sqrt(2 * args.layers)
+    shape = model.shape
+    model.rope_inv_freq = rope_inv_freq(shape, device=model.rope_inv_freq.device)
+    residual_std = shape.init_std / math.sqrt(2 * shape.layers)
     for name, p in model.named_parameters():
         box = region(p) if region is not None else None
         offset, local = box if box is not None else (None, tuple(p.shape))
         if name.endswith("norm.weight"):
             fill(p, torch.ones(local, dtype=torch.float32))
             continue
-        std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else args.init_std
+        std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else shape.init_std
         fill(p, draw_normal(seed, name, tuple(p.shape), std, offset, local))
     _init_buffers(model)
 
@@ -306,14 +308,14 @@ def _init_buffers(model: nn.Module) -> None:
             m.init_buffers()
 
 
-def build_model(args: ModelShape, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
+def build_model(shape: ModelShape, device: torch.device | str = "cpu", seed: int | None = 0) -> Transformer:
     """Build on the meta device, then materialise on ``device`` and initialise from ``seed``.
 
     ``device="meta"`` gives a model with shapes but no memory (for counting the large
     presets); ``seed=None`` leaves the memory uninitialised (weights are loaded next).
     """
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(shape)
     if str(device) == "meta":
         return model
     model.to_empty(device=device)
@@ -321,6 +323,6 @@ def build_model(args: ModelShape, device: torch.device | str = "cpu", seed: int 
     if seed is not None:
         init_weights(model, seed)
     else:
-        model.rope_inv_freq = rope_inv_freq(args, device=device)
+        model.rope_inv_freq = rope_inv_freq(shape, device=device)
         _init_buffers(model)
     return model

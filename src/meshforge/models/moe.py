@@ -35,20 +35,20 @@ from torch import nn
 from meshforge.compat import grouped_mm, grouped_mm_supported
 from meshforge.models.loss import report_aux
 
-ArgsLike = Any  # a ModelShape (duck-typed: this file must not import llama.py, which imports it)
+ShapeLike = Any  # a ModelShape (duck-typed: this file must not import llama.py, which imports it)
 
 
-def is_moe_layer(args: ArgsLike, layer_id: int) -> bool:
+def is_moe_layer(shape: ShapeLike, layer_id: int) -> bool:
     """Block ``layer_id`` has a mixture-of-experts feed-forward: MoE is on (num_experts > 0),
     the block is past ``first_dense_layers`` and on the ``moe_interval`` grid counted from there."""
-    if getattr(args, "num_experts", 0) <= 0 or layer_id < args.first_dense_layers:
+    if getattr(shape, "num_experts", 0) <= 0 or layer_id < shape.first_dense_layers:
         return False
-    return (layer_id - args.first_dense_layers) % max(1, args.moe_interval) == 0
+    return (layer_id - shape.first_dense_layers) % max(1, shape.moe_interval) == 0
 
 
-def expert_ffn(args: ArgsLike) -> int:
+def expert_ffn(shape: ShapeLike) -> int:
     """The hidden size of one expert (model.moe_ffn_hidden; 0: model.ffn_hidden)."""
-    return args.moe_ffn_hidden or args.ffn_hidden
+    return shape.moe_ffn_hidden or shape.ffn_hidden
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
@@ -145,17 +145,17 @@ class Routing:
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward of one block (see the module docstring)."""
 
-    def __init__(self, args: ArgsLike):
+    def __init__(self, shape: ShapeLike):
         super().__init__()
-        e, ffn = args.num_experts, expert_ffn(args)
-        self.num_experts, self.top_k = e, args.experts_per_token
-        self.router_score, self.norm_topk = args.router_score, args.norm_topk
-        self.capacity_factor, self.load_balance = args.capacity_factor, args.load_balance
-        self.aux_loss_coeff, self.z_loss_coeff = args.aux_loss_coeff, args.z_loss_coeff
-        self.bias_update_rate = args.bias_update_rate
-        self.router = nn.Linear(args.hidden, e, bias=False)
-        self.experts = GroupedExperts(e, args.hidden, ffn)
-        self.shared = SharedExperts(args.hidden, ffn * args.num_shared_experts) if args.num_shared_experts else None
+        e, ffn = shape.num_experts, expert_ffn(shape)
+        self.num_experts, self.top_k = e, shape.experts_per_token
+        self.router_score, self.norm_topk = shape.router_score, shape.norm_topk
+        self.capacity_factor, self.load_balance = shape.capacity_factor, shape.load_balance
+        self.aux_loss_coeff, self.z_loss_coeff = shape.aux_loss_coeff, shape.z_loss_coeff
+        self.bias_update_rate = shape.bias_update_rate
+        self.router = nn.Linear(shape.hidden, e, bias=False)
+        self.experts = GroupedExperts(e, shape.hidden, ffn)
+        self.shared = SharedExperts(shape.hidden, ffn * shape.num_shared_experts) if shape.num_shared_experts else None
         self.dispatcher: nn.Module = LocalDispatch()
         self.balance_counts: nn.Module = LocalCounts()  # the micro-batch's slots per expert, for f_i
         if self.load_balance == "bias":
@@ -287,6 +287,6 @@ def end_step(model: nn.Module, sum_over_ranks: Callable[[torch.Tensor], None] | 
         m.end_step(load, summed or sum_over_ranks is None)
 
 
-def build_moe(args: ArgsLike) -> MoE:
+def build_moe(shape: ShapeLike) -> MoE:
     """The MoE feed-forward for one block (called by the model's feed-forward factory)."""
-    return MoE(copy.copy(args))
+    return MoE(copy.copy(shape))

@@ -132,7 +132,7 @@ def _check_types(a: ModelShape) -> None:
             raise ConfigError(f"model.{f.name} = {v!r} must be a finite number")
 
 
-def check_model_args(a: ModelShape) -> None:
+def check_model_shape(a: ModelShape) -> None:
     _check_types(a)
     for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
         if getattr(a, k) <= 0:
@@ -152,10 +152,10 @@ def check_model_args(a: ModelShape) -> None:
         raise ConfigError("model.norm_eps, model.rope_theta and model.init_std must be > 0")
     if a.rope_scaling == "llama3" and a.rope_high_freq_factor <= a.rope_low_freq_factor:
         raise ConfigError("model.rope_high_freq_factor must be greater than model.rope_low_freq_factor")
-    check_moe_args(a)
+    check_moe_shape(a)
 
 
-def check_moe_args(a: ModelShape) -> None:
+def check_moe_shape(a: ModelShape) -> None:
     """Mixture-of-experts values, each refused with its key and a valid value."""
     if a.num_experts < 0:
         raise ConfigError(f"model.num_experts = {a.num_experts} must be >= 0 (0: a dense model)")

@@ -130,7 +130,7 @@ def parallelize_pipeline(
     lay = plan.layout
     pp, name = lay.pp, schedule_name(lay.pp_schedule)
     v = chunks_per_rank(name, lay.pp_virtual_stages)
-    sizes = list(lay.pp_layers) or balanced_split(model.args, plan.train.seq_len, pp * v)
+    sizes = list(lay.pp_layers) or balanced_split(model.shape, plan.train.seq_len, pp * v)
     owner = chunk_ranks(pp, v, name)
     mine = [c for c in range(pp * v) if owner[c] == mesh.coordinate("pp")]
     parts = split_model(model, sizes, mine)

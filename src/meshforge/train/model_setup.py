@@ -49,7 +49,7 @@ def build_rank_model(plan: RunPlan, mesh: Mesh, loss: LanguageModelLoss) -> Rank
 def load_init_from(model: nn.Module, shape: ModelShape, path: str) -> None:
     """Overwrite ``model``'s parameters with pretrained weights of the same shape."""
     pre = load_pretrained(path, device="cpu")
-    diff = shape_mismatch(pre.args, shape)
+    diff = shape_mismatch(pre.shape, shape)
     if diff:
         raise ConfigError(f"model.init_from = {path} has another shape than [model]: " + "; ".join(diff))
     mine = dict(model.named_parameters())

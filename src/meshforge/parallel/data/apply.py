@@ -123,7 +123,7 @@ def apply_fsdp(
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
     blocks = list(model.layers.values())
     units: list[FSDPModule] = []
-    tied = getattr(model.args, "tie_embeddings", False)
+    tied = getattr(model.shape, "tie_embeddings", False)
     if not tied and model.tok_embeddings is not None:  # (a pipeline stage may lack it, or the head)
         units.append(fully_shard(model.tok_embeddings, **kw))
     for block in blocks:

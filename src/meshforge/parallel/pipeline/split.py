@@ -113,7 +113,7 @@ def model_view(parts: list[Transformer]) -> nn.Module:
     """One module over this rank's chunks with the whole model's parameter names (a
     subset of them): what the optimizer, clipping, state dicts and checkpoints see."""
     view = nn.Module()
-    view.args = parts[0].args
+    view.shape = parts[0].shape
     view.layers = nn.ModuleDict()
     blocks = {k: b for part in parts for k, b in part.layers.items()}
     for k in sorted(blocks, key=int):
