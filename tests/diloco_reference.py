@@ -51,7 +51,7 @@ def simulate(cfg: Config, root: Path, identical: bool = False) -> tuple[list[flo
 
 def _simulate(cfg: Config, root: Path, identical: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     d, t = cfg.diloco, cfg.train
-    m, h, f, tau = d.islands, d.inner_steps, d.fragments, d.delay
+    m, h, f, tau = cfg.layout.islands, d.inner_steps, d.fragments, d.delay
     trainers = island_trainers(cfg, root, m)
     params = [dict(tr.model.named_parameters()) for tr in trainers]
     outer = {n: p.detach().double() for n, p in params[0].items()}  # the outer state in fp64
