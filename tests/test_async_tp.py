@@ -122,7 +122,8 @@ COMMON = {
     "optim.lr": 1e-3,
 }
 RUNS = {  # name: (ranks, overrides), each trained with plain TP and with async TP
-    "tp2": (2, {"parallel.tp": 2}),  # (a ring of 4: test_collective_matmuls_match_one_device[4])
+    "tp2": (2, {"parallel.tp": 2}),
+    "tp4": (4, {"parallel.tp": 4}),
     # FSDP2 over dp_shard around the tp shards; selective recomputation keeps the overlapped ops' outputs
     "dp_shard2-tp2-zero3-selective": (
         4,
