@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from meshforge.train import loop
+from meshforge.train import loop, packing
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
@@ -35,6 +35,17 @@ def host_reads(monkeypatch):
             on[0] = False
 
     monkeypatch.setattr(loop.Trainer, "_one_step", counted)
+    host_tokens = packing.Packing.documents
+
+    def documents(self, batch):  # reads the batch's host tokens before they move: no device value
+        assert batch.device.type == "cpu"
+        was, on[0] = on[0], False
+        try:
+            return host_tokens(self, batch)
+        finally:
+            on[0] = was
+
+    monkeypatch.setattr(packing.Packing, "documents", documents)
     return counts
 
 
