@@ -43,7 +43,9 @@ def test_time_breakdown_is_logged_per_rank_and_summed(traced):
     summary = json.loads((traced / "summary.json").read_text())
     tb = summary["time_breakdown"]  # the whole wall time: steps split as measured, phases, the rest
     assert tb["wall_s"] == pytest.approx(summary["wall_time_s"], abs=1e-3)
-    parts = [k for k in tb if k != "wall_s"]
+    axes = [k for k in tb if k.startswith("exposed_comm_") and k != "exposed_comm_s"]  # its split by axis
+    assert axes and sum(tb[k] for k in axes) == pytest.approx(tb["exposed_comm_s"], abs=1e-5)
+    parts = [k for k in tb if k != "wall_s" and k not in axes]
     assert {"compute_s", "bubble_s", "data_s", "checkpoint_s", "eval_s", "logging_s", "other_s"} <= set(parts)
     assert sum(tb[k] for k in parts) == pytest.approx(tb["wall_s"], rel=1e-3) and min(tb[k] for k in parts) >= 0
     assert tb["compute_s"] > 0 and tb["bubble_s"] > 0
@@ -54,7 +56,7 @@ def test_memory_history_follows_profile_memory(tmp_path, monkeypatch):
     suite's kernel diff compares their host side with the peer's, which records none)."""
     import torch
 
-    from meshforge.config import ProfileConfig
+    from meshforge.config.sections import ProfileConfig
     from meshforge.metrics.profiler import StepProfiler
 
     recorded = []
