@@ -169,7 +169,7 @@ def test_init_from_other_shape_refused(tmp_path, corpus):
 BAD_INPUTS = [
     ({"data.path": "/nonexistent/corpus"}, "data path /nonexistent/corpus does not exist"),
     ({"model.preset": "llama-9b"}, "unknown model preset 'llama-9b'"),
-    ({"train.global_batch_size": 100000}, "fewer than one global batch of 100000"),
+    ({"train.global_batch_size": 100000, "train.micro_batch_size": 2}, "fewer than one global batch of 100000"),
     ({"train.stepz": 3}, "did you mean 'steps'"),
     ({"model.vocab_size": 200}, "smaller than the tokenizer's vocabulary (258)"),
 ]
