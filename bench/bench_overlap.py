@@ -68,7 +68,7 @@ def rows(a: argparse.Namespace) -> dict[str, Row]:
     dense = [*DENSE, f"--model.hidden={h}", f"--model.ffn_hidden={4 * h}", f"--train.seq_len={s}"]
     batch = [f"--train.global_batch_size={a.batch}"]
     moe = ["--model.preset=debug-moe", f"--model.hidden={h // 2}", f"--train.seq_len={s}", "--model.layers=2"]
-    big = f"--parallel.ddp_bucket_mb={10**5}"  # one bucket: reduced after backward
+    big = "--parallel.ddp_bucket_mb=65536"  # one bucket (the largest the range allows): reduced after backward
     return {
         "tp": Row("tp", [*dense, *batch, TP], ON_TP, OFF_TP),
         "ep": Row(
