@@ -84,6 +84,23 @@ def test_packed_layout_matches_single_process(name, reference, layout_runs):
     assert_run_matches(reference, run, STEPS)
 
 
+MOE = {"model.preset": "debug-moe", "model.hidden": 64, "model.heads": 4, "model.kv_heads": 2, "model.layers": 2}
+MOE |= {"model.moe_ffn_hidden": 64}
+
+
+@pytest.mark.slow
+def test_packed_documents_under_expert_parallelism(tmp_path_factory, short_docs):
+    """ep 2 (each rank's tokens dispatched to the other's experts) with document masks and reset
+    positions reproduces the single-process MoE run on the same short documents."""
+    ref = tmp_path_factory.mktemp("moe-ref") / "run"
+    train(tiny_config(ref, short_docs, **COMMON, **MOE))
+    run = layout_runner(tmp_path_factory, short_docs, {"ep2": (2, {**MOE, "parallel.ep": 2})}, COMMON)("ep2")
+    a, b = _metrics(ref)[0], _metrics(run)[0]
+    assert a["attention_span"] < 0.6 * COMMON["train.seq_len"]  # the documents are masked
+    assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-6)
+    assert_run_matches(ref, run, STEPS)
+
+
 @pytest.mark.slow
 def test_masking_changes_the_run_and_activation_checkpointing_keeps_it(tmp_path, short_docs, reference):
     """Without the mask the same data trains to another loss (the mask is not a no-op here), and
