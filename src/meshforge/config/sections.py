@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from meshforge.layout import Layout
-from meshforge.models.chunked_loss import LOSS_CHUNK_SIZE
 from meshforge.models.presets import get_preset
-from meshforge.models.shape import ModelShape
+from meshforge.models.shape import LOSS_CHUNK_SIZE, ModelShape
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it count for nothing
-LOSS_CHUNK_SIZE = 1024  # tokens per chunk (train.loss_chunk_size's default): 0.5 GiB of fp32 logits at 128K vocab
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:

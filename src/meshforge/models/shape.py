@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+# train.loss_chunk_size's default (models/chunked_loss.py): tokens per chunk, 0.5 GiB of fp32 logits at
+# 128K vocab. Here, beside the shape, so that the config and the planner read it without importing torch.
+LOSS_CHUNK_SIZE = 1024
+
 
 @dataclass
 class ModelShape:

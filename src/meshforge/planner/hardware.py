@@ -15,7 +15,7 @@ from pathlib import Path
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.metrics.mfu import PEAK_TFLOPS
-from meshforge.models.chunked_loss import LOSS_CHUNK_SIZE
+from meshforge.models.shape import LOSS_CHUNK_SIZE
 
 GIB = 2**30
 

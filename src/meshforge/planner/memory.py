@@ -8,8 +8,7 @@ Megatron/TE runs and ``train.compile``) and the chunked loss unless told otherwi
 from __future__ import annotations
 
 from meshforge.layout import Layout
-from meshforge.models.chunked_loss import LOSS_CHUNK_SIZE
-from meshforge.models.shape import ModelShape
+from meshforge.models.shape import LOSS_CHUNK_SIZE, ModelShape
 from meshforge.parallel.context.cost import (
     local_tokens,
     ring_extra_saved_bytes_per_token,
