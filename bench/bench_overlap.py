@@ -7,11 +7,12 @@ communication is about its compute (``--comm-ratio``: the rate that moves the st
 bytes in ratio x the unthrottled step time). For an axis with an overlap switch both settings
 run (off: async_tp false, ep_chunks 1, one huge ZeRO-1/DDP bucket; on: the overlapped path).
 
-    comm     = the step's bytes crossing the link (comm_stats, per rank) at the probed link
-               (alpha-beta fitted to all-gathers over the same throttled link) -- what the
-               communication takes alone
+    comm     = the step's bytes crossing the link (comm_stats, per rank and collective kind),
+               each kind at its own alpha-beta fitted to that collective over the same
+               throttled link -- what the communication takes alone
     exposed  = median step time throttled - unthrottled (what the step waits for)
-    hidden   = 1 - exposed / comm
+    hidden   = 1 - exposed / comm; for ZeRO-1 also that of the reduce-scatter alone (its
+               parameter all-gather after the step is exposed by design)
     speed-up = off / on, throttled (tp)
 
 and the planner's figures for the same layout and link (planner/estimate.py with a profile of
@@ -26,6 +27,7 @@ the probed one, one rank per node): predicted exposed and hidden. Medians over t
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -55,22 +57,41 @@ class Row:
     layout: list[str]
     on: list[str] = field(default_factory=list)
     off: list[str] | None = None  # None: no switch (the overlap is the schedule's own)
-    link_axes: tuple[str, ...] = ()  # the comm_bytes axes that cross the link (default: all)
+    comm_ratio: float = 0.0  # this row's link rate (0: --comm-ratio)
+    # kinds of traffic the path never overlaps (ZeRO-1's parameter all-gather after the step):
+    # reported apart, so the hidden share of the rest can be read
+    exposed_kinds: tuple[str, ...] = ()
+    # kinds the "on" path runs as point-to-point rings, priced at the p2p probe (async TP books its
+    # rings as the all-gathers and reduce-scatters they replace; gloo's own reduce-scatter runs at
+    # an all-reduce's cost, the ring at the link's). The ends' DTensor collectives go with them:
+    # that prices them low, so the hidden share it gives is a lower bound.
+    on_via: dict[str, str] = field(default_factory=dict)
 
 
 TP = "--parallel.tp=2"
 OFF_TP, ON_TP = ["--parallel.async_tp=false"], ["--parallel.async_tp=true"]
+RING = {"all_gather": "p2p", "reduce_scatter": "p2p"}
 PP = ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--parallel.num_microbatches=4"]
 
 
 def rows(a: argparse.Namespace) -> dict[str, Row]:
     h, s = a.hidden, a.seq_len
-    dense = [*DENSE, f"--model.hidden={h}", f"--model.ffn_hidden={4 * h}", f"--train.seq_len={s}"]
+
+    def width(h: int) -> list[str]:
+        return [*DENSE, f"--model.hidden={h}", f"--model.ffn_hidden={4 * h}", f"--train.seq_len={s}"]
+
+    dense = width(h)
     batch = [f"--train.global_batch_size={a.batch}"]
-    moe = ["--model.preset=debug-moe", f"--model.hidden={h // 2}", f"--train.seq_len={s}", "--model.layers=2"]
+    e = a.ep_hidden  # (as the tp row's width: expert GEMMs the all-to-alls can hide beside)
+    moe = [
+        "--model.preset=debug-moe", f"--model.hidden={e}", f"--model.moe_ffn_hidden={2 * e}", "--model.heads=8",
+        "--model.kv_heads=4", "--model.first_dense_layers=0", f"--train.seq_len={s}", "--model.layers=2",
+    ]  # fmt: skip
     big = "--parallel.ddp_bucket_mb=65536"  # one bucket (the largest the range allows): reduced after backward
     return {
-        "tp": Row("tp", [*dense, *batch, TP], ON_TP, OFF_TP),
+        # GEMMs beside the collectives are all async TP can hide behind: the tp row's width makes
+        # them most of the step, as in the models meshforge is for (--tp-hidden)
+        "tp": Row("tp", [*width(a.tp_hidden), *batch, TP], ON_TP, OFF_TP, on_via=RING),
         "ep": Row(
             "ep",
             [*moe, *batch, "--parallel.dp_shard=2", "--parallel.ep=2"],
@@ -82,8 +103,16 @@ def rows(a: argparse.Namespace) -> dict[str, Row]:
             [*dense, *batch, "--parallel.dp_shard=2", "--parallel.zero_stage=1", "--train.precision=bf16"],
             [f"--parallel.ddp_bucket_mb={a.bucket_mb}"],
             [big],
+            comm_ratio=0.5,  # the reduce-scatter about the backward it can hide under
+            exposed_kinds=("all_gather",),  # the parameter all-gather after the step
         ),
-        "dp": Row("dp", [*dense, *batch, "--parallel.dp_shard=2"], [f"--parallel.ddp_bucket_mb={a.bucket_mb}"], [big]),
+        "dp": Row(
+            "dp",
+            [*dense, *batch, "--parallel.dp_shard=2"],
+            [f"--parallel.ddp_bucket_mb={a.bucket_mb}"],
+            [big],
+            comm_ratio=0.5,
+        ),
         "pp": Row("pp", [*dense, *batch, *PP]),
         "cp": Row("cp", [*dense, *batch, "--parallel.cp=2", f"--parallel.ddp_bucket_mb={a.bucket_mb}"]),
     }
@@ -134,30 +163,68 @@ def train(link: str, args: list[str], a: argparse.Namespace) -> tuple[list[dict]
 PROBE = textwrap.dedent("""
     import json, sys, time, torch, torch.distributed as dist
     dist.init_process_group("gloo")
-    out = []
-    for n in (2**14, 2**16, 2**18, 2**20, 2**21):
-        x = torch.ones(n); y = torch.empty(2 * n)
-        dist.all_gather_into_tensor(y, x); dist.barrier()
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter(); dist.all_gather_into_tensor(y, x); ts.append(time.perf_counter() - t0)
-        out.append((4 * n, sorted(ts)[2]))
+    peer = 1 - dist.get_rank()
+
+    def shift(x, y):  # the rings' transfer (async TP, ring attention) and pipeline sends: one each way
+        ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def ops(n):  # each moves 4n wire bytes per rank, as comm_stats counts them
+        a, b, c = torch.ones(n), torch.empty(2 * n), torch.ones(2 * n)
+        return {
+            "all_gather": lambda: dist.all_gather_into_tensor(b, a),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(a, c),
+            "all_reduce": lambda: dist.all_reduce(a),
+            "all_to_all": lambda: dist.all_to_all_single(b, c),
+            "p2p": lambda: shift(a, torch.empty(n)),
+        }
+
+    out = {}
+    top = int(sys.argv[2])  # elements of the largest (about a second on the link)
+    for n in (max(256, top // 32), max(1024, top // 8), max(2048, top // 2), max(4096, top)):
+        for kind, fn in ops(n).items():
+            fn(); dist.barrier()
+            ts = []
+            for _ in range(3):
+                dist.barrier(); t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+            out.setdefault(kind, []).append((4 * n, sorted(ts)[1]))
     if dist.get_rank() == 0:
         open(sys.argv[1], "w").write(json.dumps(out))
 """)
 
 
-def probe(link: str, a: argparse.Namespace) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of the throttled link: all-gathers between the two hosts
-    (each sends and receives S bytes), t = alpha + S / beta fitted over S = 64 KiB .. 8 MiB."""
-    with SimHosts(2, link) as hosts, tempfile.TemporaryDirectory() as t:
-        script, out = Path(t) / "probe.py", Path(t) / "probe.json"
-        script.write_text(PROBE)
-        launch(hosts, [str(script), str(out)], Path(t), a.timeout)
-        pts = json.loads(out.read_text())
+def fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha s, beta bytes/s) of t = alpha + S / beta, least squares."""
     mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
     slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
     return max(0.0, my - slope * mx), 1.0 / slope
+
+
+def probe(link: str, rate_bps: float, a: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Per collective kind, (alpha seconds, beta wire bytes/s) on the throttled link between the
+    two hosts, fitted over messages of 1/32 .. 1 second at the nominal rate: gloo's collectives
+    do not all reach the same rate (its reduce-scatter, for one, runs no faster than an all-reduce
+    of the same input), so each kind of the step's traffic is priced by its own."""
+    with SimHosts(2, link) as hosts, tempfile.TemporaryDirectory() as t:
+        script, out = Path(t) / "probe.py", Path(t) / "probe.json"
+        script.write_text(PROBE)
+        top = int(min(2**19, rate_bps / 8 / 4))  # fp32 elements: 4 bytes each
+        launch(hosts, [str(script), str(out), str(top)], Path(t), a.timeout)
+        pts = json.loads(out.read_text())
+    return {kind: fit(p) for kind, p in pts.items()}
+
+
+def alone(moved: dict[str, float], links: dict[str, tuple[float, float]], via: dict[str, str] | None = None) -> float:
+    """Seconds the step's traffic (wire bytes by kind) takes alone on the probed link (one
+    latency per kind: a lower bound); a kind not probed (broadcast) at the all-gather's rate.
+    ``via``: kinds that this path runs on another transport (async TP's rings: point-to-point)."""
+    out = 0.0
+    for kind, b in moved.items():
+        kind = (via or {}).get(kind, kind)
+        alpha, beta = links.get(kind, links["all_gather"])
+        out += alpha + b / beta
+    return out
 
 
 def step_time(recs: list[dict], skip: int) -> float:
@@ -165,17 +232,29 @@ def step_time(recs: list[dict], skip: int) -> float:
 
 
 def link_bytes(recs: list[dict], skip: int) -> dict[str, float]:
-    """Per axis, the median bytes per step and rank that the counter saw."""
-    axes = {ax for r in recs[skip:] for ax in r.get("comm_bytes", {})}
-    return {ax: statistics.median(r.get("comm_bytes", {}).get(ax, 0.0) for r in recs[skip:]) for ax in axes}
+    """Per collective kind, the median wire bytes per step and rank that the counter saw (all axes)."""
+    kinds: dict[str, list[float]] = {}
+    for r in recs[skip:]:
+        per = collections.Counter()
+        for by_kind in r.get("comm_bytes_by_kind", {}).values():
+            per.update(by_kind)
+        for k in per:
+            kinds.setdefault(k, [])
+        for k in kinds:
+            kinds[k].append(per.get(k, 0.0))
+    return {k: statistics.median(v) for k, v in kinds.items()}
 
 
 # ----------------------------------------------------------------------------- the planner
 
 
-def predicted(config_toml: str, alpha: float, beta: float, fast_s: float) -> dict[str, float]:
+PLANNER_KINDS = {"p2p": "send_recv"}  # the planner's name of a probed kind, where it differs
+
+
+def predicted(config_toml: str, links: dict[str, tuple[float, float]], fast_s: float) -> dict[str, float]:
     """The planner's step on this link and unthrottled, with the cpu preset's compute scaled so its
-    unthrottled step is the measured one: {"slow", "fast", and each axis's exposed and total}."""
+    unthrottled step is the measured one and each collective priced at the probed kind's alpha and
+    beta: {"slow", "fast", and each term of the throttled step}."""
     os.environ.setdefault("PYTHONPATH", str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "src"))
     from meshforge.planner.hardware import PRESETS, to_json
@@ -198,7 +277,10 @@ def predicted(config_toml: str, alpha: float, beta: float, fast_s: float) -> dic
         scale = {f: getattr(fast_hw, f) * k for f in ("hbm_bw",)}
         peak = {p: v * k for p, v in fast_hw.peak_flops.items()}
         fast_hw = replace(fast_hw, peak_flops=peak, **scale)
+    alpha, beta = links["all_gather"]
+    per_kind = {PLANNER_KINDS.get(k, k): [al, be] for k, (al, be) in links.items()}
     slow_hw = replace(fast_hw, inter_bw=beta, inter_latency=alpha, intra_bw=beta, intra_latency=alpha)
+    slow_hw = replace(slow_hw, collectives=per_kind)
     slow, fast = run(slow_hw), run(fast_hw)
     out = {"slow": slow.step_time_s, "fast": fast.step_time_s}
     out.update({f"t_{k}": v for k, v in slow.time.items()})
@@ -234,22 +316,26 @@ def measure(name: str, row: Row, a: argparse.Namespace) -> dict:
     recs, cfg = train("", row.layout + row.on, a)
     times[("fast", "on")] = [r["step_time_s"] for r in recs[a.skip :]]
     moved = link_bytes(recs, a.skip)
-    crossing = sum(moved.values())
-    rate = max(8e5, crossing / (a.comm_ratio * step_time(recs, a.skip)) * 8)  # bits/s: comm at line rate
+    ratio = row.comm_ratio or a.comm_ratio
+    rate = max(8e5, sum(moved.values()) / (ratio * step_time(recs, a.skip)) * 8)  # bits/s: comm at line rate
     link = f"rate {int(rate / 1e3)}kbit"
-    alpha, beta = probe(link, a)
+    links = probe(link, rate, a)
     for rep in range(a.repeats):
         for speed, kind in [(s, k) for s in ("fast", "slow") for k in settings]:
             if rep == 0 and (speed, kind) == ("fast", "on"):
                 continue  # (the run the rate came from)
             r = train("" if speed == "fast" else link, row.layout + settings[kind], a)[0]
             times.setdefault((speed, kind), []).extend(x["step_time_s"] for x in r[a.skip :])
-    comm = crossing / beta + alpha * len(moved)  # (latency: a lower bound, one message per axis)
-    out = {"row": name, "link": link, "alpha_s": alpha, "beta_Bps": beta, "bytes": moved, "comm_s": comm}
+    comm = alone(moved, links, row.on_via)
+    waits = alone({k: v for k, v in moved.items() if k in row.exposed_kinds}, links)
+    out = {"row": name, "link": link, "links": links, "bytes": moved, "comm_s": comm, "by_design_s": waits}
     for k in settings:
         fast, slow = (statistics.median(times[(sp, k)]) for sp in ("fast", "slow"))
         exposed = slow - fast
-        out[k] = {"fast_s": fast, "slow_s": slow, "exposed_s": exposed, "hidden": 1 - exposed / comm}
+        comm = alone(moved, links, row.on_via if k == "on" else None)  # (off: the collectives themselves)
+        out[k] = {"fast_s": fast, "slow_s": slow, "exposed_s": exposed, "hidden": 1 - exposed / comm, "comm_s": comm}
+        if waits:  # the hideable traffic's own share hidden
+            out[k]["hidden_rest"] = 1 - (exposed - waits) / (comm - waits)
         out[k]["steps"] = {sp: times[(sp, k)] for sp in ("fast", "slow")}
     out["config"], out["axis"] = cfg, row.axis
     return with_prediction(out)
@@ -257,7 +343,7 @@ def measure(name: str, row: Row, a: argparse.Namespace) -> dict:
 
 def with_prediction(out: dict) -> dict:
     """The planner's figures for a measured row (its layout, link and unthrottled step)."""
-    p = predicted(out["config"], out["alpha_s"], out["beta_Bps"], out["on"]["fast_s"])
+    p = predicted(out["config"], out["links"], out["on"]["fast_s"])
     out["predicted"] = {"exposed_s": p["slow"] - p["fast"], "axis": planner_hidden(p, out["axis"]), "terms": p}
     return out
 
@@ -265,8 +351,7 @@ def with_prediction(out: dict) -> dict:
 def report(r: dict) -> None:
     on, p = r["on"], r["predicted"]
     line = (
-        f"{r['row']:6s} link {r['link']:>14s} (beta {r['beta_Bps'] / 1e6:6.2f} MB/s, "
-        f"alpha {1e3 * r['alpha_s']:5.2f} ms)"
+        f"{r['row']:6s} link {r['link']:>14s} (all-gather beta {r['links']['all_gather'][1] / 1e6:6.2f} MB/s)"
         f" | comm {r['comm_s']:7.3f} s ({r['comm_s'] / on['fast_s']:4.2f} x step)"
         f" | step fast {on['fast_s']:7.3f} slow {on['slow_s']:7.3f}"
         f" | exposed {on['exposed_s']:7.3f} hidden {100 * on['hidden']:5.1f}%"
@@ -276,9 +361,12 @@ def report(r: dict) -> None:
     if "off" in r:
         off = r["off"]
         line += (
-            f" | off: slow {off['slow_s']:7.3f} exposed {off['exposed_s']:7.3f} hidden {100 * off['hidden']:5.1f}%"
+            f" | off: fast {off['fast_s']:7.3f} slow {off['slow_s']:7.3f} exposed {off['exposed_s']:7.3f}"
+            f" hidden {100 * off['hidden']:5.1f}%"
             f" speed-up {off['slow_s'] / on['slow_s']:4.2f}x"
         )
+    if "hidden_rest" in on:
+        line += f" | less the {r['by_design_s']:.3f} s exposed by design: hidden {100 * on['hidden_rest']:5.1f}%"
     print(line, flush=True)
 
 
@@ -286,6 +374,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--axes", nargs="*", default=["tp", "ep", "zero1", "dp", "pp", "cp"])
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--tp-hidden", type=int, default=1024, help="the tp row's model width")
+    ap.add_argument("--ep-hidden", type=int, default=512, help="the ep row's model width (experts: twice it)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)

@@ -16,7 +16,7 @@ from meshforge.layout import open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import cost_coefficients, get_hardware
-from meshforge.planner.memory import activation_bytes_per_layer, in_flight, model_state_bytes
+from meshforge.planner.memory import activation_bytes_per_layer, in_flight, model_state_bytes, stage_params
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
 
@@ -229,15 +229,17 @@ def test_cpu_fixed_costs_and_thread_count_are_priced_per_layout_kind():
 
 
 def test_comm_overlap_decides_what_data_parallel_traffic_hides():
-    """With communication on its own engine only the last bucket is exposed; where it
+    """With communication on its own engine only the last bucket is exposed (DDP's: what
+    follows its 1 MiB first bucket, up to parallel.ddp_bucket_mb of fp32 gradients); where it
     shares the cores (overlap 0) all of it is."""
     shape = from_preset("llama3.2-1b")
     lay = plan_layout(tp=1, pp=1, dp=8, zero_stage=0, num_microbatches=1)
+    share = 25 * 2**20 / (4 * stage_params(shape, 1, 1)[0])
     t = estimate(shape, lay, 4096, 8, "bf16", replace(H100, comm_interference=0.0), 8).time
-    assert t["dp_comm_exposed"] == pytest.approx(t["dp_comm_total"] / shape.layers)
+    assert t["dp_comm_exposed"] == pytest.approx(t["dp_comm_total"] * share)
     # hidden traffic still slows the compute beside it (NCCL kernels take SMs and bandwidth)
     slowed = estimate(shape, lay, 4096, 8, "bf16", H100, 8).time
-    last = t["dp_comm_total"] / shape.layers
+    last = t["dp_comm_total"] * share
     assert slowed["dp_comm_exposed"] == pytest.approx(last + H100.comm_interference * (t["dp_comm_total"] - last))
     t0 = estimate(shape, lay, 4096, 8, "bf16", replace(H100, comm_overlap=0.0), 8).time
     assert t0["dp_comm_exposed"] == pytest.approx(t0["dp_comm_total"])

@@ -214,3 +214,21 @@ def test_capacity_factor_flag_is_checked_and_emitted(tmp_path):
     assert cfg.shape.capacity_factor == 1.25 and cfg.shape.num_experts == 8 and cfg.layout.ep == 2
     with pytest.raises(SystemExit, match="2"):  # argparse's type check names the flag and its range
         parse_plan_args([*argv, "--capacity-factor", "-1"])
+
+
+def test_chunked_all_to_alls_hide_beside_the_expert_gemms():
+    """parallel.ep_chunks = C: per pass min(transfers, expert GEMMs) x (C-1)/C hidden (issue 42);
+    one chunk hides nothing, and the step is shorter by exactly what is hidden."""
+    s = from_preset("mixtral-8x7b")
+    one, four = _est(s, ep=8, ep_chunks=1), _est(s, ep=8, ep_chunks=4)
+    assert one.time["ep_a2a_hidden"] == 0.0
+    hidden = four.time["ep_a2a_hidden"]
+    everything = four.time["ep_a2a"] + hidden
+    assert 0 < hidden <= everything * 3 / 4
+    assert four.step_time_s == pytest.approx(one.step_time_s - (one.time["ep_a2a"] - four.time["ep_a2a"]))
+    lay = plan_layout(1, 1, 64, ep=8, ep_chunks=4, activation_checkpoint="none")
+    # slow transfers hide only the GEMMs' time, slow GEMMs only the transfers' (x 3/4)
+    assert moe_costs.a2a_hidden(10.0, 3.0, lay) == pytest.approx((1.0 + 2.0) * 3 / 4)
+    assert moe_costs.a2a_hidden(2.0, 30.0, lay) == pytest.approx((1.0 + 1.0) * 3 / 4)
+    full = lay.replace(activation_checkpoint="full")  # two forward passes of transfers and GEMMs
+    assert moe_costs.a2a_hidden(3.0, 4.0, full) == pytest.approx((2 * 1.0 + 1.0) * 3 / 4)

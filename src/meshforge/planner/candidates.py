@@ -127,6 +127,8 @@ def _per_rank_choices(
                         pp_schedule=sched,
                         sequence_parallel=f.sequence_parallel,
                         async_tp=f.async_tp,
+                        ep_chunks=f.ep_chunks,
+                        ddp_bucket_mb=f.ddp_bucket_mb,
                         offload=offload,
                         pp_layers=split,
                     )

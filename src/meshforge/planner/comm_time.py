@@ -8,6 +8,8 @@ from __future__ import annotations
 from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.context.cost import local_tokens, ring_bytes, ring_messages
+from meshforge.parallel.dims.data import uses_flat_zero1
+from meshforge.parallel.tensor.pieces import pieces_of
 from meshforge.planner import kernel_costs, moe_costs, offload_costs, time_terms
 from meshforge.planner.hardware import Hardware, cost_coefficients
 from meshforge.planner.memory import stage_layers, stage_params, stage_state_bytes
@@ -60,11 +62,15 @@ def tp_time(
     reduce-scatter + all-gather pair under SP), two more when the forward is recomputed; the
     vocab-parallel embedding (forward) and the head's input (backward) one each, on the
     stages holding them; the loss-parallel cross-entropy three small all-reduces; under
-    ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds)."""
+    ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds). Under async TP the blocks'
+    pairs run as rings of point-to-point sends (each chunk in ``pieces_of`` pieces, sent back to
+    back: one latency per ring step), priced at the profile's send_recv link; the ends stay
+    DTensor's collectives."""
     tokens_mb = lay.micro_batch_size * seq / lay.cp
     act = tokens_mb * shape.hidden * bytes_per_element(precision)
-    per_mb = stage_layers(shape, lay.pp) * (6 if lay.activation_checkpoint == "full" else 4) + (2 if lay.pp == 1 else 1)
-
+    blocks = stage_layers(shape, lay.pp)
+    per_mb = blocks * (6 if lay.activation_checkpoint == "full" else 4)
+    ends = 2 if lay.pp == 1 else 1
     latency = layout_fixed(lay, hw) is None  # else measured with the layout's fixed costs
 
     def tp_coll(kind: str, payload: float) -> float:
@@ -74,13 +80,24 @@ def tp_time(
         one = tp_coll("all_gather", act) + tp_coll("reduce_scatter", act)
     else:
         one = tp_coll("all_reduce", act)
+    ring = lay.async_tp and lay.sequence_parallel and lay.tp > 1
+    pieces = ring_pieces(seq, lay) if ring else 1
+    if ring:
+        bw, alpha = hw.link("send_recv", lay.tp <= gpus_per_node)
+        block_one = 2 * ring_time("all_gather", act, lay.tp, bw, alpha if latency else 0.0)
+    else:
+        block_one = one
     moe = moe_costs.tp_seconds(shape, lay, tokens_mb, bytes_per_element(precision), tp_coll)
-    total = lay.num_microbatches * (per_mb * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
+    total = lay.num_microbatches * (per_mb * block_one + ends * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
     rate = kernel_costs.gemm_rate(
         hw, 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp, precision
     )
-    blocks = stage_layers(shape, lay.pp)
-    return total, time_terms.tp_overlap_hidden(shape, lay, tokens_mb, one / 2, rate, blocks)
+    return total, time_terms.tp_overlap_hidden(shape, lay, tokens_mb, block_one / 2, rate, blocks, pieces)
+
+
+def ring_pieces(seq: int, lay: Layout) -> int:
+    """The pieces each tp rank's sequence chunk travels in under the async TP ring."""
+    return pieces_of(max(1, seq // (lay.cp * lay.tp)))
 
 
 def cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
@@ -139,8 +156,11 @@ def dp_time(
         return 0.0
     if lay.zero_stage == 0 and group is None:
         return dp_coll("all_reduce", grad_bytes)
-    if lay.zero_stage == 1 and group is None:  # a distributed optimizer (parallel/data/zero1.py)
-        return dp_coll("reduce_scatter", psi * REDUCE_BYTES[lay.grad_reduce_dtype]) + dp_coll("all_gather", psi * w)
+    if lay.zero_stage == 1 and group is None:
+        after = dp_after_step(shape, lay, precision, hw, gpus_per_node, psi)
+        if not uses_flat_zero1(lay, precision):  # ZeroRedundancyOptimizer: DDP's all-reduce, then the broadcasts
+            return dp_coll("all_reduce", grad_bytes) + after
+        return dp_coll("reduce_scatter", psi * REDUCE_BYTES[lay.grad_reduce_dtype]) + after
     gathers = (2 if lay.zero_stage == 3 else 1) * lay.num_microbatches
     units = max(1, round(stage_layers(shape, lay.pp)))
     latency = group is not None or layout_fixed(lay, hw) is None  # else in the measured fixed costs
@@ -154,20 +174,63 @@ def dp_time(
     )
 
 
-def dp_exposed(
-    dp_s: float, compute_s: float, shape: ModelShape, lay: Layout, hw: Hardware, interference_scale: float = 1.0
+def dp_after_step(
+    shape: ModelShape, lay: Layout, precision: str, hw: Hardware, gpus_per_node: int, psi: float | None = None
 ) -> float:
-    """What of the data-parallel traffic the step waits for: the last layer's (bucket's)
-    reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
+    """ZeRO-1's parameter traffic after the optimizer step: the all-gather of the updated bf16
+    shards (parallel/data/zero1.py) or ZeroRedundancyOptimizer's broadcast of each rank's fp32
+    partition (priced as the all-gather it amounts to). Nothing runs beside it: the next forward
+    needs the parameters, so the step waits for all of it (``dp_exposed``). ``psi``: the
+    parameters (default: the stage's)."""
+    dp_n = lay.dp * lay.cp
+    if lay.zero_stage != 1 or dp_n <= 1:
+        return 0.0
+    psi = stage_params(shape, lay.tp, lay.pp)[0] if psi is None else psi
+    return collective_time(hw, "all_gather", psi * bytes_per_element(precision), lay.tp, dp_n, gpus_per_node)
+
+
+DDP_FIRST_BUCKET = 2**20  # torch DDP's first bucket (the last layers' gradients) is 1 MiB, whatever bucket_cap_mb
+
+
+def last_reduction_share(shape: ModelShape, lay: Layout, precision: str) -> float:
+    """The share of the gradient reduction that starts only when backward ends: FSDP's first
+    layer unit (one of the stage's blocks); flat ZeRO-1's last bucket of ``parallel.ddp_bucket_mb``
+    of bf16 gradients; torch DDP's (and ZeroRedundancyOptimizer's) last bucket of fp32
+    gradients, what follows its 1 MiB first bucket up to ``ddp_bucket_mb``."""
+    if lay.zero_stage >= 2:
+        return 1.0 / max(1.0, stage_layers(shape, lay.pp))
+    flat = uses_flat_zero1(lay, precision)
+    grad_bytes = stage_params(shape, lay.tp, lay.pp)[0] * (2 if flat else 4)
+    bucket = lay.ddp_bucket_mb * 2**20
+    if flat:
+        return min(1.0, bucket / grad_bytes)
+    if grad_bytes <= DDP_FIRST_BUCKET:
+        return 1.0
+    return min(bucket, grad_bytes - DDP_FIRST_BUCKET) / grad_bytes
+
+
+def dp_exposed(
+    dp_s: float,
+    compute_s: float,
+    shape: ModelShape,
+    lay: Layout,
+    hw: Hardware,
+    interference_scale: float = 1.0,
+    after_s: float = 0.0,
+    precision: str = "bf16",
+) -> float:
+    """What of the data-parallel traffic the step waits for: the last bucket's (layer unit's,
+    ``last_reduction_share``) reduction waits for the end of backward; the rest hides under the ZeRO-3 prefetch
     window (forward and backward) or backward, as far as the hardware runs communication
-    beside compute (hw.comm_overlap). Hidden traffic is not free: the collective kernels
+    beside compute (hw.comm_overlap). ``after_s`` of it (ZeRO-1's parameter all-gather after the
+    step, ``dp_after_step``) waits whole. Hidden traffic is not free: the collective kernels
     take SMs and memory bandwidth from the compute they run beside (hw.comm_interference), in
     proportion to the bytes they move per second (``interference_scale``: the link's share of
     the in-node bandwidth)."""
-    layers_stage = stage_layers(shape, lay.pp)
+    hideable = dp_s - after_s
     window = compute_s * (0.9 if lay.zero_stage == 3 else 0.6)
-    last_bucket = dp_s / max(1.0, layers_stage) if lay.dp * lay.cp > 1 else 0.0
-    hidden = min((dp_s - last_bucket) * hw.comm_overlap, window)
+    last_bucket = hideable * last_reduction_share(shape, lay, precision) if lay.dp * lay.cp > 1 else 0.0
+    hidden = min((hideable - last_bucket) * hw.comm_overlap, window)
     return dp_s - hidden + hidden * hw.comm_interference * interference_scale
 
 

@@ -189,6 +189,7 @@ def _compute_time(
         "gemm": gemm_s,
         "non_gemm": other_s,
         "recompute": recompute_s,
+        "expert": expert_s,
     }
 
 
@@ -288,9 +289,17 @@ def estimate(
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
     c = _comm(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
-    dp_exposed = comm.dp_exposed(c["dp"], compute_s, shape, lay, hw, comm.dp_link_share(lay, hw, gpus_per_node))
+    ep_hidden = moe_costs.a2a_hidden(c["ep"], comp["expert"], lay)
+    after = comm.dp_after_step(shape, lay, precision, hw, gpus_per_node)
+    if lay.ep > 1:  # (the experts' share is reduced over edp by FSDP, not ZeRO-1)
+        after -= comm.dp_after_step(
+            shape, lay, precision, hw, gpus_per_node, moe_costs.expert_params_on_stage(shape, lay.tp, lay.pp)
+        )
+    share = comm.dp_link_share(lay, hw, gpus_per_node)
+    dp_exposed = comm.dp_exposed(c["dp"], compute_s, shape, lay, hw, share, max(0.0, after), precision)
     bubble = bubble_fraction(lay.pp_schedule, lay.pp, lay.num_microbatches, lay.pp_virtual_stages)
-    pipelined = compute_s + c["tp"] + c["cp"] + c["pp"] + c["ep"]  # the bubble is over the per-micro-batch work
+    # the bubble is over the per-micro-batch work
+    pipelined = compute_s + c["tp"] + c["cp"] + c["pp"] + c["ep"] - ep_hidden
     opt_s = _optimizer_time(shape, lay, precision, hw)
     off_exposed = off_total = 0.0
     if lay.offload == "cpu":
@@ -298,7 +307,8 @@ def estimate(
     time = {
         **{k: comp[k] for k in ("ideal_compute", "gemm", "non_gemm")},
         **{"tp_comm": c["tp"], "tp_comm_hidden": c["tp_hidden"], "cp_comm": c["cp"], "pp_p2p": c["pp"]},
-        **{"ep_a2a": c["ep"], "dp_comm_total": c["dp"], "dp_comm_exposed": dp_exposed},
+        **{"ep_a2a": c["ep"] - ep_hidden, "ep_a2a_hidden": ep_hidden},
+        **{"dp_comm_total": c["dp"], "dp_comm_exposed": dp_exposed},
         **{"offload_copy": off_exposed, "offload_copy_total": off_total},
         **{"bubble": pipelined * bubble / (1 - bubble), "optimizer": opt_s},
     }

@@ -109,11 +109,25 @@ def a2a_seconds(
     if lay.ep <= 1 or shape.num_experts <= 0:
         return 0.0
     sent = a2a_bytes_formula(shape, int(tokens_per_rank), bpe, lay.ep)
-    exchanges = 4 * moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches
+    exchanges = 4 * moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * lay.ep_chunks
     if recompute == "full":
         sent, exchanges = sent * 1.5, exchanges * 1.5
     bw, alpha = hw.link("all_to_all", lay.tp * lay.ep <= gpus_per_node)
     return sent / bw + exchanges * 1.25 * (lay.ep - 1) * alpha
+
+
+def a2a_hidden(a2a_s: float, expert_s: float, lay: Layout) -> float:
+    """Seconds of the all-to-alls that ``parallel.ep_chunks`` = C hides beside the experts'
+    GEMMs (parallel/expert/overlap.py): per MoE block and pass the 2C transfers go one at a time,
+    each beside another chunk's experts, and only the first dispatch and the last combine wait,
+    so a pass hides min(its transfers, its expert GEMMs) x (C-1)/C. Forward and backward move
+    the same bytes; backward's GEMMs are twice forward's (a full recomputation adds a forward)."""
+    c = lay.ep_chunks
+    if c <= 1 or a2a_s <= 0:
+        return 0.0
+    fwd = 2 if lay.activation_checkpoint == "full" else 1
+    per_pass, gemm = a2a_s / (fwd + 1), expert_s / (fwd + 2)
+    return (fwd * min(per_pass, gemm) + min(per_pass, 2 * gemm)) * (c - 1) / c
 
 
 def tp_seconds(

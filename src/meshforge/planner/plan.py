@@ -18,7 +18,7 @@ else:  # pragma: no cover
 
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
-from meshforge.layout import open_layout
+from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.hardware import ATTENTION_KERNELS, Hardware, get_hardware, preset_for_device
@@ -68,7 +68,8 @@ def _from_config(path: str) -> tuple[ModelShape, dict, str | None]:
     if "precision" in tr and t.precision != "auto":
         from_cfg["precision"] = t.precision
     from_cfg |= {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if k in par and getattr(p, k) > 0}
-    from_cfg |= {k: getattr(p, k) for k in ("zero_stage", "offload", "async_tp") if k in par}
+    fixed_keys = ("zero_stage", "offload", "async_tp", "ep_chunks", "ddp_bucket_mb")
+    from_cfg |= {k: getattr(p, k) for k in fixed_keys if k in par}
     if "dp_shard" in par and "dp_replicate" in par and p.dp_shard > 0 and p.dp_replicate > 0:
         from_cfg["dp_shard"] = p.dp_shard * p.dp_replicate
     if "pp_schedule" in par and p.pp > 1:
@@ -169,6 +170,8 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
         sequence_parallel=not args.no_sequence_parallel,
         async_tp=bool(args.tp_overlap or dflt.get("async_tp")),
+        ep_chunks=dflt.get("ep_chunks") or Layout.ep_chunks,
+        ddp_bucket_mb=dflt.get("ddp_bucket_mb") or Layout.ddp_bucket_mb,
         pp_layers=tuple(args.pp_layers or dflt.get("pp_layers") or ()),
     )
     results, considered = search(shape, hw, args.gpus, args.gpus_per_node, gb, seq, precision, fixed)

@@ -47,20 +47,26 @@ def block_gemm_flops(shape: ModelShape, tokens: float, tp: int) -> tuple[float, 
 
 
 def tp_overlap_hidden(
-    shape: ModelShape, lay: Layout, tokens_mb: float, per_collective_s: float, gemm_rate: float, blocks: float
+    shape: ModelShape,
+    lay: Layout,
+    tokens_mb: float,
+    per_collective_s: float,
+    gemm_rate: float,
+    blocks: float,
+    pieces: int = 1,
 ) -> float:
     """Seconds of tp communication a step hides under chunked GEMMs (async TP).
 
     Each all-gather / reduce-scatter of a block (``per_collective_s``) is split into tp
-    chunks, each chunk's transfer beside the GEMM on the chunk before it: the first chunk's
-    transfer waits, the rest hides as far as the neighbouring GEMM lasts, i.e. per collective
-    min(c, g)·(tp-1)/tp for a GEMM of g seconds (forward g, backward 2g, the recomputed
-    forward g again under full recomputation). Only under sequence parallelism (the
-    all-gather / reduce-scatter form both implementations need)."""
+    chunks of ``pieces`` pieces each, each piece's transfer beside the GEMM on the piece before
+    it: the first piece's transfer waits, the rest hides as far as the neighbouring GEMM lasts,
+    i.e. per collective min(c, g)·(1 - 1/(tp·pieces)) for a GEMM of g seconds (forward g,
+    backward 2g, the recomputed forward g again under full recomputation). Only under sequence
+    parallelism (the all-gather / reduce-scatter form both implementations need)."""
     if not lay.async_tp or lay.tp <= 1 or not lay.sequence_parallel:
         return 0.0
     g = [x / gemm_rate for x in block_gemm_flops(shape, tokens_mb, lay.tp)]
     fwd = sum(min(per_collective_s, x) for x in g)
     bwd = sum(min(per_collective_s, 2 * x) for x in g)
     passes = fwd * (2 if lay.activation_checkpoint == "full" else 1) + bwd
-    return lay.num_microbatches * blocks * passes * (lay.tp - 1) / lay.tp
+    return lay.num_microbatches * blocks * passes * (1 - 1 / (lay.tp * pieces))

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from meshforge import compat
 from meshforge.parallel import comm_stats
+from meshforge.parallel.tensor.pieces import pieces_of
 
 _batch_isend_irecv = dist.batch_isend_irecv  # the original: the ring books its own bytes (comm_stats.book)
 
@@ -57,14 +58,6 @@ def _shift(send: Tensor, recv: Tensor, group: dist.ProcessGroup) -> list:
 def _wait(works: list, group: dist.ProcessGroup) -> None:
     for w in works:
         comm_stats.wait(w, group)
-
-
-PIECES = 4  # each rank's chunk travels in up to this many pieces, so the GEMMs start on the first
-
-
-def pieces_of(length: int) -> int:
-    """Pieces per chunk of ``length`` positions: the most, up to PIECES, that divide it."""
-    return max(k for k in range(1, PIECES + 1) if length % k == 0)
 
 
 def ring_gather(x: Tensor, group: dist.ProcessGroup, consume: Callable[[int, Tensor], None]) -> Tensor:
