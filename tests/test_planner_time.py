@@ -12,7 +12,14 @@ from meshforge.parallel import dims
 from meshforge.parallel.dims import Batch
 from meshforge.planner import time_terms
 from meshforge.planner.candidates import schedules as _schedules
-from meshforge.planner.comm_time import collective_time, dp_after_step, dp_exposed, dp_time, last_reduction_share
+from meshforge.planner.comm_time import (
+    collective_time,
+    dp_after_step,
+    dp_exposed,
+    dp_time,
+    last_reduction_share,
+    pp_time,
+)
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.memory import stage_params
@@ -133,3 +140,19 @@ def test_zero1_waits_for_its_parameter_all_gather_whole():
         ar + collective_time(H100, "all_gather", 4 * psi, 1, 8, 8)
     )
     assert dp_after_step(SHAPE, lay.replace(zero_stage=2), "bf16", H100, 8) == 0.0
+
+
+def test_pipeline_transfers_wait_once_per_exchange_beside_the_bubble():
+    """1F1B fires a steady-state send with the receive it needs next (full duplex: one transfer's
+    time per exchange), m*v exchanges plus p - 1 in the fill and drain (issue 42); the step adds
+    them once, outside the bubble's idle compute."""
+    lay = plan_layout(1, 4, 1, micro_batch_size=1, num_microbatches=8)
+    act = 4096 * SHAPE.hidden * 2
+    one = collective_time(H100, "send_recv", act, 1, 4, 8)
+    assert pp_time(SHAPE, lay, 4096, "bf16", H100, 8) == pytest.approx((8 + 3) * one)
+    est = estimate(SHAPE, lay, 4096, 8, "bf16", H100, 8)
+    t = est.time
+    parts = ("gemm", "non_gemm", "tp_comm", "cp_comm", "pp_p2p", "ep_a2a", "bubble", "dp_comm_exposed", "optimizer")
+    assert est.step_time_s == pytest.approx(sum(t[k] for k in parts))
+    busy = t["gemm"] + t["non_gemm"]
+    assert t["bubble"] == pytest.approx(busy * 3 / 8)  # (p - 1) / m of the compute, none of the transfers

@@ -117,18 +117,19 @@ def cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardwa
 
 
 def pp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:
-    """Activations (forward) and their gradients (backward) between stages, per micro-batch
-    and model chunk."""
+    """Activations (forward) and their gradients (backward) between stages, as the step waits
+    for them. torch's 1F1B fires each steady-state send together with the receive it needs next
+    and waits for both, so a stage boundary's forward and backward transfers run at once
+    (links are full duplex): one transfer's time per exchange, m·v of them in the steady state
+    (per micro-batch and model chunk) plus p - 1 in the fill and drain, where the warm-up and
+    cool-down sends run asynchronously beside compute. Not inside the bubble: the bubble is
+    idle compute, these are the waits beside it (measured: bench/bench_overlap.py's pp row)."""
     if lay.pp <= 1:
         return 0.0
     act = lay.micro_batch_size * seq / lay.cp * shape.hidden * bytes_per_element(precision)
     inner = lay.tp * lay.cp * lay.dp
-    return (
-        2
-        * lay.num_microbatches
-        * lay.pp_virtual_stages
-        * collective_time(hw, "send_recv", act / lay.tp, inner, lay.pp, gpus_per_node)
-    )
+    exchanges = lay.num_microbatches * lay.pp_virtual_stages + lay.pp - 1
+    return exchanges * collective_time(hw, "send_recv", act / lay.tp, inner, lay.pp, gpus_per_node)
 
 
 def dp_time(

@@ -299,7 +299,7 @@ def estimate(
     dp_exposed = comm.dp_exposed(c["dp"], compute_s, shape, lay, hw, share, max(0.0, after), precision)
     bubble = bubble_fraction(lay.pp_schedule, lay.pp, lay.num_microbatches, lay.pp_virtual_stages)
     # the bubble is over the per-micro-batch work
-    pipelined = compute_s + c["tp"] + c["cp"] + c["pp"] + c["ep"] - ep_hidden
+    pipelined = compute_s + c["tp"] + c["cp"] + c["ep"] - ep_hidden
     opt_s = _optimizer_time(shape, lay, precision, hw)
     off_exposed = off_total = 0.0
     if lay.offload == "cpu":
@@ -312,7 +312,7 @@ def estimate(
         **{"offload_copy": off_exposed, "offload_copy_total": off_total},
         **{"bubble": pipelined * bubble / (1 - bubble), "optimizer": opt_s},
     }
-    step = pipelined + time["bubble"] + dp_exposed + off_exposed + opt_s
+    step = pipelined + time["bubble"] + c["pp"] + dp_exposed + off_exposed + opt_s
     tps = global_batch * seq / step / n_gpus
     peak = hw.peak(precision)
     mfu = shape.model_flops_per_token(comp["span"]) * tps / peak  # active parameters for an MoE (models/flops.py)
