@@ -128,6 +128,7 @@ def explain(e: Estimate, hbm_gib: float) -> str:
         + ", ".join(f"{k} {t[k]:.4f}" for k in TIME_PARTS if _shown(k, e))
         + f" -> {e.step_time_s:.4f} (dp traffic {t['dp_comm_total']:.4f} s, mostly hidden under compute"
         + (f"; tp traffic hidden by async TP {t['tp_comm_hidden']:.4f} s" if t.get("tp_comm_hidden") else "")
+        + (f"; all-to-alls hidden by ep_chunks {t['ep_a2a_hidden']:.4f} s" if t.get("ep_a2a_hidden") else "")
         + ")",
         "where the time goes (fractions of the step): "
         + ", ".join(f"{k} {100 * v:.1f}%" for k, v in b.items() if k != "offload_exposed" or offload),
