@@ -99,6 +99,7 @@ SHARED_CORE = {
     "meshforge.models.moe",  # is_moe_layer, expert_ffn: which blocks are MoE, an expert's size
     "meshforge.parallel.expert.dispatch",  # a2a_bytes_formula: the planner prices what training sends
     "meshforge.parallel.context.cost",  # ring attention's cost formulas
+    "meshforge.parallel.tensor.pieces",  # async TP's pieces per chunk: the planner prices the same rings
     "meshforge.models.chunked_loss",  # LOSS_CHUNK_SIZE: the planner's logits term counts one chunk
     "meshforge.metrics.mfu",  # PEAK_TFLOPS: the datasheet peaks MFU and the planner share
 }
