@@ -82,11 +82,15 @@ def rows(a: argparse.Namespace) -> dict[str, Row]:
 
     dense = width(h)
     batch = [f"--train.global_batch_size={a.batch}"]
-    e = a.ep_hidden  # (as the tp row's width: expert GEMMs the all-to-alls can hide beside)
-    moe = [
-        "--model.preset=debug-moe", f"--model.hidden={e}", f"--model.moe_ffn_hidden={2 * e}", "--model.heads=8",
-        "--model.kv_heads=4", "--model.first_dense_layers=0", f"--train.seq_len={s}", "--model.layers=2",
-    ]  # fmt: skip
+    # the debug-moe (one MoE block of 8 experts of 128 after a dense one); --ep-hidden N:
+    # a wider variant (width N, experts 2N, both blocks MoE) where the expert GEMMs weigh more
+    moe = ["--model.preset=debug-moe", f"--model.hidden={h // 2}", f"--train.seq_len={s}", "--model.layers=2"]
+    if a.ep_hidden:
+        e = a.ep_hidden
+        moe = [
+            "--model.preset=debug-moe", f"--model.hidden={e}", f"--model.moe_ffn_hidden={2 * e}", "--model.heads=8",
+            "--model.kv_heads=4", "--model.first_dense_layers=0", f"--train.seq_len={s}", "--model.layers=2",
+        ]  # fmt: skip
     big = "--parallel.ddp_bucket_mb=65536"  # one bucket (the largest the range allows): reduced after backward
     return {
         # GEMMs beside the collectives are all async TP can hide behind: the tp row's width makes
@@ -375,7 +379,7 @@ def main() -> None:
     ap.add_argument("--axes", nargs="*", default=["tp", "ep", "zero1", "dp", "pp", "cp"])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--tp-hidden", type=int, default=1024, help="the tp row's model width")
-    ap.add_argument("--ep-hidden", type=int, default=512, help="the ep row's model width (experts: twice it)")
+    ap.add_argument("--ep-hidden", type=int, default=0, help="a wider ep row: this width, experts twice it")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
