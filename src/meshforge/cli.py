@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument(
         "--nproc", type=whole(1, 1024), default=2, help="local ranks for the collective measurements (default 2)"
     )
-    cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes, repeats and calls per timing")
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
