@@ -111,13 +111,17 @@ def _fsdp_call(kind: str, n: int, dev: torch.device, mesh):
     return step, gather, local
 
 
-def collective_times(kind: str, dev: torch.device, sizes: list[int], repeat: int, mesh=None) -> list[tuple[int, float]]:
-    """(payload bytes, seconds per call) over ``sizes``; the slowest rank's time."""
+def collective_times(
+    kind: str, dev: torch.device, sizes: list[int], repeat: int, mesh=None, round_bytes: int = 2**22
+) -> list[tuple[int, float]]:
+    """(payload bytes, seconds per call) over ``sizes``; the slowest rank's time. Each round
+    makes enough calls to move ``round_bytes``: small messages are latency-bound, so on a CPU
+    (gloo, ~1 ms a call) the smallest sizes' thousand calls a round were most of the time."""
     res = []
     for nbytes in sizes:
         fn = _collective_call(kind, nbytes, dev, mesh)
         dist.barrier()
-        calls = max(1, 2**22 // nbytes)
+        calls = max(1, round_bytes // nbytes)
         if isinstance(fn, tuple):  # (whole, part to subtract, more to subtract)
             t = max(timed(fn[0], repeat, calls=calls) - sum(timed(f, repeat, calls=calls) for f in fn[1:]), 0.0)
         else:

@@ -63,7 +63,8 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         slowest = min(every, key=lambda c: c["peaks"]["bf16" if cuda else "fp32"])
         mesh = init_device_mesh(dev.type, (world,))
         sizes = [2**k for k in range(12, 23 if quick else 25, 2)]
-        points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh) for kind in COLLECTIVES}
+        per_round = 2**20 if quick else 2**22  # bytes each round of calls moves
+        points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh, per_round) for kind in COLLECTIVES}
         SYNC_COMPUTE[0] = True
         overlap = comm_overlap(dev, 3 if quick else 5)
         kinds = {} if cuda else _slowest(layout_fixed_costs(world, _fixed_timer(quick)), world)

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshforge.models.eager import eager_only
+
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it count for nothing
 
 
@@ -100,7 +102,7 @@ def _fused_chunk_loss():  # noqa: ANN202
     return torch.compile(_chunk_loss, dynamic=False)
 
 
-@torch.compiler.disable
+@eager_only
 def _apply_outside_graphs(*args):  # noqa: ANN002, ANN202
     """The chunk loop runs outside any compiled graph around it (a deliberate graph break).
     Traced into the loss's graph, AOT autograd's partitioner kept every chunk's tokens x vocab

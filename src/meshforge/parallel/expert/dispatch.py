@@ -40,6 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from meshforge.compat import all_gather_flat
+from meshforge.models.eager import eager_only
 from meshforge.models.moe import GroupedExperts, is_moe_layer, moe_layers
 from meshforge.parallel.data.apply import AllReduceScatter
 from meshforge.parallel.expert import overlap
@@ -114,7 +115,7 @@ class AllToAllDispatch(nn.Module):
         inputs = _ScaleGrad.apply(received[order], float(self.ep))
         return _ScaleGrad.apply(call(inputs, local_counts), 1.0 / self.ep)[torch.argsort(order)]
 
-    @torch.compiler.disable  # the pipeline waits on handles between its GEMMs: it runs eagerly
+    @eager_only  # the pipeline waits on handles between its GEMMs: it runs eagerly
     def _pipelined(self, x: torch.Tensor, table: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         """Chunk by chunk: dispatch j+1 and combine j-1 travel while chunk j's experts compute."""
         me, link = self.rank, overlap.Link(self.group)
