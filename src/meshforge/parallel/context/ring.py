@@ -13,7 +13,10 @@ chunk, the same chunk sees its causal triangle, an earlier one sees nothing (ski
 Partial outputs are merged by their log-sum-exp in fp32. The backward is its own pass
 (``RingAttentionFn``): it recomputes each block's probabilities from the saved lse, and
 the key/value gradients travel the ring with their block, arriving back at their owner
-after cp hops. ``parallel.cp_rotate = "allgather"`` gathers all blocks once instead and
+after cp hops. Each hop is started before the block in hand is attended (forward and
+backward) and the key/value gradients' sum is passed on while the next block is computed, so
+the transfers run beside the attention kernels (issue 42; bench/bench_overlap.py's cp row).
+``parallel.cp_rotate = "allgather"`` gathers all blocks once instead and
 all-reduces the key/value gradients (simpler, cp times the memory for K/V).
 
 Each block runs on a fused kernel that returns its log-sum-exp (``attention_kernels``: the
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.models.documents import Documents
+from meshforge.parallel import comm_stats
 from meshforge.parallel.context.documents import BlockWork, RingPlan, plan_ring
 from meshforge.parallel.context.kernels import block_backward, block_forward, pick_kernel
 from meshforge.parallel.mesh import Mesh
@@ -66,16 +70,23 @@ class Ring:
     def ids(self, rank: int) -> tuple[int, ...]:
         return chunk_ids(self.cp, rank, self.balance)
 
-    def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Send each tensor to the next rank, receive the previous rank's (one batched exchange)."""
+    def start_shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        """Start sending each tensor to the next rank and receiving the previous rank's (one
+        batched exchange): (the receive buffers, the requests to ``finish``). Every rank starts
+        its exchanges in the same order, so they pair up whatever else is in flight."""
         nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         prv = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
         tensors = [t.contiguous() for t in tensors]  # (k, v arrive as transposed views)
         out = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, o, prv, self.group) for o in out]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        return out, [*dist.batch_isend_irecv(ops), tensors]  # (the sends' tensors kept alive)
+
+    def finish(self, started: tuple[list[torch.Tensor], list[Any]]) -> list[torch.Tensor]:
+        """Wait for an exchange ``start_shift`` began; the received tensors."""
+        out, reqs = started
+        for req in reqs[:-1]:
+            comm_stats.wait(req, self.group)
         return out
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -162,10 +173,11 @@ def _blocks(ring: Ring, k: torch.Tensor, v: torch.Tensor) -> Any:
         for src in range(ring.cp):
             yield src, kv[src][0], kv[src][1]
         return
-    for step in range(ring.cp):
+    for step in range(ring.cp):  # the next block travels while this one is attended
+        nxt = ring.start_shift([k, v]) if step < ring.cp - 1 else None
         yield (ring.rank - step) % ring.cp, k, v
-        if step < ring.cp - 1:
-            k, v = ring.shift([k, v])
+        if nxt is not None:
+            k, v = ring.finish(nxt)
 
 
 class RingAttentionFn(torch.autograd.Function):
@@ -207,6 +219,7 @@ class RingAttentionFn(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dqs = _split(dq, n)
         grads = []  # allgather: every source's (dk, dv); ring: the running sum travelling with the block
+        passing = None  # ring: the sum on its way to the next rank while the next block is computed
         for src, kb, vb in _blocks(ring, k, v):
             ks, vs = _split(kb, n), _split(vb, n)
             dkv = torch.zeros((2, *kb.shape), dtype=acc, device=q.device)
@@ -226,7 +239,10 @@ class RingAttentionFn(torch.autograd.Function):
             if ring.rotate == "allgather":
                 grads.append(dkv)
             else:  # add this rank's part and pass the sum on: after cp hops it is back at its owner
-                grads = ring.shift([dkv + grads[0] if grads else dkv])
+                grads = ring.finish(passing) if passing is not None else []
+                passing = ring.start_shift([dkv + grads[0] if grads else dkv])
+        if passing is not None:
+            grads = ring.finish(passing)
         if ring.rotate == "allgather":  # sum every rank's contributions, keep this rank's block
             full = torch.stack(grads)
             dist.all_reduce(full, group=ring.group)
