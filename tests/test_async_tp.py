@@ -107,6 +107,50 @@ def test_collective_matmuls_match_one_device(n):
     mp.spawn(_worker, args=(n, _free_port()), nprocs=n, join=True)
 
 
+def _model_worker(rank: int, n: int, port: int, tied: bool) -> None:
+    """The same model under the plain TP plan and under async TP's ring: equal logits, loss and
+    gradients (the full parameters'), and the head's input gathered by the overlapped seam."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from meshforge.models.llama import build_model
+    from meshforge.models.shape import ModelShape
+    from meshforge.parallel.tensor.apply import apply_tp, loss_context
+    from meshforge.parallel.tensor.async_tp import AllGatherMatmulHead
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    try:
+        mesh = init_device_mesh("cpu", (n,))
+        shape = ModelShape(32, 2, 4, 4, 64, 64, 32, tie_embeddings=tied)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        results = []
+        for mode in ("off", "ring"):
+            model = build_model(shape, device="cpu", seed=0)
+            apply_tp(model, mesh, True, mode)
+            with loss_context(True):
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+                loss.backward()
+            grads = {k: p.grad.full_tensor() for k, p in model.named_parameters() if isinstance(p.grad, DTensor)}
+            results.append((logits.full_tensor().detach(), loss.full_tensor().detach(), grads, model))
+        (l0, loss0, g0, _), (l1, loss1, g1, overlapped) = results
+        assert isinstance(overlapped.output.project, AllGatherMatmulHead)
+        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+        assert g1.keys() == g0.keys() and ("output.weight" in g0) == (not tied)
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=k)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_async_model_matches_plain_plan(tied):
+    """Head included: async TP's ring gathers the final norm's shards while the vocab-sharded
+    logits are multiplied (a tied head shares the embedding's table)."""
+    mp.spawn(_model_worker, args=(2, _free_port(), tied), nprocs=2, join=True)
+
+
 STEPS = 3
 COMMON = {
     "model.hidden": 64,
@@ -131,6 +175,8 @@ RUNS = {  # name: (ranks, overrides), each trained with plain TP and with async 
         | {"train.activation_checkpoint": "selective"},
     ),
     "tp2-compile": (2, {"parallel.tp": 2, "train.compile": True}),
+    # the chunked loss gathers the head's input itself (async TP leaves it sequence-sharded)
+    "tp2-chunked-loss": (2, {"parallel.tp": 2, "train.loss_chunk_size": 16}),
 }
 
 

@@ -65,6 +65,29 @@ def test_async_tp_hides_what_the_neighbouring_gemms_cover():
     )
 
 
+def test_async_tp_takes_the_head_into_its_ring_when_the_logits_are_whole():
+    """With train.loss_chunk_size = 0 the head's input all-gather runs in the ring beside the
+    vocab-sharded head GEMM (parallel/tensor/async_tp.py AllGatherMatmulHead); the chunked loss
+    gathers with DTensor's collective, so nothing more hides there."""
+    from dataclasses import replace
+
+    lay = plan_layout(8, 1, 1, micro_batch_size=1, num_microbatches=1, async_tp=True)
+    chunked, whole = H100, replace(H100, loss_chunk_size=0)
+    a, b = estimate(SHAPE, lay, 4096, 8, "bf16", chunked, 8), estimate(SHAPE, lay, 4096, 8, "bf16", whole, 8)
+    head_gemm = 2 * 4096 * SHAPE.hidden * SHAPE.vocab_size / 8
+    extra = b.time["tp_comm_hidden"] - a.time["tp_comm_hidden"]
+    assert 0 < extra  # the head's collective, beside a GEMM 4x the MLP's input one: hidden all but its first piece
+    per = time_terms.tp_overlap_hidden(SHAPE, lay, 4096, 1.0, 1e15, 1, 4, head=True)
+    assert per - time_terms.tp_overlap_hidden(SHAPE, lay, 4096, 1.0, 1e15, 1, 4) == pytest.approx(
+        3 * head_gemm / 1e15 * (1 - 1 / 32)
+    )
+    # a pipeline stage holds one end only: not priced as a ring there
+    pp = lay.replace(pp=2, num_microbatches=4)
+    assert estimate(SHAPE, pp, 4096, 8, "bf16", whole, 8).time["tp_comm_hidden"] == pytest.approx(
+        estimate(SHAPE, pp, 4096, 8, "bf16", chunked, 8).time["tp_comm_hidden"]
+    )
+
+
 def test_last_stage_pays_for_the_output_head():
     # 32 blocks over 16 stages: 2 blocks + the 128K-vocab head on the last stage
     lay = plan_layout(1, 16, 1, num_microbatches=16)

@@ -119,6 +119,8 @@ def _local_head(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
         return x, w, None, 0
     if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
         raise ValueError(f"chunked loss: the head weight must be vocab-sharded on one mesh dim, got {w.placements}")
+    if isinstance(x, DTensor) and x.device_mesh == w.device_mesh and tuple(x.placements) == (Shard(1),):
+        x = x.redistribute(placements=[Replicate()])  # async TP's head leaves its input sequence-sharded
     if not isinstance(x, DTensor) or tuple(x.placements) != (Replicate(),):  # e.g. an ungathered FSDP shard
         raise ValueError(
             f"chunked loss: the head weight is a DTensor ({w.placements}) but the hidden states are not replicated "

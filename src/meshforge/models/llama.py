@@ -12,7 +12,8 @@ so those import without permuting q/k projections.
 
 Seams that later features plug into without the model learning about them: the attention
 core (``Attention.core``, swapped per block by context parallelism for ring attention), the
-projections' application (``project_in`` / ``project_out``, swapped by async tensor parallelism),
+projections' application (a block's ``project_in`` / ``project_out`` and the head's ``project``,
+swapped by async tensor parallelism),
 positions passed in (a sequence shard passes its own), the feed-forward built by
 ``build_feed_forward`` (a mixture-of-experts layer per layer id), an explicit
 ``head_dim`` and optional QK-norm (Qwen3), and auxiliary losses reported to
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +212,14 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class HeadProjection(nn.Module):
+    """The head's linear applied (its ``project`` seam). Parameter-free, so async tensor
+    parallelism can swap it for one that gathers the sequence shards while multiplying."""
+
+    def forward(self, x: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+        return F.linear(x, head.weight, head.bias)
+
+
 class Head(nn.Linear):
     """The output projection. Called with ``loss_fn`` it returns ``loss_fn(x, weight)``
     instead of the logits: the chunked loss applies the head itself (models/chunked_loss.py)
@@ -217,8 +227,12 @@ class Head(nn.Linear):
 
     takes_loss_fn = True  # what the loss checks (a head swapped for another class, e.g. fp8, is not)
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kw: Any) -> None:
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.project: nn.Module = HeadProjection()
+
     def forward(self, x: torch.Tensor, loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        return super().forward(x) if loss_fn is None else loss_fn(x, self.weight)
+        return self.project(x, self) if loss_fn is None else loss_fn(x, self.weight)
 
 
 class Transformer(nn.Module):

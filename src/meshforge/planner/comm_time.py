@@ -64,8 +64,9 @@ def tp_time(
     stages holding them; the loss-parallel cross-entropy three small all-reduces; under
     ep x tp the MoE blocks' slot all-reduces (moe_costs.tp_seconds). Under async TP the blocks'
     pairs run as rings of point-to-point sends (each chunk in ``pieces_of`` pieces, sent back to
-    back: one latency per ring step), priced at the profile's send_recv link; the ends stay
-    DTensor's collectives."""
+    back: one latency per ring step), priced at the profile's send_recv link, and so does the
+    head's where the logits are computed whole (``train.loss_chunk_size = 0``); the embedding's
+    stays DTensor's collective."""
     tokens_mb = lay.micro_batch_size * seq / lay.cp
     act = tokens_mb * shape.hidden * bytes_per_element(precision)
     blocks = stage_layers(shape, lay.pp)
@@ -87,12 +88,17 @@ def tp_time(
         block_one = 2 * ring_time("all_gather", act, lay.tp, bw, alpha if latency else 0.0)
     else:
         block_one = one
+    # the head's end runs in async TP's ring too where it computes the logits whole (the
+    # chunked loss gathers its input with DTensor's collective); priced on a stage of its own only
+    head_ring = ring and lay.pp == 1 and hw.loss_chunk_size <= 0
     moe = moe_costs.tp_seconds(shape, lay, tokens_mb, bytes_per_element(precision), tp_coll)
-    total = lay.num_microbatches * (per_mb * block_one + ends * one + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
+    per_step_ends = ends * one + (block_one - one if head_ring else 0.0)
+    total = lay.num_microbatches * (per_mb * block_one + per_step_ends + 3 * tp_coll("all_reduce", tokens_mb * 4)) + moe
     rate = kernel_costs.gemm_rate(
         hw, 2 * tokens_mb * shape.hidden * max(shape.ffn_hidden, shape.hidden) / lay.tp, precision
     )
-    return total, time_terms.tp_overlap_hidden(shape, lay, tokens_mb, block_one / 2, rate, blocks, pieces)
+    hidden = time_terms.tp_overlap_hidden(shape, lay, tokens_mb, block_one / 2, rate, blocks, pieces, head_ring)
+    return total, hidden
 
 
 def ring_pieces(seq: int, lay: Layout) -> int:

@@ -54,6 +54,7 @@ def tp_overlap_hidden(
     gemm_rate: float,
     blocks: float,
     pieces: int = 1,
+    head: bool = False,
 ) -> float:
     """Seconds of tp communication a step hides under chunked GEMMs (async TP).
 
@@ -62,11 +63,15 @@ def tp_overlap_hidden(
     it: the first piece's transfer waits, the rest hides as far as the neighbouring GEMM lasts,
     i.e. per collective min(c, g)·(1 - 1/(tp·pieces)) for a GEMM of g seconds (forward g,
     backward 2g, the recomputed forward g again under full recomputation). Only under sequence
-    parallelism (the all-gather / reduce-scatter form both implementations need)."""
+    parallelism (the all-gather / reduce-scatter form both implementations need). ``head``: the
+    head's input all-gather also runs as a ring, beside the vocab-sharded head GEMM (forward, and
+    its input gradient's reduce-scatter in backward), once per micro-batch."""
     if not lay.async_tp or lay.tp <= 1 or not lay.sequence_parallel:
         return 0.0
     g = [x / gemm_rate for x in block_gemm_flops(shape, tokens_mb, lay.tp)]
     fwd = sum(min(per_collective_s, x) for x in g)
     bwd = sum(min(per_collective_s, 2 * x) for x in g)
     passes = fwd * (2 if lay.activation_checkpoint == "full" else 1) + bwd
-    return lay.num_microbatches * blocks * passes * (1 - 1 / (lay.tp * pieces))
+    g_head = 2.0 * tokens_mb * shape.hidden * shape.vocab_size / lay.tp / gemm_rate if head else 0.0
+    ends = min(per_collective_s, g_head) + min(per_collective_s, 2 * g_head) if head else 0.0
+    return lay.num_microbatches * (blocks * passes + ends) * (1 - 1 / (lay.tp * pieces))

@@ -50,9 +50,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshforge import compat
-from meshforge.models.llama import Transformer
+from meshforge.models.llama import HeadProjection, Transformer
 from meshforge.models.moe import MoE
-from meshforge.parallel.tensor.async_tp import AllGatherMatmul, MatmulReduceScatter
+from meshforge.parallel.tensor.async_tp import AllGatherMatmul, AllGatherMatmulHead, MatmulReduceScatter
 from meshforge.parallel.tensor.moe import apply_moe_tp, is_moe_plan_key
 
 
@@ -164,14 +164,26 @@ def swap_seams(module: nn.Module, group: dist.ProcessGroup, transport: str) -> N
     module.project_out = MatmulReduceScatter(group, transport)
 
 
-def outer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def overlapped_head(model: nn.Module) -> bool:
+    """Whether async TP can swap the head's seam: the model's own bias-free head (an fp8 head is
+    another class, and a pipeline stage without the head has none)."""
+    head = getattr(model, "output", None)
+    return isinstance(getattr(head, "project", None), HeadProjection) and head.bias is None
+
+
+def outer_plan(sequence_parallel: bool, overlapped: bool = False) -> dict[str, ParallelStyle]:
     """Embedding, final norm and head. The head keeps its vocab-sharded logits as a
     DTensor (``use_local_output=False``) for the loss-parallel cross-entropy; the chunked
-    loss instead reduces its log-sum-exp over the tp group itself."""
+    loss instead reduces its log-sum-exp over the tp group itself. ``overlapped`` (async TP):
+    the head's input stays sequence-sharded, its ``project`` seam gathers it while multiplying
+    (``swap_head_seam``), and the chunked loss gathers it itself (models/chunked_loss.py)."""
     act = Shard(1) if sequence_parallel else Replicate()
+    head = VocabParallelHead(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
+    if overlapped:
+        head.desired_input_layouts = (act,)
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=act),
-        "output": VocabParallelHead(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+        "output": head,
     }
     plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     return plan
@@ -192,11 +204,16 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, a
     plan from parallel/tensor/moe.py.
 
     ``async_tp`` (the run plan's decision): ``ring`` / ``symm_mem`` swap every block's
-    attention and dense MLP for the overlapped seams (async_tp.py; an MoE feed-forward keeps its
-    own plan); ``micro_pipeline`` keeps this plan and lets inductor fuse it (CUDA, compiled).
+    attention and dense MLP, and the head, for the overlapped seams (async_tp.py; an MoE
+    feed-forward keeps its own plan, the vocab-parallel embedding its reduce-scatter: a lookup
+    has no GEMM to hide it under); ``micro_pipeline`` keeps this plan and lets inductor fuse it
+    (CUDA, compiled).
     """
-    parallelize_module(model, tp_mesh, _present(model, outer_plan(sequence_parallel)))
     overlapped = async_tp in ("ring", "symm_mem")
+    head = overlapped and overlapped_head(model)
+    parallelize_module(model, tp_mesh, _present(model, outer_plan(sequence_parallel, head)))
+    if head:
+        model.output.project = AllGatherMatmulHead(tp_mesh, async_tp)
     plan = async_block_plan() if overlapped else block_plan(sequence_parallel)
     attention_only = {k: v for k, v in plan.items() if not is_moe_plan_key(k)}
     if async_tp == "micro_pipeline":

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from meshforge import compat
 from meshforge.parallel import comm_stats
@@ -314,3 +315,19 @@ class MatmulReduceScatter(nn.Module):
 
     def forward(self, y: Tensor, linear: nn.Module) -> Tensor:
         return matmul_reduce_scatter(y, _local(linear.weight), self.group_name, compute_dtype(y), self.transport)
+
+
+class AllGatherMatmulHead(nn.Module):
+    """The head (the model's ``Head.project`` seam) under async TP: the final norm's sequence
+    shards gathered over tp while the vocab-sharded logits are multiplied; the logits leave as
+    the vocab-sharded DTensor the loss-parallel cross-entropy reads, as the plain plan's do."""
+
+    def __init__(self, mesh: DeviceMesh, transport: str = "ring"):
+        super().__init__()
+        self.mesh, self.group_name, self.transport = mesh, mesh.get_group().group_name, transport
+
+    def forward(self, x: Tensor, head: nn.Linear) -> Tensor:
+        local = x.to_local() if isinstance(x, DTensor) else x  # (its gradient leaves sequence-sharded)
+        w = [_local(head.weight)]
+        _, logits = all_gather_matmul(local, w, self.group_name, compute_dtype(local), self.transport)
+        return DTensor.from_local(logits, self.mesh, [Shard(-1)], run_check=False)
