@@ -15,7 +15,6 @@ from torch import nn
 
 from conftest import cli_args, run_cli, tiny_overrides
 from meshforge.parallel.comm_stats import CommCounter
-from meshforge.parallel.tensor import pieces
 from meshforge.parallel.tensor.async_tp import AllGatherMatmul, MatmulReduceScatter
 
 B, S, H, OUT, K = 2, 8, 12, (8, 4, 4), 16  # batch, sequence, hidden, column outputs, row inputs
@@ -39,14 +38,6 @@ def _full_problem():
 
 def _rows(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
     return t.chunk(n, dim)[r]
-
-
-def test_pieces_keep_enough_rows_for_a_gemm():
-    """Up to 4 pieces that divide the chunk, none under MIN_PIECE_TOKENS tokens (256)."""
-    assert pieces.pieces_of(512, 4) == 4  # 512 tokens each
-    assert pieces.pieces_of(128, 4) == 2  # 4 pieces would be 128 tokens
-    assert pieces.pieces_of(128, 1) == 1 and pieces.pieces_of(96, 8) == 3  # 3 divides 96, 4 does not
-    assert pieces.pieces_of(7, 1000) == 1  # 7 positions: only 1 (or 7) divide
 
 
 def _check_column(r: int, n: int, group, dtype: torch.dtype) -> None:
@@ -89,7 +80,6 @@ def _check_row(r: int, n: int, group, dtype: torch.dtype) -> None:
 
 
 def _worker(rank: int, n: int, port: int) -> None:
-    pieces.MIN_PIECE_TOKENS = 1  # this problem's chunks are a few tokens: let them travel in pieces
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     try:
         group = dist.new_group(list(range(n)))
@@ -185,8 +175,9 @@ RUNS = {  # name: (ranks, overrides), each trained with plain TP and with async 
         | {"train.activation_checkpoint": "selective"},
     ),
     "tp2-compile": (2, {"parallel.tp": 2, "train.compile": True}),
-    # the chunked loss gathers the head's input itself (async TP leaves it sequence-sharded)
-    "tp2-chunked-loss": (2, {"parallel.tp": 2, "train.loss_chunk_size": 16}),
+    # the others run the chunked loss (the default), which gathers the head's input itself; whole
+    # logits: the head's all-gather runs in the ring beside its GEMM (AllGatherMatmulHead)
+    "tp2-whole-logits": (2, {"parallel.tp": 2, "train.loss_chunk_size": 0}),
 }
 
 

@@ -103,7 +103,7 @@ def tp_time(
 
 def ring_pieces(seq: int, lay: Layout) -> int:
     """The pieces each tp rank's sequence chunk travels in under the async TP ring."""
-    return pieces_of(max(1, seq // (lay.cp * lay.tp)), max(1, lay.micro_batch_size))
+    return pieces_of(max(1, seq // (lay.cp * lay.tp)))
 
 
 def cp_time(shape: ModelShape, lay: Layout, seq: int, precision: str, hw: Hardware, gpus_per_node: int) -> float:

@@ -65,7 +65,7 @@ def ring_gather(x: Tensor, group: dist.ProcessGroup, consume: Callable[[int, Ten
     """All-gather of ``x`` along dim 1 as a ring, each rank's chunk in k pieces;
     ``consume(piece index, piece)`` runs on each piece (in the gathered order's numbering, n·k
     in all) as soon as it is here, while later pieces travel. Returns the gathered tensor."""
-    n, r, k = group.size(), group.rank(), pieces_of(x.shape[1], x.shape[0])
+    n, r, k = group.size(), group.rank(), pieces_of(x.shape[1])
     comm_stats.book("all_gather", x.numel() * x.element_size() * n, group)
     out: list[Tensor] = [x] * (n * k)
     cur = [t.contiguous() for t in x.chunk(k, 1)]
@@ -137,7 +137,7 @@ def all_gather_matmul(x: Tensor, weights: list[Tensor], group_name: str, dtype: 
     if transport == "symm_mem":
         gathered, outs = compat.symm_mem_all_gather_matmul(x.to(dt), [w.t() for w in ws], 1, group_name)
         return [gathered.to(x.dtype), *outs]
-    nk = group.size() * pieces_of(x.shape[1], x.shape[0])
+    nk = group.size() * pieces_of(x.shape[1])
     parts: list[list[Tensor]] = [[x] * nk for _ in ws]
 
     def consume(c: int, chunk: Tensor) -> None:
@@ -177,7 +177,7 @@ def all_gather_matmul_backward(
             dx = compat.symm_mem_matmul_reduce_scatter(g_cat, w_cat, 1, group_name)
             return [dx.to(gathered.dtype), *dws]
         n = group.size()
-        nk = n * pieces_of(gathered.shape[1] // n, gathered.shape[0])
+        nk = n * pieces_of(gathered.shape[1] // n)
 
         def produce(c: int) -> Tensor:
             return sum((_chunk(g, c, nk) @ w).to(gathered.dtype) for g, w in zip(gs, ws, strict=True))
@@ -221,7 +221,7 @@ def matmul_reduce_scatter(y: Tensor, weight: Tensor, group_name: str, dtype: str
     with torch.autocast(y.device.type, enabled=False):
         if transport == "symm_mem":
             return compat.symm_mem_matmul_reduce_scatter(y.to(dt), w.t(), 1, group_name)
-        k = pieces_of(y.shape[1] // group.size(), y.shape[0])
+        k = pieces_of(y.shape[1] // group.size())
         nk = group.size() * k
         return ring_reduce_scatter(lambda c: F.linear(_chunk(y, c, nk).to(dt), w), group, k)
 
@@ -239,7 +239,7 @@ def matmul_reduce_scatter_backward(
     """``[dy, dweight]``: the output gradient's chunks all-gathered over tp as a ring, each
     multiplied (input gradient rows, and its share of the weight gradient) while the next travels."""
     group, dt = compat.resolve_group(group_name), _dtype(dtype, y)
-    w, nk = weight.to(dt), group.size() * pieces_of(grad.shape[1], grad.shape[0])
+    w, nk = weight.to(dt), group.size() * pieces_of(grad.shape[1])
     with torch.autocast(y.device.type, enabled=False):
         if transport == "symm_mem":
             full, (dy,) = compat.symm_mem_all_gather_matmul(grad.to(dt), [w], 1, group_name)
