@@ -36,6 +36,7 @@ from meshforge.models.presets import get_preset
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.expert.dispatch import AllToAllDispatch, a2a_bytes_formula
 from meshforge.resolve import resolve
+from meshforge.run_plan import World
 from meshforge.train import train
 
 
@@ -164,24 +165,36 @@ COMMON = {
 CAPACITY = {"model.capacity_factor": 1.0, "model.load_balance": "bias", "model.bias_update_rate": 0.01}
 SHARED = {"model.num_shared_experts": 1}
 STAGES = {"parallel.pp": 2, "parallel.pp_layers": "[2,1]"}  # an MoE block on each stage: 0-1 | 2 + head
-TP2 = {"parallel.ep": 2, "parallel.tp": 2}  # ep 2 x tp 2 on 4 ranks (dp_shard 2, both borrowed by ep)
+# ep 2 in 2 chunks (parallel/expert/overlap.py); on one host ep_chunks = 0 (auto) would run one
+EP2 = {"parallel.ep": 2, "parallel.ep_chunks": 2}
+TP2 = {**EP2, "parallel.tp": 2}  # ep 2 x tp 2 on 4 ranks (dp_shard 2, both borrowed by ep)
 LAYOUTS = {  # name: (ranks, overrides); the reference is the single process with the extras its name says
-    "ep2": (2, {"parallel.ep": 2}),
-    "ep2-dp_shard4-zero3": (4, {"parallel.ep": 2, "parallel.dp_shard": 4, "parallel.zero_stage": 3}),
-    "ep2-capacity-bias": (2, {"parallel.ep": 2, **CAPACITY}),
+    "ep2": (2, {"parallel.ep": 2}),  # auto: one chunk inside a node
+    "ep2-dp_shard4-zero3": (4, {**EP2, "parallel.dp_shard": 4, "parallel.zero_stage": 3}),
+    "ep2-capacity-bias": (2, {**EP2, **CAPACITY}),
     "ep2-tp2": (4, TP2),  # sequence parallelism on (the default)
     "ep2-tp2-nosp-shared": (4, {**TP2, "parallel.sequence_parallel": False, **SHARED}),
     "ep2-hsdp-zero2": (
         4,
-        {"parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 2},
+        {**EP2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 2},
     ),
     # the first stage's balance and z-losses enter its own backward (parallel/pipeline/stage_aux.py)
-    "ep2-pp2-1f1b": (4, {"parallel.ep": 2, **STAGES, "parallel.pp_schedule": "1f1b"}),
+    "ep2-pp2-1f1b": (4, {**EP2, **STAGES, "parallel.pp_schedule": "1f1b"}),
     "pp2-gpipe": (2, {**STAGES, "parallel.pp_schedule": "gpipe"}),
     # f_i of the balance loss counts the whole micro-batch: summed over cp (parallel/context/moe.py)
     "cp2": (2, {"parallel.cp": 2}),
-    "ep2-cp2": (2, {"parallel.ep": 2, "parallel.cp": 2}),
+    "ep2-cp2": (2, {**EP2, "parallel.cp": 2}),
 }
+
+
+@pytest.mark.parametrize("per_node, want", [(2, 1), (4, 1), (1, 2), (None, 1)])
+def test_auto_chunks_only_where_the_ep_group_crosses_nodes(per_node, want):
+    """parallel.ep_chunks = 0 (the default) resolves to 2 where ep x tp neighbouring ranks outgrow
+    a node (a slow link to hide), else 1; a value given is kept."""
+    over = {"model.preset": "debug-moe", "parallel.ep": 2}
+    world = World(size=2, device="cpu", ranks_per_node=per_node)
+    assert resolve(load_config(None, over), world=world).layout.ep_chunks == want
+    assert resolve(load_config(None, {**over, "parallel.ep_chunks": 3}), world=world).layout.ep_chunks == 3
 
 
 def _reference_name(layout: str) -> str:

@@ -228,7 +228,17 @@ def test_chunked_all_to_alls_hide_beside_the_expert_gemms():
     assert four.step_time_s == pytest.approx(one.step_time_s - (one.time["ep_a2a"] - four.time["ep_a2a"]))
     lay = plan_layout(1, 1, 64, ep=8, ep_chunks=4, activation_checkpoint="none")
     # slow transfers hide only the GEMMs' time, slow GEMMs only the transfers' (x 3/4)
-    assert moe_costs.a2a_hidden(10.0, 3.0, lay) == pytest.approx((1.0 + 2.0) * 3 / 4)
-    assert moe_costs.a2a_hidden(2.0, 30.0, lay) == pytest.approx((1.0 + 1.0) * 3 / 4)
+    assert moe_costs.a2a_hidden(10.0, 3.0, lay, 8) == pytest.approx((1.0 + 2.0) * 3 / 4)
+    assert moe_costs.a2a_hidden(2.0, 30.0, lay, 8) == pytest.approx((1.0 + 1.0) * 3 / 4)
     full = lay.replace(activation_checkpoint="full")  # two forward passes of transfers and GEMMs
-    assert moe_costs.a2a_hidden(3.0, 4.0, full) == pytest.approx((2 * 1.0 + 1.0) * 3 / 4)
+    assert moe_costs.a2a_hidden(3.0, 4.0, full, 8) == pytest.approx((2 * 1.0 + 1.0) * 3 / 4)
+
+
+def test_auto_chunks_only_where_the_experts_cross_nodes():
+    """parallel.ep_chunks = 0 (the default): ep 8 inside an 8-GPU node runs one chunk (nothing hidden,
+    one all-to-all each way); ep 8 at stride tp 2 spans two nodes and runs two."""
+    s = from_preset("mixtral-8x7b")
+    inside, across = _est(s, ep=8), _est(s, ep=8, tp=2)
+    assert inside.time["ep_a2a_hidden"] == 0.0 and across.time["ep_a2a_hidden"] > 0
+    assert inside.time["ep_a2a"] == pytest.approx(_est(s, ep=8, ep_chunks=1).time["ep_a2a"])
+    assert across.time["ep_a2a_hidden"] == pytest.approx(_est(s, ep=8, tp=2, ep_chunks=2).time["ep_a2a_hidden"])

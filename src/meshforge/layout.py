@@ -58,10 +58,11 @@ class Layout:
     ep: int = 1
     """expert-parallel degree: each MoE block's experts split over this many data-parallel ranks (must divide
     `model.num_experts` and dp_shard × cp; see [moe.md](moe.md))"""
-    ep_chunks: int = 2
+    ep_chunks: int = 0
     """under ep > 1: each MoE layer's tokens go out in this many chunks, so one chunk's dispatch or combine
-    all-to-all runs while another chunk's experts compute (1: one all-to-all each way, nothing overlapped).
-    See [moe.md](moe.md)"""
+    all-to-all runs while another chunk's experts compute (1: one all-to-all each way, nothing overlapped);
+    `0` = auto: 2 where the ep group spans nodes, 1 inside a node (fast links: the chunks cost more than
+    they hide). See [moe.md](moe.md)"""
     zero_stage: int = 0
     """0 DDP; 1 optimizer state sharded (fp32: ZeroRedundancyOptimizer; bf16/fp8: bf16 working state, fp32
     master + Adam sharded, 4Ψ + 12Ψ/N, see [precision.md](precision.md)); 2 + gradients (FSDP2, params kept

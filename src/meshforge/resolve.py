@@ -1,8 +1,8 @@
 """A config resolved once against its world into the ``RunPlan`` every part reads.
 
 ``resolve`` fills every automatic value (device, precision, mixed-precision mode, the
-inferred degree, pipeline micro-batches, micro-batch size, warm-up, optimizer kernel,
-checkpoint cadence), checks the layout with ``parallel/dims/`` and what only the machine
+inferred degree, pipeline micro-batches, micro-batch size, expert-parallel chunks, warm-up,
+optimizer kernel, checkpoint cadence), checks the layout with ``parallel/dims/`` and what only the machine
 decides (a GPU to offload from, torchao for fp8), and takes each layout decision once. A
 value it must change (a warm-up longer than the run, a chunked loss a zero-bubble schedule
 cannot take on this torch) is a recorded ``Change`` with its reason, never a silent one.
@@ -100,6 +100,7 @@ def _layout(cfg: Config, world: World, precision: str) -> Layout:
         t.seq_len, t.global_batch_size, world.ranks_per_node, world.device, precision, t.compile, diloco=rules
     )
     dims.check(lay, cfg.shape, batch)
+    lay = lay.replace(ep_chunks=dims.ep_chunks_of(lay, world.ranks_per_node))
     if lay.pp > 1:  # (train.micro_batch_size = 0 stays: "the whole per-rank batch" is a rule, not a choice)
         return lay.replace(num_microbatches=lay.microbatches(t.global_batch_size))
     return lay

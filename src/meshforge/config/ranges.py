@@ -93,7 +93,7 @@ RANGES: dict[str, Span] = {
     "parallel.ep": whole(1, 2**20),
     "parallel.zero_stage": whole(0, 3),
     "parallel.ddp_bucket_mb": whole(1, 2**16),
-    "parallel.ep_chunks": whole(1, 1024),
+    "parallel.ep_chunks": whole(0, 1024),
     "parallel.pp_virtual_stages": whole(1, BLOCKS),
     "parallel.num_microbatches": whole(0, TOKENS),
     "train.steps": whole(1, MAX_STEPS),

@@ -289,7 +289,7 @@ def estimate(
     comp = _compute_time(shape, lay, seq, global_batch, precision, hw)
     c = _comm(shape, lay, seq, global_batch, precision, hw, gpus_per_node)
     compute_s = comp["gemm"] + comp["non_gemm"]
-    ep_hidden = moe_costs.a2a_hidden(c["ep"], comp["expert"], lay)
+    ep_hidden = moe_costs.a2a_hidden(c["ep"], comp["expert"], lay, gpus_per_node)
     after = comm.dp_after_step(shape, lay, precision, hw, gpus_per_node)
     if lay.ep > 1:  # (the experts' share is reduced over edp by FSDP, not ZeRO-1)
         after -= comm.dp_after_step(

@@ -26,6 +26,7 @@ from typing import Any
 from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.models.shape import ModelShape
+from meshforge.parallel.dims.experts import ep_chunks_of
 from meshforge.parallel.expert.dispatch import a2a_bytes_formula
 from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import Hardware
@@ -109,20 +110,20 @@ def a2a_seconds(
     if lay.ep <= 1 or shape.num_experts <= 0:
         return 0.0
     sent = a2a_bytes_formula(shape, int(tokens_per_rank), bpe, lay.ep)
-    exchanges = 4 * moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * lay.ep_chunks
+    exchanges = 4 * moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * ep_chunks_of(lay, gpus_per_node)
     if recompute == "full":
         sent, exchanges = sent * 1.5, exchanges * 1.5
     bw, alpha = hw.link("all_to_all", lay.tp * lay.ep <= gpus_per_node)
     return sent / bw + exchanges * 1.25 * (lay.ep - 1) * alpha
 
 
-def a2a_hidden(a2a_s: float, expert_s: float, lay: Layout) -> float:
+def a2a_hidden(a2a_s: float, expert_s: float, lay: Layout, gpus_per_node: int) -> float:
     """Seconds of the all-to-alls that ``parallel.ep_chunks`` = C hides beside the experts'
     GEMMs (parallel/expert/overlap.py): per MoE block and pass the 2C transfers go one at a time,
     each beside another chunk's experts, and only the first dispatch and the last combine wait,
     so a pass hides min(its transfers, its expert GEMMs) x (C-1)/C. Forward and backward move
     the same bytes; backward's GEMMs are twice forward's (a full recomputation adds a forward)."""
-    c = lay.ep_chunks
+    c = ep_chunks_of(lay, gpus_per_node)  # (0: auto, chunked only across nodes)
     if c <= 1 or a2a_s <= 0:
         return 0.0
     fwd = 2 if lay.activation_checkpoint == "full" else 1

@@ -46,7 +46,7 @@ from .core import SYNC_DTYPES, Batch, DiLoCoRules, Problem
 from .data import _batch, _data_parallel, _offload, casts_once, gathers_weights, offload_problem, uses_flat_zero1
 from .degrees import rank_layout, resolve_degrees
 from .diloco import diloco_problems
-from .experts import _experts
+from .experts import _experts, ep_chunks_of
 from .partial import CONFIG, OFFLOAD, RECOMPUTE, Spelling, partial_problems
 from .pipeline import _pipeline
 from .tensor import _async_tp, _tensor_parallel, async_tp_mode, tp_divides_heads
@@ -67,6 +67,7 @@ __all__ = [  # the layout data lives in meshforge/layout.py; the rules here
     "Spelling",
     "async_tp_mode",
     "casts_once",
+    "ep_chunks_of",
     "check",
     "diloco_problems",
     "gathers_weights",

@@ -48,6 +48,18 @@ def _experts(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:
         )
 
 
+def ep_chunks_of(d: Layout, ranks_per_node: int | None) -> int:
+    """``parallel.ep_chunks`` as a run uses it: ``0`` (auto) is 2 where the ep group's all-to-alls
+    cross nodes (its ep x tp neighbouring ranks outgrow one node's ``ranks_per_node``: a slow link
+    worth hiding under the experts) and 1 inside a node, where the chunks' smaller expert GEMMs
+    and extra all-to-alls cost more than a fast link's transfers hide (bench/bench_overlap.py:
+    debug-moe's chunked step on a CPU's loopback, 2.3x the one-chunk step). Not knowing the node
+    (None: no launcher told us) counts as inside one."""
+    if d.ep_chunks:
+        return d.ep_chunks
+    return 2 if d.ep > 1 and ranks_per_node is not None and d.ep * d.tp > ranks_per_node else 1
+
+
 def _moe_unsupported(d: Layout) -> Iterator[Problem]:
     """Mixtures of experts under axes that this version does not run them on (each is refused
     until an equivalence test covers it): tp without ep would leave the experts to the dense
