@@ -58,12 +58,12 @@ ALLOWED: dict[str, set[str]] = {
     "launch": {"errors", "launcher_tie", "startup_gc"},
     "cli_train": {
         *("checkpoint", "config", "errors", "fit", "launch", "launch_env", "launcher_tie", "models", "report"),
-        *("resolve", "run_lock", "train", "disk", "startup_gc"),
+        *("resolve", "run_lock", "train", "disk"),
     },
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
         *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
-        *("cli_train", "run_files", "out_paths", "health"),
+        *("cli_train", "run_files", "out_paths", "health", "startup_gc"),
     },
     "__main__": {"cli"},
 }

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshforge import launch_env, startup_gc
+from meshforge import launch_env
 from meshforge.disk import check_name_length
 from meshforge.errors import ConfigError, MeshforgeError, suggest
 from meshforge.launcher_tie import tie_to_launcher
@@ -89,14 +89,6 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 
 
 def cmd_train(argv: list[str]) -> int:
-    startup_gc.pause()  # until the long-running part starts (startup_gc.py): ~1.3 s of CPU less per process
-    try:
-        return _cmd_train(argv)
-    finally:
-        startup_gc.resume()
-
-
-def _cmd_train(argv: list[str]) -> int:
     tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
         from meshforge.config.reference import describe_keys
