@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {
         *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "hooks", "launch_env", "metrics"),
         "models",
-        *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan", "run_files"),
+        *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan", "run_files", "startup_gc"),
     },
     # the analysing side: the shared core only (see SHARED_CORE)
     "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},
@@ -51,10 +51,11 @@ ALLOWED: dict[str, set[str]] = {
     "run_files": set(),  # what meshforge writes into a run directory (never over what it did not)
     "out_paths": {"disk", "errors", "run_files"},  # where convert and report write, checked first
     "launcher_tie": set(),
+    "startup_gc": set(),  # the collector paused while a train process starts (its imports)
     "peer_lost": {"health", "launch_env"},
     # the top: what drives the rest
     "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "run_plan", "train"},
-    "launch": {"errors", "launcher_tie"},
+    "launch": {"errors", "launcher_tie", "startup_gc"},
     "cli_train": {
         *("checkpoint", "config", "errors", "fit", "launch", "launch_env", "launcher_tie", "models", "report"),
         *("resolve", "run_lock", "train", "disk"),
@@ -62,7 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
         *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
-        *("cli_train", "run_files", "out_paths", "health"),
+        *("cli_train", "run_files", "out_paths", "health", "startup_gc"),
     },
     "__main__": {"cli"},
 }
@@ -81,6 +82,7 @@ RUNNING = (
     "disk",
     "run_lock",
     "launcher_tie",
+    "startup_gc",
     "peer_lost",
     "fit",
     "host_limits",

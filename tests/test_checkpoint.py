@@ -208,20 +208,30 @@ def test_max_restarts_needs_checkpoints(tmp_path, corpus):
     assert r.returncode == 2 and "needs checkpoint.interval > 0" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def clean_two_ranks(tmp_path_factory, corpus):
+    """The uninterrupted 2-rank run both elastic restarts are held to, trained once: saving
+    in the background or not leaves the losses bit for bit the same (as
+    test_background_saves_hold_the_state_of_their_step shows in one process)."""
+    clean = tmp_path_factory.mktemp("clean") / "run"
+    over = {**COMMON, "checkpoint.interval": 4}
+    r = run_cli("train", "--nproc", "2", *cli_args(tiny_overrides(clean, corpus, **over)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return clean
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, background",
     [("kill:rank=1:step=6", False), ("kill:rank=1:save=8", True)],
     ids=["mid-run", "mid-async-save"],
 )
-def test_elastic_restart_resumes_exactly(fault, background, tmp_path, corpus):
+def test_elastic_restart_resumes_exactly(fault, background, clean_two_ranks, tmp_path, corpus):
     """2 ranks under the elastic agent: a rank SIGKILLed after step 6 (or while the
     background save of step 8 is being written) is restarted with its peer, resumes from
     the last complete checkpoint and reproduces the uninterrupted run bit for bit."""
     over = {**COMMON, "checkpoint.interval": 4, "checkpoint.async": background}
-    clean = tmp_path / "clean"
-    r = run_cli("train", "--nproc", "2", *cli_args(tiny_overrides(clean, corpus, **over)))
-    assert r.returncode == 0, r.stderr[-3000:]
+    clean = clean_two_ranks
     d = tmp_path / "faulty"
     r = run_cli(
         "train",

@@ -11,7 +11,7 @@ from conftest import assert_run_matches, layout_runner, reference_runner
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
+STEPS = 3
 COMMON = {
     "model.hidden": 64,
     "model.heads": 4,

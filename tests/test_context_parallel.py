@@ -125,7 +125,7 @@ def test_cp_composes_with_hsdp_and_zero1(tmp_path, corpus):
         resolve(_config(tmp_path, corpus, **over), 4)
 
 
-STEPS = 4
+STEPS = 3
 COMMON = {
     "model.hidden": 64,
     "model.heads": 4,

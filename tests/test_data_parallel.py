@@ -1,6 +1,6 @@
 """Every data-parallel layout reproduces the single-process run (fp32, gloo, CPU).
 
-Each layout trains 5 steps with gradient accumulation (2 micro-batches per rank) and
+Each layout trains 3 steps with gradient accumulation (2 micro-batches per rank) and
 active clipping; losses, gradient norms and the gathered final weights must match the
 single-process reference to 1e-5 relative. The same runs check the state memory and the
 communication each rank reports against the ZeRO accounting.
@@ -18,7 +18,7 @@ from meshforge.train import train
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 3
 
 
 def common(global_batch):

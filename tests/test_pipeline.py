@@ -1,6 +1,6 @@
 """Pipeline parallelism reproduces the single-process run (fp32, gloo, CPU): every schedule
 at pp = 2, 1F1B and interleaved 1F1B at pp = 4, and pp composed with FSDP, with tensor
-parallelism, and both (8 ranks). Each layout trains 4 steps of 16 sequences with active
+parallelism, and both (8 ranks). Each layout trains 3 steps of 16 sequences with active
 clipping; losses, gradient norms, validation loss and the gathered final weights must match
 the single-process reference to 1e-5 relative (weights per tensor by norm, as in
 test_data_parallel). Also: the stage split, the bubble and in-flight bookkeeping, the Gantt
@@ -30,7 +30,7 @@ from meshforge.parallel.pipeline.stage_aux import StageAux
 from meshforge.resolve import resolve
 from meshforge.train import train
 
-STEPS = 4
+STEPS = 3
 COMMON = {
     "model.hidden": 64,
     "model.heads": 4,

@@ -1,7 +1,7 @@
 """Tensor parallelism (with and without sequence parallelism, alone and under data
 parallelism) reproduces the single-process run (fp32, gloo, CPU).
 
-Each layout trains 5 steps of 8 sequences with gradient accumulation and active clipping;
+Each layout trains 3 steps of 8 sequences with gradient accumulation and active clipping;
 losses, gradient norms, validation loss and the gathered final weights must match the
 single-process reference to 1e-5 relative. The model has 8 query and 4 key/value heads,
 so tp = 4 splits grouped-query attention down to one kv head per rank.
@@ -13,8 +13,8 @@ in either direction, so a few single elements may differ by ~1e-5 absolute even 
 runs agree everywhere else. A per-element test would measure that, not parallelism.
 For the same reason the weights' difference scales with the learning rate (Adam turns a
 gradient's relative round-off into an absolute weight error of about lr x that), so these
-runs use lr = 1e-3: at 3e-3 the smallest tensors (w2, initialised at std 0.01) sit right at
-1e-5 after 5 steps.
+runs use lr = 1e-3: at 3e-3 the smallest tensors (w2, initialised at std 0.01) sat right at
+1e-5 after 5 steps (measured when these runs took 5; 3 check the same equivalence).
 """
 
 import json
@@ -26,7 +26,7 @@ from meshforge.checkpoint.weights import load_weights
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 3
 SHAPE = {"model.hidden": 64, "model.heads": 8, "model.kv_heads": 4, "model.ffn_hidden": 128, "model.layers": 2}
 COMMON = {
     **SHAPE,

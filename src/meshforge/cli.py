@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from meshforge import __version__, launch_env
+from meshforge import __version__, launch_env, startup_gc
 from meshforge.disk import DiskError, check_name_length, describe
 from meshforge.errors import ConfigError, MeshforgeError
 from meshforge.out_paths import check_file_out, check_out_dir, check_profile_out, check_report_out
@@ -224,6 +224,8 @@ def entry() -> None:
     leaves with os._exit: torch's process-group teardown at interpreter exit can abort it
     (SIGABRT, "terminate called without an active exception") once its peers are gone, and
     the launcher would then report -6 instead of the documented exit code (docs/health.md)."""
+    if sys.argv[1:2] == ["train"]:
+        startup_gc.pause()  # a train process, until its long part starts (startup_gc.py); not for in-process main()
     code = main()
     if code and launch_env.under_launcher() and launch_env.world_size() > 1:
         sys.stdout.flush()

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+from meshforge import startup_gc
 from meshforge.errors import ConfigError
 from meshforge.launcher_tie import LAUNCHER_ENV
 
@@ -59,6 +60,7 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launcher_tie.py)
     stop = StopForwarding(forward)
+    startup_gc.resume()  # the launcher now waits on its ranks, for as long as they train
     try:
         with stop:
             run(args)

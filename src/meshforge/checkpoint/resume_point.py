@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshforge.checkpoint import sharded
 from meshforge.checkpoint.saver import resolve_load
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
@@ -58,6 +57,8 @@ def check_resumable(path: Path, meta: dict[str, Any], plan: RunPlan, sequences: 
             f"{sequences} (train.seed, train.seq_len or the data changed); set them back to resume, or start a new "
             "run (checkpoint.load = none or another run.dir)"
         )
+    from meshforge.checkpoint import sharded  # (here: it imports DCP, which a fresh run's launcher never needs)
+
     saved = sharded.read_train_state(path)
     if saved is not None:
         check_train_state(said, saved, meta_path)

@@ -11,17 +11,19 @@ no storage transforms. Tensor data itself is read by DCP with ``torch.load(weigh
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from meshforge.errors import MeshforgeError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
 
 # (module, name) pairs a DCP .metadata may name; anything else is refused before it is built
 _DCP_CLASSES = {
@@ -87,6 +89,8 @@ def read_metadata(path: Path) -> dcp_metadata.Metadata:
 
 def _check(md: Any, path: Path) -> None:
     """Tensors only, in plain files beside the metadata, with no storage transforms."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata  # (here: DCP costs ~1.5 s to import)
+
     if not isinstance(md, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{path} holds a {type(md).__name__}, not DCP metadata")
     entries = md.state_dict_metadata
@@ -112,14 +116,26 @@ def _check(md: Any, path: Path) -> None:
             )
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with its metadata read by ``read_metadata`` (never ``pickle.load``)."""
+def safe_reader(path: str) -> Any:
+    """DCP's file reader over ``path`` with its metadata read by ``read_metadata`` (never
+    ``pickle.load``). Built on first use, so that importing this module (every launcher's
+    pre-flight does, through store.py) does not import DCP."""
+    return _reader_class()(path)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        md = read_metadata(Path(self.path) / name)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+
+@functools.cache
+def _reader_class() -> type:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            md = read_metadata(Path(self.path) / name)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = dcp_metadata.StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeFileSystemReader

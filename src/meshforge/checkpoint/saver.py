@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint import store
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.hooks import RunHooks
 
@@ -70,6 +70,8 @@ class CheckpointSaver:
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], background: bool) -> None:
         """Save ``state`` (from sharded.training_state) and ``meta`` (rank 0's) as step ``step``."""
+        from meshforge.checkpoint import sharded  # (here: the launcher's pre-flight imports this module, not DCP)
+
         t0 = time.perf_counter()
         self.wait()
         tmp = self.root / store.tmp_dir_name(step)

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from meshforge.checkpoint.safe_metadata import SafeFileSystemReader, read_metadata
+from meshforge.checkpoint.safe_metadata import read_metadata, safe_reader
 from meshforge.compat import dcp_stager_reusable
 
 # A world of one saves and loads without a process group, which DCP announces every time --
@@ -136,11 +136,11 @@ def staging_is_pinned() -> bool:
     return bool(s is not None and s._config.use_pinned_memory)
 
 
-def _reader(path: Path) -> SafeFileSystemReader:
+def _reader(path: Path) -> dcp.FileSystemReader:
     """A reader over ``path`` whose metadata was checked first: DCP swallows a reader's error
     and retries with per-rank metadata, which would hide the reason behind its own."""
     read_metadata(Path(path) / ".metadata")
-    return SafeFileSystemReader(str(path))
+    return safe_reader(str(path))
 
 
 def load(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,10 +19,14 @@ from torch import nn
 
 from meshforge.errors import ConfigError, MeshforgeError
 from meshforge.manifest import read_manifest
-from meshforge.models.hf import check_weights_hold, load_hf_checkpoint, read_hf_config, shape_from_hf_config, unwrap
-from meshforge.models.llama import Transformer, build_model
 from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
+
+if TYPE_CHECKING:
+    from meshforge.models.llama import Transformer
+
+# models.hf and models.llama are imported where weights are built or read: the launcher's
+# pre-flight imports this module for shape checks only, and they pull in DTensor (~1.5 s CPU).
 
 FORMAT = "meshforge-weights"
 VERSION = 1
@@ -44,6 +49,8 @@ def save_weights(args: ModelShape, state_dict: dict[str, torch.Tensor], path: st
 
 def save_model_weights(model: nn.Module, path: str | Path) -> Path:
     """``save_weights`` for an unsharded model (or a DDP/compile wrapper around one)."""
+    from meshforge.models.hf import unwrap
+
     m = unwrap(model)
     return save_weights(m.shape, m.state_dict(), path)
 
@@ -63,6 +70,8 @@ def _weights_shape(p: Path) -> ModelShape:
 
 def pretrained_shape(path: str | Path) -> ModelShape:
     """The shape of the weights at ``path`` (meshforge or Hugging Face), read without the weights."""
+    from meshforge.models.hf import read_hf_config, shape_from_hf_config
+
     p = Path(path)
     if (p / "meshforge.json").is_file():
         return _weights_shape(p)
@@ -72,6 +81,9 @@ def pretrained_shape(path: str | Path) -> ModelShape:
 
 
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
+    from meshforge.models.hf import check_weights_hold
+    from meshforge.models.llama import build_model
+
     p = Path(path)
     args = _weights_shape(p)
     check_weights_hold(args, [p / "model.safetensors"], p / "meshforge.json")
@@ -97,6 +109,8 @@ def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transf
 
 def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
     """Weights from a meshforge weights directory or a Hugging Face Llama directory."""
+    from meshforge.models.hf import load_hf_checkpoint, read_hf_config
+
     p = Path(path)
     if not p.is_dir():
         raise MeshforgeError(f"{p} does not exist or is not a directory of weights")

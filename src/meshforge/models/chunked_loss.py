@@ -20,8 +20,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshforge.models.eager import eager_only
 
@@ -114,7 +112,12 @@ def _apply_outside_graphs(*args):  # noqa: ANN002, ANN202
 
 def _local_head(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup | None, int]:
     """Plain tensors pass through; a vocab-sharded DTensor head gives its local rows, its
-    mesh's group and its first vocabulary id (the hidden states' gradient is a partial sum)."""
+    mesh's group and its first vocabulary id (the hidden states' gradient is a partial sum).
+    DTensor is imported here, not with the module: the planner (every launcher's pre-flight)
+    imports the models, and DTensor costs ~1.2 s of CPU to import."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if not isinstance(w, DTensor):
         return x, w, None, 0
     if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):

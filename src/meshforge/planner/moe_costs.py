@@ -27,7 +27,6 @@ from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.dims.experts import ep_chunks_of
-from meshforge.parallel.expert.dispatch import a2a_bytes_formula
 from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import Hardware
 
@@ -109,6 +108,8 @@ def a2a_seconds(
     fits in one), with (ep-1) latency steps per exchange and one more for the token counts."""
     if lay.ep <= 1 or shape.num_experts <= 0:
         return 0.0
+    from meshforge.parallel.expert.dispatch import a2a_bytes_formula  # (here: it imports FSDP, DTensor)
+
     sent = a2a_bytes_formula(shape, int(tokens_per_rank), bpe, lay.ep)
     exchanges = 4 * moe_layers_on_stage(shape, lay.pp) * lay.num_microbatches * ep_chunks_of(lay, gpus_per_node)
     if recompute == "full":

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshforge import faults, launch_env, run_lock
+from meshforge import faults, launch_env, run_lock, startup_gc
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.config import Config
@@ -155,6 +155,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to train.steps (or a stop request); returns the summary."""
+        startup_gc.resume()  # (paused while the process started: startup_gc.py)
         try:
             with StopRequest(self.mesh, self.log.say) as stop:
                 result = self._fit(stop)
