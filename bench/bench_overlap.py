@@ -17,8 +17,7 @@ run (off: async_tp false, ep_chunks 1, one huge ZeRO-1/DDP bucket; on: the overl
 
 and the planner's figures for the same layout and link (planner/estimate.py with a profile of
 this CPU: the cpu preset with its compute scaled to the unthrottled step, its inter-node link
-the probed one, its ``comm_overlap`` measured on that link as ``meshforge calibrate`` measures
-it, one rank per node): predicted exposed and hidden. Medians over the steps after
+the probed one, one rank per node): predicted exposed and hidden. Medians over the steps after
 ``--skip``; every ratio comes from runs of the same invocation.
 
     sudo python bench/bench_overlap.py                       # every axis
@@ -198,10 +197,7 @@ PROBE = textwrap.dedent("""
             for _ in range(3):
                 dist.barrier(); t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
             out.setdefault(kind, []).append((4 * n, sorted(ts)[1]))
-    from meshforge.calibration.collectives import comm_overlap  # what `meshforge calibrate` measures
-    overlap = comm_overlap(torch.device("cpu"), 3)
     if dist.get_rank() == 0:
-        out["overlap"] = overlap
         open(sys.argv[1], "w").write(json.dumps(out))
 """)
 
@@ -213,21 +209,18 @@ def fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-def probe(link: str, rate_bps: float, a: argparse.Namespace) -> tuple[dict[str, tuple[float, float]], float]:
+def probe(link: str, rate_bps: float, a: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Per collective kind, (alpha seconds, beta wire bytes/s) on the throttled link between the
     two hosts, fitted over messages of 1/32 .. 1 second at the nominal rate: gloo's collectives
     do not all reach the same rate (its reduce-scatter, for one, runs no faster than an all-reduce
-    of the same input), so each kind of the step's traffic is priced by its own. And the share of
-    an all-reduce that hides beside matmuls on that link (``comm_overlap``, as a calibrated profile
-    has it: the cpu preset's 1.0 assumes communication on an engine of its own)."""
+    of the same input), so each kind of the step's traffic is priced by its own."""
     with SimHosts(2, link) as hosts, tempfile.TemporaryDirectory() as t:
         script, out = Path(t) / "probe.py", Path(t) / "probe.json"
         script.write_text(PROBE)
         top = int(min(2**19, rate_bps / 8 / 4))  # fp32 elements: 4 bytes each
         launch(hosts, [str(script), str(out), str(top)], Path(t), a.timeout)
         pts = json.loads(out.read_text())
-    overlap = pts.pop("overlap")
-    return {kind: fit(p) for kind, p in pts.items()}, overlap
+    return {kind: fit(p) for kind, p in pts.items()}
 
 
 def alone(moved: dict[str, float], links: dict[str, tuple[float, float]], via: dict[str, str] | None = None) -> float:
@@ -266,9 +259,7 @@ def link_bytes(recs: list[dict], skip: int) -> dict[str, float]:
 PLANNER_KINDS = {"p2p": "send_recv"}  # the planner's name of a probed kind, where it differs
 
 
-def predicted(
-    config_toml: str, links: dict[str, tuple[float, float]], fast_s: float, overlap: float = 1.0
-) -> dict[str, float]:
+def predicted(config_toml: str, links: dict[str, tuple[float, float]], fast_s: float) -> dict[str, float]:
     """The planner's step on this link and unthrottled, with the cpu preset's compute scaled so its
     unthrottled step is the measured one and each collective priced at the probed kind's alpha and
     beta: {"slow", "fast", and each term of the throttled step}."""
@@ -297,7 +288,7 @@ def predicted(
     alpha, beta = links["all_gather"]
     per_kind = {PLANNER_KINDS.get(k, k): [al, be] for k, (al, be) in links.items()}
     slow_hw = replace(fast_hw, inter_bw=beta, inter_latency=alpha, intra_bw=beta, intra_latency=alpha)
-    slow_hw = replace(slow_hw, collectives=per_kind, comm_overlap=overlap)
+    slow_hw = replace(slow_hw, collectives=per_kind)
     slow, fast = run(slow_hw), run(fast_hw)
     out = {"slow": slow.step_time_s, "fast": fast.step_time_s}
     out.update({f"t_{k}": v for k, v in slow.time.items()})
@@ -336,7 +327,7 @@ def measure(name: str, row: Row, a: argparse.Namespace) -> dict:
     ratio = row.comm_ratio or a.comm_ratio
     rate = max(8e5, sum(moved.values()) / (ratio * step_time(recs, a.skip)) * 8)  # bits/s: comm at line rate
     link = f"rate {int(rate / 1e3)}kbit"
-    links, overlap = probe(link, rate, a)
+    links = probe(link, rate, a)
     for rep in range(a.repeats):
         for speed, kind in [(s, k) for s in ("fast", "slow") for k in settings]:
             if rep == 0 and (speed, kind) == ("fast", "on"):
@@ -346,7 +337,6 @@ def measure(name: str, row: Row, a: argparse.Namespace) -> dict:
     comm = alone(moved, links, row.on_via)
     waits = alone({k: v for k, v in moved.items() if k in row.exposed_kinds}, links)
     out = {"row": name, "link": link, "links": links, "bytes": moved, "comm_s": comm, "by_design_s": waits}
-    out["overlap"] = overlap
     for k in settings:
         fast, slow = (statistics.median(times[(sp, k)]) for sp in ("fast", "slow"))
         exposed = slow - fast
@@ -361,7 +351,7 @@ def measure(name: str, row: Row, a: argparse.Namespace) -> dict:
 
 def with_prediction(out: dict) -> dict:
     """The planner's figures for a measured row (its layout, link and unthrottled step)."""
-    p = predicted(out["config"], out["links"], out["on"]["fast_s"], out.get("overlap", 1.0))
+    p = predicted(out["config"], out["links"], out["on"]["fast_s"])
     out["predicted"] = {"exposed_s": p["slow"] - p["fast"], "axis": planner_hidden(p, out["axis"]), "terms": p}
     return out
 
@@ -374,7 +364,7 @@ def report(r: dict) -> None:
         f" | step fast {on['fast_s']:7.3f} slow {on['slow_s']:7.3f}"
         f" | exposed {on['exposed_s']:7.3f} hidden {100 * on['hidden']:5.1f}%"
         f" | planner exposed {p['exposed_s']:7.3f} ({100 * (p['exposed_s'] / on['exposed_s'] - 1):+5.1f}%)"
-        f" hidden {100 * p['axis'][1]:5.1f}% (comm_overlap {r.get('overlap', 1.0):.2f})"
+        f" hidden {100 * p['axis'][1]:5.1f}%"
     )
     if "off" in r:
         off = r["off"]
