@@ -95,11 +95,12 @@ def rows(a: argparse.Namespace) -> dict[str, Row]:
             "--model.preset=debug-moe", f"--model.hidden={e}", f"--model.moe_ffn_hidden={2 * e}", "--model.heads=8",
             "--model.kv_heads=4", "--model.first_dense_layers=0", f"--train.seq_len={s}", "--model.layers=2",
         ]  # fmt: skip
+    tp_extra = [f"--model.layers={a.tp_layers}"] + (["--train.loss_chunk_size=0"] if a.tp_whole_logits else [])
     big = "--parallel.ddp_bucket_mb=65536"  # one bucket (the largest the range allows): reduced after backward
     return {
         # GEMMs beside the collectives are all async TP can hide behind: the tp row's width makes
         # them most of the step, as in the models meshforge is for (--tp-hidden)
-        "tp": Row("tp", [*width(a.tp_hidden), *batch, TP], ON_TP, OFF_TP, on_via=RING),
+        "tp": Row("tp", [*width(a.tp_hidden), *batch, TP, *tp_extra], ON_TP, OFF_TP, on_via=RING),
         "ep": Row(
             "ep",
             [*moe, *batch, "--parallel.dp_shard=2", "--parallel.ep=2"],
@@ -190,13 +191,14 @@ PROBE = textwrap.dedent("""
 
     out = {}
     top = int(sys.argv[2])  # elements of the largest (about a second on the link)
+    reps = int(sys.argv[3])
     for n in (max(256, top // 32), max(1024, top // 8), max(2048, top // 2), max(4096, top)):
         for kind, fn in ops(n).items():
             fn(); dist.barrier()
             ts = []
-            for _ in range(3):
+            for _ in range(reps):
                 dist.barrier(); t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-            out.setdefault(kind, []).append((4 * n, sorted(ts)[1]))
+            out.setdefault(kind, []).append((4 * n, sorted(ts)[len(ts) // 2]))
     if dist.get_rank() == 0:
         open(sys.argv[1], "w").write(json.dumps(out))
 """)
@@ -211,14 +213,17 @@ def fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
 
 def probe(link: str, rate_bps: float, a: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Per collective kind, (alpha seconds, beta wire bytes/s) on the throttled link between the
-    two hosts, fitted over messages of 1/32 .. 1 second at the nominal rate: gloo's collectives
-    do not all reach the same rate (its reduce-scatter, for one, runs no faster than an all-reduce
-    of the same input), so each kind of the step's traffic is priced by its own."""
+    two hosts, fitted over messages of 1/128 .. 1/4 second at the nominal rate (the median of
+    ``--probe-repeats`` timed calls each): gloo's collectives do not all reach the same rate (its
+    reduce-scatter, for one, runs no faster than an all-reduce of the same input), so each kind
+    of the step's traffic is priced by its own."""
     with SimHosts(2, link) as hosts, tempfile.TemporaryDirectory() as t:
         script, out = Path(t) / "probe.py", Path(t) / "probe.json"
         script.write_text(PROBE)
-        top = int(min(2**19, rate_bps / 8 / 4))  # fp32 elements: 4 bytes each
-        launch(hosts, [str(script), str(out), str(top)], Path(t), a.timeout)
+        # fp32 elements, 4 bytes each: the largest message about a quarter second at the nominal
+        # rate (at most 8 MiB), where the per-message latency no longer blurs the rate
+        top = int(min(2**21, rate_bps / 8 / 4 / 4))
+        launch(hosts, [str(script), str(out), str(top), str(a.probe_repeats)], Path(t), a.timeout)
         pts = json.loads(out.read_text())
     return {kind: fit(p) for kind, p in pts.items()}
 
@@ -383,6 +388,9 @@ def main() -> None:
     ap.add_argument("--axes", nargs="*", default=["tp", "ep", "zero1", "dp", "pp", "cp"])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--tp-hidden", type=int, default=1024, help="the tp row's model width")
+    ap.add_argument("--tp-layers", type=int, default=2, help="the tp row's blocks (the ends' collectives: 2 of 4L+2)")
+    ap.add_argument("--tp-whole-logits", action="store_true", help="tp: whole logits (the head in the ring)")
+    ap.add_argument("--probe-repeats", type=int, default=5, help="timed calls per probe message")
     ap.add_argument("--ep-hidden", type=int, default=0, help="a wider ep row: this width, experts twice it")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)

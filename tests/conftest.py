@@ -13,9 +13,17 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def pytest_collection_modifyitems(config, items):
-    """CUDA tests run on a GPU machine (bench/gpu/run.sh); elsewhere they are skipped, saying why."""
+    """CUDA tests run on a GPU machine (bench/gpu/run.sh); elsewhere they are skipped, saying why.
+    Under pytest-xdist (README's ``-n 2 --dist loadfile``) the files with the most slow tests go
+    first, so that the workers end together instead of one idling while the other runs a heavy
+    file it was handed last."""
     import torch
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow: dict[str, int] = {}
+        for item in items:
+            slow[str(item.path)] = slow.get(str(item.path), 0) + ("slow" in item.keywords)
+        items.sort(key=lambda item: -slow[str(item.path)])  # stable: each file's own order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run bench/gpu/run.sh on one")

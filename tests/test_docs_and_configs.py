@@ -27,7 +27,7 @@ def test_readme_starts_with_the_two_commands():
     text = (ROOT / "README.md").read_text()
     head = text[: text.index("meshforge trains")]
     assert "meshforge train --config configs/debug.toml" in head
-    test_cmd = "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q"
+    test_cmd = "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q -n 2 --dist loadfile"
     assert test_cmd in head
     assert test_cmd in (ROOT / ".ci" / "run").read_text()
 
