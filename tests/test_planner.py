@@ -4,7 +4,6 @@ interface, bad input, and an emitted config that trains."""
 
 import json
 import re
-import time
 from dataclasses import replace
 
 import pytest
@@ -269,12 +268,12 @@ def test_tp_collectives_per_layer_follow_megatron():
 # ----------------------------------------------------------------------------- search
 
 
-def test_405b_on_16384_gpus_is_searched_in_seconds():
-    t0 = time.perf_counter()
+def test_405b_on_16384_gpus_is_searched_estimating_hundreds_of_layouts():
+    """The search estimates a few hundred layouts (528 today), not every product of the axes;
+    its seconds are bench/bench_planner_speed.py's to time (no timed assertion here: under a
+    loaded CI machine a wall-clock bound fails for reasons that are not the planner's)."""
     results, considered = search(from_preset("llama3.1-405b"), H100, 16384, 8, 2048, 8192, "bf16", open_layout())
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 10, elapsed
-    assert considered > 100 and results
+    assert 100 < considered < 2000 and results
     best = results[0]
     assert best.fits and best.memory["total"] <= 80
     assert best.layout.tp * best.layout.pp * best.layout.dp * best.layout.cp == 16384
