@@ -377,6 +377,8 @@ def report(r: dict) -> None:
             f" | off: fast {off['fast_s']:7.3f} slow {off['slow_s']:7.3f} exposed {off['exposed_s']:7.3f}"
             f" hidden {100 * off['hidden']:5.1f}%"
             f" speed-up {off['slow_s'] / on['slow_s']:4.2f}x"
+            # no probe in it: the share of what the path without overlap waits for that this one does not
+            f" | on hides {100 * (1 - on['exposed_s'] / off['exposed_s']):5.1f}% of off's exposed"
         )
     if "hidden_rest" in on:
         line += f" | less the {r['by_design_s']:.3f} s exposed by design: hidden {100 * on['hidden_rest']:5.1f}%"
