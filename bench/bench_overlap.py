@@ -190,8 +190,8 @@ PROBE = textwrap.dedent("""
         }
 
     out = {}
-    top = int(sys.argv[2])  # elements of the largest (about a second on the link)
-    reps = int(sys.argv[3])
+    top = int(sys.argv[2])  # elements of the largest (about a quarter second on the link)
+    reps = int(sys.argv[3])  # timed calls per size (the median counts)
     for n in (max(256, top // 32), max(1024, top // 8), max(2048, top // 2), max(4096, top)):
         for kind, fn in ops(n).items():
             fn(); dist.barrier()
