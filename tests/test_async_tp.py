@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import cli_args, run_cli, tiny_overrides
+from conftest import cli_args, reorder_bound, run_cli, tiny_overrides
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.tensor.async_tp import AllGatherMatmul, MatmulReduceScatter
 
@@ -40,6 +40,15 @@ def _rows(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
     return t.chunk(n, dim)[r]
 
 
+def _fp32_tol(x: torch.Tensor, ws: list[torch.Tensor], k: int) -> dict:
+    """The ring adds each output's k products (and each gradient's B·S or k) in pieces, in a
+    rank-dependent order: fp32 sums in another order, bounded by reorder_bound over the largest
+    sum of |terms| -- |x|·|w|ᵀ for the outputs; the gradients' terms are of the same size here
+    (unit normals throughout), so the largest of B·S and k terms bounds them all."""
+    mag = max(float((x.abs() @ w.abs().T).max()) for w in ws)
+    return {"rtol": 0.0, "atol": reorder_bound(max(k, B * S), mag)}
+
+
 def _check_column(r: int, n: int, group, dtype: torch.dtype) -> None:
     x, ws, gys, *_ = _full_problem()
     x_ref = x.clone().requires_grad_()
@@ -54,7 +63,7 @@ def _check_column(r: int, n: int, group, dtype: torch.dtype) -> None:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         ys = AllGatherMatmul(group)(xs, lins)
     sum((y.float() * _rows(g, r, n, 2)).sum() for y, g in zip(ys, gys, strict=True)).backward()
-    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    tol = _fp32_tol(x, ws, H) if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
     for y, y_ref in zip(ys, ys_ref, strict=True):
         torch.testing.assert_close(y.float(), _rows(y_ref.detach(), r, n, 2), **tol)
     torch.testing.assert_close(xs.grad, _rows(x_ref.grad, r, n, 1), **tol)
@@ -73,7 +82,7 @@ def _check_row(r: int, n: int, group, dtype: torch.dtype) -> None:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out = MatmulReduceScatter(group)(ys, lin)
     (out.float() * _rows(gout, r, n, 1)).sum().backward()
-    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-1}
+    tol = _fp32_tol(y, [w2], K) if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-1}
     torch.testing.assert_close(out.float(), _rows(out_ref.detach(), r, n, 1), **tol)
     torch.testing.assert_close(ys.grad, _rows(y_ref.grad, r, n, 2), **tol)
     torch.testing.assert_close(lin.weight.grad, _rows(w_ref.grad, r, n, 1), **tol)
@@ -193,13 +202,15 @@ def _train(tmp_path, corpus, name: str, async_tp: bool) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_async_tp_run_matches_plain_tp(name, tmp_path, corpus):
-    """Losses and gradient norms (clipping active) to 1e-6 of plain TP's from the same weights
+    """Losses and gradient norms (clipping active) to 1e-5 of plain TP's from the same weights
     and data; the same tp bytes where both are counted (compiled plain TP's collectives run
     inside inductor's graph, out of the counter's sight), fewer under selective recomputation."""
     plain, overlapped = _train(tmp_path, corpus, name, False), _train(tmp_path, corpus, name, True)
     assert len(overlapped) == STEPS
     for a, b in zip(plain, overlapped, strict=True):
-        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-6)
+        # the rings sum in another order than plain TP; Adam's ε bounds what that does to the
+        # weights (conftest.ADAM_EPS), so losses and norms agree as every layout's do (1e-5)
+        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5)
     assert plain[0]["grad_norm"] > COMMON["train.grad_clip"]
     tp_plain, tp_async = plain[-1]["comm_bytes_by_kind"]["tp"], overlapped[-1]["comm_bytes_by_kind"]["tp"]
     if "selective" in name:  # plain TP gathers again in the recomputation; async TP kept its ops' outputs

@@ -1,5 +1,9 @@
 """Version differences that compat.py gates: what the run does on each side of the gate."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from meshforge import compat
@@ -33,3 +37,20 @@ def test_the_chunked_loss_yields_to_a_split_backward_only_where_torch_needs_it(s
 
 def test_the_gate_follows_the_installed_torch():
     assert compat.split_backward_through_custom_functions() == (compat.TORCH_VERSION >= (2, 13))
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, "_avx2"),  # a forced capability: its own cache
+        ({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/x/mine"}, "/x/mine"),  # the user's kept
+        ({}, None),  # the CPU's own: torch's default cache
+    ],
+)
+def test_inductor_cache_is_kept_apart_per_forced_capability(env, want):
+    """torch keys its inductor cache by neither; code cached under one capability crashed under another."""
+    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    code = "import os, meshforge; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    got = out.stdout.strip()
+    assert (got == "None") if want is None else got.endswith(want), got

@@ -124,15 +124,17 @@ LAYOUTS = {  # name: (ranks, overrides): 2 islands x an inner layout
 def test_distributed_run_equals_the_reference(tmp_path, corpus, layout, extra):
     nproc, inner = LAYOUTS[layout]
     o = tiny_overrides(tmp_path / "run", corpus, **COMMON, **inner, **extra, **{"diloco.islands": 2})
-    r = run_cli("train", "--nproc", str(nproc), *cli_args(o))
+    # one thread per rank, as the reference (diloco_reference.simulate): a many-core CPU would
+    # otherwise give each rank cores // nproc threads, and a GEMM split over threads may sum in
+    # another order than the reference's
+    r = run_cli("train", "--nproc", str(nproc), *cli_args(o), env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-4000:]
     losses, final = simulate(load_config(None, o), tmp_path / "ref")
     # Losses to 1e-6 everywhere; weights to 1e-6 where the inner computation is the reference's
-    # op for op (one rank per island: they come out bit for bit). Two inner ranks sum gradients in
-    # another order: Adam turns a near-zero gradient's sign into a step of ~lr, about 1.4e-6 of a
-    # tensor's norm after 8 steps (the suite's layout tests allow 1e-5 for this), and a bf16 wire
-    # then rounds an fp32 pseudo-gradient that differs in its last bit to the neighbouring bf16
-    # value now and then: one such element is ~2e-5 of its tensor.
+    # op for op (one rank per island, one thread each: they come out bit for bit). Two inner ranks
+    # sum gradients in another order, which Adam's ε bounds (conftest.ADAM_EPS: ≲ 4e-8 per element
+    # per step), and a bf16 wire then rounds an fp32 pseudo-gradient that differs in its last bit
+    # to the neighbouring bf16 value now and then: one such element is ~2e-5 of its tensor.
     bf16 = extra.get("diloco.sync_dtype") == "bf16"
     check_against_reference(tmp_path / "run", losses, final, 1e-6 if nproc == 2 else 1e-4 if bf16 else 1e-5)
     assert_island_bytes(tmp_path / "run", load_config(None, o), nproc // 2)

@@ -93,7 +93,7 @@ def _fresh_resume(tmp: Path, corpus: Path, ckpt: str, nproc: int, name: str) -> 
     """The same run resumed from ``ckpt`` on ``nproc`` ranks by meshforge's own launcher."""
     d = tmp / name
     o = tiny_overrides(d, corpus, **_extra(), **{"checkpoint.load": ckpt, "checkpoint.interval": 0})
-    r = run_cli("train", "--nproc", str(nproc), *cli_args(o))
+    r = run_cli("train", "--nproc", str(nproc), *cli_args(o), env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return _jsonl(d / "metrics.jsonl")
 
@@ -109,7 +109,9 @@ def test_a_killed_host_leaves_the_world_and_joins_again(tmp_path, corpus):
     logs = [tmp_path / "host0.log", tmp_path / "host1.log", tmp_path / "host1-again.log"]
     # torch shares the rendezvous TCPStore across rounds, and a node that joins a later round waits for a
     # MASTER_ADDR that the old rank 0 never writes again (it keeps the first round's): opt out, as docs say.
-    env = {"MESHFORGE_FAULT": f"pace:ms={PACE_MS}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # one thread per rank here and in the fresh resumes it is held to (_fresh_resume): the same
+    # layout on the same kernels, so the same sums, whatever the machine's core count
+    env = {"MESHFORGE_FAULT": f"pace:ms={PACE_MS}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     with SimHosts(2) as hosts:
         if hosts.fallback:
             print(f"sim hosts fallback: {hosts.fallback}")

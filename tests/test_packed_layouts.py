@@ -78,8 +78,9 @@ def test_packed_layout_matches_single_process(name, reference, layout_runs):
     run = layout_runs(name)
     ref, got = _metrics(reference)[0], _metrics(run)[0]
     assert ref["attention_span"] < 0.6 * COMMON["train.seq_len"]  # the mask removed work: documents are short
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+    # every step's loss and gradient norm, step 1 included, to 1e-5 (assert_run_matches): a mean
+    # of 256 positive per-token losses summed in another order is only bounded by 256 ulp
+    # (conftest.reorder_bound), so a tighter step-1 check would hold on one CPU's order only
     assert got["attention_span"] == pytest.approx(ref["attention_span"], rel=1e-12)
     assert_run_matches(reference, run, STEPS)
 
@@ -95,10 +96,8 @@ def test_packed_documents_under_expert_parallelism(tmp_path_factory, short_docs)
     ref = tmp_path_factory.mktemp("moe-ref") / "run"
     train(tiny_config(ref, short_docs, **COMMON, **MOE))
     run = layout_runner(tmp_path_factory, short_docs, {"ep2": (2, {**MOE, "parallel.ep": 2})}, COMMON)("ep2")
-    a, b = _metrics(ref)[0], _metrics(run)[0]
-    assert a["attention_span"] < 0.6 * COMMON["train.seq_len"]  # the documents are masked
-    assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-6)
-    assert_run_matches(ref, run, STEPS)
+    assert _metrics(ref)[0]["attention_span"] < 0.6 * COMMON["train.seq_len"]  # the documents are masked
+    assert_run_matches(ref, run, STEPS)  # every step, step 1 included (see above)
 
 
 @pytest.mark.slow

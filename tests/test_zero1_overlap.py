@@ -3,6 +3,7 @@ on 2 gloo ranks with 2 micro-batches, small buckets give the same weights and gr
 as one bucket reduced after backward (today's path), move the same bytes, start reduce-scatters
 before backward ends (and only on the last micro-batch), and round-trip the layout-free state."""
 
+import math
 import socket
 
 import pytest
@@ -69,7 +70,13 @@ def _worker(rank: int, n: int, port: int) -> None:
         assert first == [0, 0]  # nothing starts before the last micro-batch's backward
         # one bucket per group waits for (nearly) all gradients; small ones start while many are still to come
         assert max(early1) <= 2 and sum(x > 2 for x in early2) > len(early2) / 2
-        assert norms1 == norms2 and bytes1 == bytes2
+        assert bytes1 == bytes2
+        # The same gradients (the weights below are bit-identical), but each rank squares and sums
+        # another set of elements (its piece of every bucket, not one contiguous half), so the
+        # norms agree to the round-off of a sum of N non-negative fp32 terms in another order:
+        # torch's cascade sum bounds it by ~log2(N) ulp (some CPUs happen to land on the same bits).
+        n = sum(p.numel() for p in m1.parameters())
+        assert norms2 == pytest.approx(norms1, rel=(math.log2(n) + 4) * 2**-24, abs=0)
         for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
             assert torch.equal(a, b)
         s1, s2 = one.full_training_state(m1), many.full_training_state(m2)
