@@ -256,11 +256,12 @@ def explain(side: str, c: GemmCensus, exp: dict[str, float], model_flops: float)
     """The side's GEMM FLOPs beyond the model count, and whether the expected kinds account for them."""
     t = c.totals()
     total, beyond = sum(t.values()), sum(t.values()) - model_flops
+    unseen = f" (higher-order ops run unseen inside: {', '.join(sorted(c.unseen))})" if c.unseen else ""
     off = {k: t[k] - exp[k] for k in KINDS if abs(t[k] - exp[k]) > 1e-6 * max(exp[k], 1.0)}
     why = "recomputation the config asks for" if beyond > 0 and not off else "nothing beyond it"
     if off:
         why = "UNEXPLAINED: " + ", ".join(f"{k} {_g(v)} GFLOP off" for k, v in off.items())
-    return f"- {side}: {_g(total)} GFLOP = 6N·T + attention ({_g(model_flops)}) + {_g(beyond)}: {why}"
+    return f"- {side}: {_g(total)} GFLOP = 6N·T + attention ({_g(model_flops)}) + {_g(beyond)}: {why}{unseen}"
 
 
 def _head(c: GemmCensus, part: str) -> list[Any]:

@@ -49,6 +49,7 @@ def assert_as_counted(census: GemmCensus, expected: dict[str, float]) -> None:
     got = census.totals()
     off = {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}  # kind: (ran, counted)
     assert not off, (off, [r for r in census.rows() if r[0][0] == "other"])
+    assert not census.unseen  # no higher-order op ran with GEMMs the census could not see
 
 
 @pytest.mark.parametrize(

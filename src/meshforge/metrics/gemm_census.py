@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -169,6 +170,9 @@ class GemmCensus(TorchDispatchMode):
         self.records: list[Gemm] = []
         self._copied = WeakIdKeyDictionary()  # tensor -> how a cast or copy made it
         self._made = WeakIdKeyDictionary()  # GEMM output -> its record
+        self.unseen: set[str] = set()  # higher-order ops run without the census seeing inside
+
+    supports_higher_order_operators = True  # compiled checkpointing wraps SDPA in RNG-state ops
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -178,15 +182,35 @@ class GemmCensus(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if isinstance(func, HigherOrderOperator):
+            self._higher_order(func.name(), args, kwargs, out)
+        else:
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _higher_order(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """The op a compiled graph's RNG wrapper runs (SDPA under checkpointing: its forward and its
+        recomputation are ``run_and_save_rng_state`` / ``run_with_rng_state(state, op, ...)``), flex
+        attention; any other higher-order op runs unseen inside, and is named in ``unseen``."""
+        at = {"run_and_save_rng_state": 0, "graphsafe_run_with_rng_state": 0, "run_with_rng_state": 1}.get(name)
+        if at is not None:
+            inner = {k: v for k, v in kwargs.items() if k != "rng_state"}
+            self._record(args[at], args[at + 1 :], inner, out[1] if name == "run_and_save_rng_state" else out)
+        elif name in ("flex_attention", "flex_attention_backward"):
+            self._attention(name, args[0], args[1])
+        else:
+            self.unseen.add(name)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func.overloadpacket
         self._note_consumers(packet, args, out)
         if packet in _MATMULS:
             self._matmul(func, args, kwargs, out, _MATMULS[packet])
         elif packet in _ATTENTION:
-            self._attention(func, args, _ATTENTION[packet])
+            qi = _ATTENTION[packet]
+            self._attention(packet.__name__, args[qi], args[qi + 1])
         elif packet in _CASTS and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
             self._note_copy(packet.__name__, args[0], out)
-        return out
 
     def _note_copy(self, op: str, src: torch.Tensor, out: torch.Tensor) -> None:
         """Remember a layout copy of any tensor, or a dtype cast of a weight (an activation's cast
@@ -221,14 +245,14 @@ class GemmCensus(TorchDispatchMode):
             self._made[res] = rec
         self.records.append(rec)
 
-    def _attention(self, func: Any, args: tuple, qi: int) -> None:
-        q, k = args[qi], args[qi + 1]
+    def _attention(self, name: str, q: torch.Tensor, k: torch.Tensor) -> None:
+        """An attention kernel over q (b, hq, sq, d) and k (b, hkv, sk, d): the full square's FLOPs."""
         b, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         backward = torch._C._current_graph_task_id() != -1
-        grad = func.overloadpacket.__name__.endswith("_backward")
+        grad = name.endswith("_backward")
         kind = "attention_grad" if grad else ("attention_recompute" if backward else "attention")
-        rec = Gemm(func.overloadpacket.__name__, kind, "backward" if backward else "forward", (b, hq, hkv, sq, sk, d))
+        rec = Gemm(name, kind, "backward" if backward else "forward", (b, hq, hkv, sq, sk, d))
         rec.dtypes, rec.layout = f"{_dt(q)} q/k/v", "BHSD"
         rec.flops = (8 if grad else 4) * b * hq * sq * sk * d
         self.records.append(rec)
