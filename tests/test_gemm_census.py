@@ -111,3 +111,13 @@ def test_kinds_of_a_linear_and_a_duplicate_matmul_shows():
 def test_token_count_equal_to_a_model_dimension_is_refused():
     with pytest.raises(ValueError, match="token counts"):
         ModelDims.of_model(nn.ModuleList([nn.Linear(24, 40), nn.Linear(24, 100)]), 100, [40])
+
+
+def test_flex_attention_is_counted_as_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k = torch.randn(1, 4, 32, 16), torch.randn(1, 2, 32, 16)
+    census = GemmCensus()
+    with census:
+        flex_attention(q, k, k, enable_gqa=True)  # (CPU: forward only; a higher-order op, not aten)
+    assert [(r.kind, r.flops) for r in census.records] == [("attention", 4 * 4 * 32 * 32 * 16)]
