@@ -28,7 +28,9 @@ needs it; when the floor (pyproject.toml) passes that version, the entry goes.
 
 Other private torch names are used where they are wrapped and listed here: the stage's
 ``_post_metadata_inference_cleanup`` (parallel/pipeline/stage_aux.py), the stager's ``_config``
-(checkpoint/sharded.py); ``torch._grouped_mm`` is probed and called here (``grouped_mm``).
+(checkpoint/sharded.py); ``torch._grouped_mm`` is probed and called here (``grouped_mm``); the GEMM
+census (metrics/gemm_census.py) reads ``torch._C._current_graph_task_id`` (as models/moe.py does) and
+handles ``torch._ops.HigherOrderOperator`` calls (2.11-2.13 alike).
 """
 
 from __future__ import annotations
