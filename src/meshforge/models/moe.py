@@ -224,10 +224,14 @@ class MoE(nn.Module):
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
     def _capacity(self, experts: torch.Tensor, weights: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Which (token, slot) assignments fit their expert's capacity: the highest weights win."""
+        """Which (token, slot) assignments fit their expert's capacity: the highest weights win,
+        compared at bf16 precision, and of equal ones the earlier token. Tokens with identical
+        inputs (the first position of two sequences that start alike) have equal weights that
+        fp32 GEMMs round a last bit apart depending on where the row falls in the kernel's
+        blocking; compared in full, that bit chose the dropped slot differently per layout and CPU."""
         if self.capacity_factor <= 0:
             return torch.ones_like(experts, dtype=torch.bool)
-        e, w = experts.flatten(), weights.detach().flatten()
+        e, w = experts.flatten(), weights.detach().flatten().to(torch.bfloat16)
         by_score = torch.argsort(w, descending=True, stable=True)
         order = by_score[torch.argsort(e[by_score], stable=True)]  # by expert, best score first
         starts = torch.cumsum(torch.bincount(e, minlength=self.num_experts), 0) - torch.bincount(
