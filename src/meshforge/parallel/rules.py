@@ -1,4 +1,5 @@
-"""The one home of layout rules: degrees, what divides what, and which meshes exist.
+"""Every axis's layout rules gathered (each lives beside its code: ``parallel/<axis>/rules.py``):
+degrees, what divides what, and which meshes exist.
 
 ``Layout`` is pure Python (no process groups, no tensors), so the config check
 before launch, the device mesh, ``parallelize.py`` and the planner's search all ask the
@@ -27,10 +28,11 @@ divide the heads), ``unsupported`` ones could, but this version of meshforge doe
 them (ZeRO-1 under tp, a mixture of experts under tp). Each problem names the key
 and the fix.
 
-The rules live in this package, one module per axis: ``data`` (DDP/ZeRO/HSDP, offload, the
-batch), ``tensor`` (tp, sequence parallelism, async TP), ``context`` (cp), ``pipeline``, ``experts``,
-``diloco``, ``degrees`` (inferring a -1 degree, each rank's coordinates) and ``partial``
-(a partial layout's fixed choices, judged before a search). ``core`` holds the vocabulary.
+Each axis's rules live beside its code: ``data/rules.py`` (DDP/ZeRO/HSDP, offload, the batch),
+``tensor/rules.py`` (tp, sequence parallelism, async TP), ``context/rules.py`` (cp),
+``pipeline/rules.py``, ``expert/rules.py``, ``diloco/rules.py``; beside this module
+``degrees.py`` (inferring a -1 degree, each rank's coordinates), ``partial_rules.py`` (a partial
+layout's fixed choices, judged before a search) and ``rule_types.py`` (the vocabulary).
 """
 
 from __future__ import annotations
