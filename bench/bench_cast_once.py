@@ -30,12 +30,12 @@ CASTS = ("aten::_to_copy", "aten::copy_", "aten::_foreach_copy_")
 
 def trainer(args: argparse.Namespace, mode: str):
     from meshforge.config import load_config
-    from meshforge.launch_env import rank, world_size
+    from meshforge.guards.preflight import preflight
+    from meshforge.launch.env import rank, world_size
     from meshforge.parallel.mesh import build_mesh
     from meshforge.resolve import resolve
     from meshforge.train.loop import Trainer
-    from meshforge.train.preflight import preflight
-    from meshforge.train.start import agree_on_start
+    from meshforge.train.run_dir import agree_on_start
 
     over = {
         **small_model(args.hidden, args.layers, args.seq_len),

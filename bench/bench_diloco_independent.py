@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from meshforge.config import load_config
+from meshforge.data.corpus import open_data
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.models.llama import build_model
 from meshforge.models.presets import model_shape
-from meshforge.train.corpus import open_data
 
 
 def lr_at(a: argparse.Namespace, step: int, peak: float) -> float:

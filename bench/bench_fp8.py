@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from meshforge.config import load_config
+from meshforge.data.corpus import open_data
 from meshforge.models.llama import build_model
 from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import DEFAULT_EXCLUDE, fp8_config, fp8_plan, require_torchao
 from meshforge.parallel.precision import autocast
 from meshforge.train import train
-from meshforge.train.corpus import open_data
 
 RUNS = (("bf16", "tensorwise"), ("fp8", "tensorwise"), ("fp8", "rowwise"))
 

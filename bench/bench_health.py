@@ -30,13 +30,13 @@ from small_model import small_model
 
 def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
+    from meshforge.guards.preflight import preflight
     from meshforge.health.flight_recorder import ENV
-    from meshforge.launch_env import rank, world_size
+    from meshforge.launch.env import rank, world_size
     from meshforge.parallel.mesh import build_mesh, shutdown
     from meshforge.resolve import resolve
     from meshforge.train.loop import Trainer
-    from meshforge.train.preflight import preflight
-    from meshforge.train.start import agree_on_start
+    from meshforge.train.run_dir import agree_on_start
 
     os.environ.setdefault(*ENV)
     steps = args.block_steps * (args.blocks + 1)

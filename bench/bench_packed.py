@@ -172,7 +172,7 @@ def ring_cost(rounds: int, seq: int, cp: int, mean: float) -> dict:
     """Part 2: skipped ring blocks (counted) and the masked vs unmasked ring step."""
     import torch.multiprocessing as mp
 
-    from meshforge.parallel.context.cost import ring_skipped_fraction
+    from meshforge.planner.context_costs import ring_skipped_fraction
 
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(ring_worker, args=(cp, _free_port(), seq, mean, rounds, d), nprocs=cp, join=True)
@@ -218,9 +218,9 @@ def pack(lengths: list[int], seq: int, count: int, seed: int) -> list[list[int]]
 def balance(seq: int, cp: int, mean: float, count: int) -> list[dict]:
     """Part 3: each rank's ring work (plans counted) by split, for exponential and real lengths."""
     from meshforge.models.documents import Documents
-    from meshforge.parallel.context.cost import ring_block_work
-    from meshforge.parallel.context.documents import plan_ring
+    from meshforge.parallel.context.document_ring import plan_ring
     from meshforge.parallel.context.ring import chunk_ids
+    from meshforge.planner.context_costs import ring_block_work
 
     real = stdlib_lengths()
     cases = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from meshforge.layout import open_layout
+from meshforge.config.layout import open_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search

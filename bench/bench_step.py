@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from meshforge.config import load_config
+from meshforge.guards import preflight
 from meshforge.models.llama import build_model
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import autocast
-from meshforge.train import Trainer, preflight, prepare_run_dir
+from meshforge.train import Trainer, prepare_run_dir
 
 
 def alternate(fa, fb, blocks: int, steps: int) -> tuple[float, float]:

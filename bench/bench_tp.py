@@ -43,9 +43,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from meshforge.config import load_config
+    from meshforge.guards import preflight
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.train import Trainer, preflight, prepare_run_dir
+    from meshforge.train import Trainer, prepare_run_dir
 
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])

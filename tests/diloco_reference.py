@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from meshforge.config import Config
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.parallel.mesh import Mesh
 from meshforge.resolve import resolve
 from meshforge.train.loop import Trainer

@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md, enforced: each folder imports only what its row of
 ALLOWED names, and the analysing side (planner/, explore/, report/) reaches nothing of the
-running side (train/, checkpoint/, health/, calibration/, launch, cli), directly or not."""
+running side (train/, checkpoint/, health/, guards/, calibration/, cli/), directly or not."""
 
 import ast
 from pathlib import Path
@@ -9,61 +9,40 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
-# folder (or top-level module) of meshforge -> the folders it may import at run time
+# folder (or top-level module) of meshforge -> the folders it may import at run time, bottom up
 ALLOWED: dict[str, set[str]] = {
     # the bottom: no meshforge imports, or only each other
     "meshforge": set(),
     "errors": set(),
     "compat": set(),  # the one home of torch version differences
-    "launch_env": set(),
-    "manifest": {"errors"},
-    "hooks": set(),  # the run's attachment points (fault injection fills them)
-    "faults": {"errors", "hooks", "launch_env"},
-    "layout": set(),  # the vocabulary: Layout (models/shape.py: ModelShape)
-    "models": {"compat", "errors"},
-    "config": {"errors", "layout", "models"},  # the keys: sections, plus Layout's and ModelShape's fields
-    "run_plan": {"config", "layout", "models"},  # RunPlan: what every part reads of a resolved run
-    "data": {"errors", "manifest"},
-    "parallel": {"compat", "config", "errors", "launch_env", "layout", "models", "run_plan"},
-    "resolve": {"compat", "config", "errors", "launch_env", "layout", "models", "parallel", "run_plan"},
+    "launch": {"errors"},  # the launcher's environment, the local start of ranks, ranks tied to it
+    "models": {"compat", "errors"},  # the one-device model: nothing of parallelism
+    # the vocabulary: config keys (sections, Layout, ModelShape's fields), RunPlan
+    "config": {"errors", "models"},
+    "data": {"config", "errors", "models"},
+    "parallel": {"compat", "config", "errors", "launch", "models"},
+    "resolve": {"compat", "config", "errors", "launch", "parallel"},  # Config + World -> RunPlan, once
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
-    "metrics": {"config", "data", "errors", "models", "parallel", "run_plan"},
-    "checkpoint": {
-        *("compat", "config", "data", "errors", "hooks", "launch_env", "manifest", "metrics", "models", "parallel"),
-        "run_plan",
-    },
-    "health": {"checkpoint", "config", "data", "errors", "hooks", "metrics", "parallel", "run_plan"},
-    "train": {
-        *("checkpoint", "config", "data", "disk", "errors", "faults", "health", "hooks", "launch_env", "metrics"),
-        "models",
-        *("parallel", "resolve", "run_lock", "fit", "peer_lost", "run_plan", "run_files", "startup_gc"),
-    },
+    "metrics": {"config", "data", "errors", "models", "parallel"},
+    "health": {"config", "data", "errors", "launch", "parallel"},  # detectors, fault injection and its hooks
+    "checkpoint": {"compat", "config", "data", "errors", "health", "launch", "metrics", "models", "parallel"},
     # the analysing side: the shared core only (see SHARED_CORE)
-    "planner": {"config", "errors", "layout", "metrics", "models", "parallel"},
+    "planner": {"config", "errors", "metrics", "models", "parallel"},
     "report": {"errors", "planner"},
-    "explore": {"errors", "layout", "models", "parallel", "planner"},
-    # the run's guards: a full or read-only disk, the run.dir lock, ranks tied to their launcher,
-    # one line for a rank whose peer went away
-    "disk": {"errors", "models", "planner"},
-    "fit": {"config", "errors", "host_limits", "models", "planner"},  # the pre-flight fit check: estimate vs memory
-    "host_limits": set(),  # the cgroup and rlimits a CPU process runs under (read by the fit check)
-    "run_lock": {"disk", "errors"},
-    "run_files": set(),  # what meshforge writes into a run directory (never over what it did not)
-    "out_paths": {"disk", "errors", "run_files"},  # where convert and report write, checked first
-    "launcher_tie": set(),
-    "startup_gc": set(),  # the collector paused while a train process starts (its imports)
-    "peer_lost": {"health", "launch_env"},
-    # the top: what drives the rest
-    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "run_plan", "train"},
-    "launch": {"errors", "launcher_tie", "startup_gc"},
-    "cli_train": {
-        *("checkpoint", "config", "errors", "fit", "launch", "launch_env", "launcher_tie", "models", "report"),
-        *("resolve", "run_lock", "train", "disk"),
+    "explore": {"config", "errors", "models", "parallel", "planner"},
+    # what refuses a run before it writes, and what it may not write over (prices through planner/)
+    "guards": {
+        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "planner", "resolve"),
     },
+    "train": {
+        *("checkpoint", "config", "data", "errors", "guards", "health", "launch", "metrics", "models"),
+        "parallel",
+    },
+    # the top: what drives the rest
+    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
     "cli": {
-        *("calibration", "checkpoint", "config", "data", "errors", "explore", "launch", "launch_env", "models"),
-        *("planner", "report", "resolve", "train", "disk", "launcher_tie", "peer_lost", "run_lock", "fit"),
-        *("cli_train", "run_files", "out_paths", "health", "startup_gc"),
+        *("calibration", "checkpoint", "config", "data", "errors", "explore", "guards", "health", "launch"),
+        *("models", "planner", "report", "resolve", "train"),
     },
     "__main__": {"cli"},
 }
@@ -71,37 +50,27 @@ ALLOWED: dict[str, set[str]] = {
 TYPE_ONLY: dict[str, set[str]] = {}  # no upward import, not even for type checking
 
 ANALYSING = ("planner", "explore", "report")
-RUNNING = (
-    "train",
-    "checkpoint",
-    "health",
-    "calibration",
-    "launch",
-    "cli",
-    "cli_train",
-    "disk",
-    "run_lock",
-    "launcher_tie",
-    "startup_gc",
-    "peer_lost",
-    "fit",
-    "host_limits",
-)
+RUNNING = ("train", "checkpoint", "health", "calibration", "guards", "cli")
 # what the analysing side may import from outside itself, module by module
 SHARED_CORE = {
     "meshforge.errors",
     "meshforge.config",  # plan --config reads a train config; --emit-config writes one
-    "meshforge.parallel.dims",  # the layout rules: the package and every module in it (in_core)
+    # the layout rules: the aggregate, their types, the degrees, partial layouts, and each axis's own
+    "meshforge.parallel.rules",
+    "meshforge.parallel.rule_types",
+    "meshforge.parallel.degrees",
+    "meshforge.parallel.partial_rules",
+    *(f"meshforge.parallel.{axis}.rules" for axis in ("data", "tensor", "pipeline", "context", "expert", "diloco")),
     "meshforge.parallel.pipeline.schedules",  # the pipeline schedules' facts (chunks per rank, bubble)
-    "meshforge.layout",  # Layout: the one layout type
+    "meshforge.config.layout",  # Layout: the one layout type
     "meshforge.models.shape",  # ModelShape: the one model-shape type
     "meshforge.models.flops",  # the one FLOP/parameter counter
     "meshforge.models.presets",
     "meshforge.models.llama",  # the model, as a type
     "meshforge.models.moe",  # is_moe_layer, expert_ffn: which blocks are MoE, an expert's size
     "meshforge.parallel.expert.dispatch",  # a2a_bytes_formula: the planner prices what training sends
-    "meshforge.parallel.context.cost",  # ring attention's cost formulas
-    "meshforge.parallel.tensor.pieces",  # async TP's pieces per chunk: the planner prices the same rings
+    "meshforge.planner.context_costs",  # ring attention's cost formulas
+    "meshforge.parallel.tensor.ring_pieces",  # async TP's pieces per chunk: the planner prices the same rings
     "meshforge.models.chunked_loss",  # LOSS_CHUNK_SIZE: the planner's logits term counts one chunk
     "meshforge.metrics.mfu",  # PEAK_TFLOPS: the datasheet peaks MFU and the planner share
 }
@@ -113,7 +82,7 @@ def in_core(module: str) -> bool:
 
 
 def unit(module: str) -> str:
-    """meshforge.planner.search -> planner; meshforge.cli -> cli; meshforge -> meshforge."""
+    """meshforge.planner.search -> planner; meshforge.cli.main -> cli; meshforge -> meshforge."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -200,7 +169,7 @@ def test_the_wall_test_can_fail():
     graph["meshforge.metrics.sinks"]["meshforge.train.loop"] = False
     graph["meshforge.health.keeper"]["meshforge.train.optimizer"] = True  # for types only: still refused
     graph["meshforge.explore.params"]["meshforge.parallel.mesh"] = False
-    graph["meshforge.explore.params"]["meshforge.parallel.dims.partial"] = False  # the rules' package: core
+    graph["meshforge.explore.params"]["meshforge.parallel.partial_rules"] = False  # the rules' package: core
     assert wall_breaches(graph) == [
         "meshforge.explore.params -> meshforge.parallel.mesh (not in the shared core)",
         "meshforge.health.keeper -> meshforge.train.optimizer (health/ may not import train/ even for types)",

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from meshforge.cli import main
-from meshforge.cli_train import parse_train_args
+from meshforge.cli.main import main
+from meshforge.cli.train import parse_train_args
 from meshforge.config import keys, load_config
 from meshforge.errors import ConfigError
-from meshforge.launch import check_nproc
+from meshforge.launch.local import check_nproc
 
 TINY = ["--model.hidden=64", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2", "--model.ffn_hidden=128"]
 

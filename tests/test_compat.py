@@ -8,8 +8,8 @@ import pytest
 
 from meshforge import compat
 from meshforge.config import load_config
+from meshforge.config.run_plan import World
 from meshforge.resolve import resolve
-from meshforge.run_plan import World
 
 
 def _plan(schedule: str, able: bool, pp: int = 2):

@@ -1,6 +1,6 @@
 import pytest
 
-from meshforge.cli_train import parse_train_args
+from meshforge.cli.train import parse_train_args
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.resolve import resolve

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.config import keys
 from meshforge.config.keys import plain_text
 from meshforge.config.reference import markdown

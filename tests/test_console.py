@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.errors import DataError
 from meshforge.explore import make_server
 from meshforge.health.text_check import non_text_share, refuse_binary

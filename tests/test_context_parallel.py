@@ -16,9 +16,9 @@ from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.flops import num_params
-from meshforge.parallel.context.cost import local_tokens, ring_bytes, ring_saved_bytes_per_token
 from meshforge.parallel.context.kernels import KERNELS
 from meshforge.parallel.context.ring import RingAttention, shard_index
+from meshforge.planner.context_costs import local_tokens, ring_bytes, ring_saved_bytes_per_token
 from meshforge.resolve import resolve
 from meshforge.train import train
 

@@ -1,4 +1,4 @@
-"""The ring-attention cost formulas (parallel/context/cost.py) against the textbook
+"""The ring-attention cost formulas (planner/context_costs.py) against the textbook
 figures, and the planner using exactly them (the code's own bytes are checked against the
 same formulas in test_context_parallel.py)."""
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshforge.parallel.context.cost import (
+from meshforge.planner.context_costs import (
     local_tokens,
     ring_bytes,
     ring_extra_saved_bytes_per_token,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import cli_args, run_cli, tiny_overrides
-from meshforge.fit import AVAILABLE_ENV
+from meshforge.guards.memory_fit import AVAILABLE_ENV
 
 pytestmark = pytest.mark.cuda
 

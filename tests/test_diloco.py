@@ -205,7 +205,7 @@ def test_islands_are_the_outermost_mesh_dimension(tmp_path, corpus):
 
 
 def test_planner_compares_ddp_and_diloco_on_the_link(capsys):
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     argv = ["plan", "--model", "debug", "--gpus", "8", "--islands", "4", "--inter-island-gbps", "1", "--json"]
     assert main(argv) == 0

@@ -29,6 +29,7 @@ from conftest import (
 )
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
+from meshforge.config.run_plan import World
 from meshforge.errors import ConfigError
 from meshforge.models.loss import drain_aux
 from meshforge.models.moe import MoE
@@ -36,7 +37,6 @@ from meshforge.models.presets import get_preset
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.expert.dispatch import AllToAllDispatch, a2a_bytes_formula
 from meshforge.resolve import resolve
-from meshforge.run_plan import World
 from meshforge.train import train
 
 

@@ -11,7 +11,7 @@ import urllib.parse
 
 import pytest
 
-from meshforge.cli import build_parser
+from meshforge.cli.main import build_parser
 from meshforge.config import load_config
 from meshforge.explore import make_server, server
 from meshforge.explore.params import SPECS
@@ -94,7 +94,7 @@ def test_estimate_answers_with_the_planners_breakdown(port):
     assert e["step_time_s"] == pytest.approx(sum(e["step_s"].values()), rel=1e-6)
     assert set(e["comm_s"]) == {"tp", "cp", "pp", "dp"} and e["comm_s"]["tp"] > 0 and e["comm_s"]["dp"] > 0
     assert 0 < e["mfu"] <= e["hfu"] < 1
-    # ZeRO-1 under tp is a rule of parallel/dims/: shown in its words, as unsupported
+    # ZeRO-1 under tp is a rule of parallel/rules.py: shown in its words, as unsupported
     assert [p["kind"] for p in a["problems"]] == ["unsupported"] and "ZeRO-1" in a["problems"][0]["message"]
     assert a["exists"] and not a["runnable"]
 

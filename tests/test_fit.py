@@ -1,4 +1,4 @@
-"""The pre-flight fit check (meshforge/fit.py): a run whose planner estimate exceeds the device's
+"""The pre-flight fit check (meshforge/guards/memory_fit.py): a run whose planner estimate exceeds the device's
 free memory is refused with exit 2 before anything is allocated, naming the fixes; the CUDA path
 with a patched ``torch.cuda.mem_get_info``; ``--dry-run`` names the real device and its memory."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
-from meshforge import fit
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.config import load_config
-from meshforge.fit import AVAILABLE_ENV, FitError, check_fit, device_memory, host_memory
+from meshforge.guards import memory_fit as fit
+from meshforge.guards.memory_fit import AVAILABLE_ENV, FitError, check_fit, device_memory, host_memory
 from meshforge.resolve import resolve
 from meshforge.train import train
 

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from conftest import cli_args, tiny_config, tiny_overrides
-from meshforge import fit
+from meshforge.guards import memory_fit as fit
 from meshforge.resolve import resolve
 
 GIB = 2**30

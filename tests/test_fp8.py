@@ -91,9 +91,9 @@ def test_refusals_name_the_key(tmp_path, corpus, monkeypatch):
 def test_fp8_all_gather_only_where_fsdp_gathers_over_ranks(monkeypatch):
     """A one-rank shard group (a world of one, HSDP with dp_shard 1, DDP) never gathers in fp8:
     the GPU suite's 1B fp8 row ran 43% busy with the per-weight fp8 casts of a world of one."""
-    from meshforge.layout import Layout
+    from meshforge.config.layout import Layout
     from meshforge.parallel import fp8 as fp8_mod
-    from meshforge.parallel.dims import gathers_weights
+    from meshforge.parallel.rules import gathers_weights
 
     monkeypatch.setattr(fp8_mod, "fp8_emulated", lambda device: device.type != "cuda")  # an fp8-capable GPU
     assert not gathers_weights(Layout())  # a world of one
@@ -108,7 +108,7 @@ def test_fp8_all_gather_only_where_fsdp_gathers_over_ranks(monkeypatch):
     assert not fp8_mod.fp8_all_gather("rowwise", cuda, gathers=True)
     # the run plan's decision: a CUDA world of one casting once is FSDP2-sharded on a one-rank
     # mesh, and must not gather in fp8; ZeRO-3 over 2 ranks does (on an fp8 GPU only)
-    from meshforge.run_plan import World
+    from meshforge.config.run_plan import World
 
     def plan(world: int, native: bool = True, **over):
         cfg = load_config(None, {"train.precision": "fp8", "train.mixed_precision": "cast_once", **over})

@@ -12,12 +12,12 @@ import torch
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.errors import ConfigError
-from meshforge.faults import parse
+from meshforge.guards.preflight import preflight
+from meshforge.health.faults import parse
 from meshforge.health.spike import SpikeDetector
 from meshforge.parallel.mesh import build_mesh
 from meshforge.train.loop import Trainer
-from meshforge.train.preflight import preflight
-from meshforge.train.start import agree_on_start
+from meshforge.train.run_dir import agree_on_start
 
 STEPS = 8
 COMMON = {"train.steps": STEPS, "optim.warmup_steps": 0}
@@ -203,7 +203,7 @@ def test_hang_report_names_the_rank_behind_or_silent():
 
 def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys):
     from meshforge.health.text_check import not_text_files
-    from meshforge.train.start import event_writer
+    from meshforge.train.run_dir import event_writer
 
     (tmp_path / "prose.txt").write_text("plain text, ünïcödé too\n" * 100)
     (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 64)
@@ -217,7 +217,7 @@ def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys)
 
 @pytest.mark.parametrize("over", [{"health.on_nonfinite": "stop"}, {"health.max_skipped": 0}], ids=["stop", "max"])
 def test_stop_and_max_skipped_end_the_run_naming_the_step(over, tmp_path, corpus, monkeypatch):
-    from meshforge import faults
+    from meshforge.health import faults
     from meshforge.health.keeper import HealthStop
     from meshforge.train import train
 

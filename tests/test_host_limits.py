@@ -1,4 +1,4 @@
-"""The memory limits a CPU run is held against besides the host's RAM (meshforge/host_limits.py):
+"""The memory limits a CPU run is held against besides the host's RAM (meshforge/guards/host_limits.py):
 cgroup v2 and v1 limits read from a cgroup tree (built here), rlimits through a patched
 ``resource.getrlimit``, and the fit check naming the limit that refuses a run and how to raise
 it. The real limits, in a child process at the edge of the estimate: tests/test_fit_rlimit.py."""
@@ -8,9 +8,10 @@ import resource
 import pytest
 
 from conftest import tiny_config
-from meshforge import fit, host_limits
-from meshforge.fit import AVAILABLE_ENV, FitError, check_fit, device_memory
-from meshforge.host_limits import RUN_THREADS, THREAD_STACK, Limit, cgroup_limits, rlimits
+from meshforge.guards import host_limits
+from meshforge.guards import memory_fit as fit
+from meshforge.guards.host_limits import RUN_THREADS, THREAD_STACK, Limit, cgroup_limits, rlimits
+from meshforge.guards.memory_fit import AVAILABLE_ENV, FitError, check_fit, device_memory
 from meshforge.resolve import resolve
 
 GIB, MIB = 2**30, 2**20

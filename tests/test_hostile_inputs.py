@@ -30,13 +30,13 @@ import pytest
 import tomllib
 
 from conftest import cli_args, tiny_config, tiny_overrides
-from meshforge import disk
 from meshforge.checkpoint import store
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.config import key_type, load_config
 from meshforge.config.keys import keys
 from meshforge.config.ranges import LIST_RANGES, RANGES, STEP_KEYS
 from meshforge.errors import ConfigError
+from meshforge.guards import disk
 from meshforge.train import train
 
 TINY = [
@@ -197,7 +197,7 @@ def _fill(arg: str, fill: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus) -> Path:
     """A finished 4-step run with checkpoints at steps 2 and 4, final/ and report.html."""
-    from meshforge.cli_train import write_run_report
+    from meshforge.cli.train import write_run_report
 
     d = tmp_path_factory.mktemp("trained") / "run"
     cfg = tiny_config(d, corpus, **TRAINED)
@@ -460,7 +460,7 @@ def test_a_stop_signal_to_the_launcher_stops_two_ranks_cleanly_with_exit_0(tmp_p
 def test_the_launcher_finds_its_ranks_and_a_stop_is_exit_130_when_they_abort():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from meshforge.launch import child_pids, exit_code_of
+    from meshforge.launch.local import child_pids, exit_code_of
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -1,4 +1,4 @@
-"""Layout rules live in one place (parallel/dims/): the planner and `meshforge train`'s
+"""Layout rules live in one place (parallel/rules.py): the planner and `meshforge train`'s
 config check give the same verdict on every layout, and the import graph has no cycles."""
 
 import os
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from meshforge.config import load_config
+from meshforge.config.layout import Layout, open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.dims import Batch, problems, rank_layout, resolve_degrees
+from meshforge.parallel.rules import Batch, problems, rank_layout, resolve_degrees
 from meshforge.planner import output
 from meshforge.planner.candidates import candidates, judge
 from meshforge.planner.estimate import estimate
@@ -123,7 +123,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles_in_src():
     graph = _import_graph()
-    assert len(graph) > 30 and graph["meshforge.resolve"] >= {"meshforge.config", "meshforge.parallel.dims"}
+    assert len(graph) > 30 and graph["meshforge.resolve"] >= {"meshforge.config", "meshforge.parallel.rules"}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
@@ -136,14 +136,23 @@ def test_config_imports_nothing_from_parallel_or_planner():
             todo.append(n)
     assert not {m for m in reach if m.startswith(("meshforge.parallel", "meshforge.planner"))}, reach
     # and the layout rules are pure: no process groups, no torch at all; they read the shared core only
-    core = {"meshforge.errors", "meshforge.models.shape", "meshforge.layout", "meshforge.parallel.pipeline.schedules"}
-    package = [m for m in graph if m == "meshforge.parallel.dims" or m.startswith("meshforge.parallel.dims.")]
-    assert len(package) > 1  # the rules' package and its modules by axis group
+    core = {
+        "meshforge.errors",
+        "meshforge.models.shape",
+        "meshforge.config.layout",
+        "meshforge.parallel.pipeline.schedules",
+    }
+    generic = ("rules", "rule_types", "degrees", "partial_rules")
+    package = [f"meshforge.parallel.{m}" for m in generic] + [
+        m for m in graph if m.endswith(".rules") and m != "meshforge.parallel.rules"
+    ]
+    assert len(package) == 10  # the aggregate, its types, degrees, partial layouts, and six axes' rules.py
     for mod in package:
         assert not {m for m in graph[mod] if m not in core and m not in package}, mod
-    code = "import sys, meshforge.parallel.dims; assert 'torch' not in sys.modules"
+    code = "import sys, meshforge.parallel.rules; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)}).returncode == 0
-    assert not [p for p in (SRC / "meshforge/parallel/dims").glob("*.py") if "import torch" in p.read_text()]
+    files = [SRC / (m.replace(".", "/") + ".py") for m in package]
+    assert not [p for p in files if "import torch" in p.read_text()]
 
 
 def test_cycle_finder_finds_a_cycle():

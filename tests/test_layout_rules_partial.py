@@ -1,4 +1,4 @@
-"""The layout rules judge a partial layout too (parallel/dims/partial.py): each fixed choice the
+"""The layout rules judge a partial layout too (parallel/partial_rules.py): each fixed choice the
 planner or the explorer takes is refused by one rule, in the caller's spelling, and the
 planner's check_fixed error is that rule's message, word for word."""
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from meshforge.config.layout import open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import open_layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.dims import partial_problems
+from meshforge.parallel.rules import partial_problems
 from meshforge.planner.candidates import PLAN_FLAGS, check_fixed
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "meshforge"

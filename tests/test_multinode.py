@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_args, run_cli, tiny_overrides
-from meshforge import faults, launch_env
+from meshforge.health import faults
+from meshforge.launch import env as launch_env
 from sim_hosts import SimHosts, free_port
 
 STEPS, INTERVAL, PACE_MS = 30, 5, 150
@@ -35,7 +36,7 @@ def test_a_host_that_joined_later_shares_the_store_scope_of_the_survivors(monkey
 
 
 def test_pace_fault_sleeps_on_every_attempt(monkeypatch):
-    from meshforge.hooks import RunHooks
+    from meshforge.health.fault_hooks import RunHooks
 
     monkeypatch.setenv("MESHFORGE_FAULT", "pace:ms=20")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")

@@ -1,5 +1,5 @@
 """parallel.offload = "cpu" on a world of one: FSDP2's CPUOffloadPolicy on a one-rank mesh
-(parallel/dims/ offload_problem, Mesh.solo_mesh). A CPU run refuses offload before launch
+(parallel/rules.py offload_problem, Mesh.solo_mesh). A CPU run refuses offload before launch
 (nothing to offload from), so the check is lifted here to run FSDP2's offload path on CPU:
 it must equal the plain one-rank run in fp32 to 1e-6, also after a checkpoint resume."""
 
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import tiny_config
+from meshforge.config.layout import open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import open_layout
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
@@ -47,7 +47,7 @@ def test_world_of_one_offload_equals_plain_run_and_resumes(tmp_path, corpus, cpu
 
 
 def test_offload_on_one_rank_passes_the_layout_rule_and_stage_is_named(tmp_path, corpus):
-    from meshforge.run_plan import World
+    from meshforge.config.run_plan import World
 
     gpu = World(size=1, device="cuda")
     assert resolve(tiny_config(tmp_path, corpus, **OFFLOAD), world=gpu).fsdp  # a one-rank FSDP2 mesh

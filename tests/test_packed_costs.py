@@ -13,9 +13,9 @@ from meshforge.metrics.step_result import StepResult
 from meshforge.models.documents import Documents
 from meshforge.models.flops import document_span, model_flops_per_token
 from meshforge.models.presets import get_preset
-from meshforge.parallel.context.cost import ring_block_work, ring_skipped_fraction
-from meshforge.parallel.context.documents import plan_ring
+from meshforge.parallel.context.document_ring import plan_ring
 from meshforge.parallel.context.ring import chunk_ids
+from meshforge.planner.context_costs import ring_block_work, ring_skipped_fraction
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
 

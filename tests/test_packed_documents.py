@@ -1,4 +1,4 @@
-"""Packed documents (models/documents.py, models/document_attention.py, data/documents.py):
+"""Packed documents (models/documents.py, models/document_attention.py, data/eos_boundaries.py):
 one packed sequence with document masking and reset positions equals its documents trained one
 by one (loss and gradients, fp32); a batch of single documents is bit for bit the causal path;
 every attention path (CPU tiles, dense mask under compile, FlexAttention) equals the dense
@@ -11,7 +11,7 @@ import torch._dynamo as dynamo
 import torch.nn.functional as F
 
 from conftest import assert_as_exact_as
-from meshforge.data.documents import document_lengths
+from meshforge.data.eos_boundaries import document_lengths
 from meshforge.errors import DataError
 from meshforge.models.document_attention import (
     TILE,

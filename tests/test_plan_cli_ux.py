@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from meshforge.cli import build_parser, main
+from meshforge.cli.main import build_parser, main
 from meshforge.errors import ConfigError
 from meshforge.planner import output
 from meshforge.planner.candidates import divisors as _divisors

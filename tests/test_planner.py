@@ -10,8 +10,8 @@ import pytest
 
 from conftest import run_cli
 from meshforge.calibration.collectives import COLLECTIVES, fit_alpha_beta
+from meshforge.config.layout import open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.planner.estimate import estimate, plan_layout
 from meshforge.planner.hardware import cost_coefficients, get_hardware

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from meshforge.config.layout import open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import open_layout
 from meshforge.planner.hardware import PRESETS, get_hardware
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, run

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.config import load_config
+from meshforge.config.layout import Layout, open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout, open_layout
-from meshforge.parallel.dims import offload_problem
+from meshforge.parallel.rules import offload_problem
 from meshforge.planner import offload_costs
 from meshforge.planner.estimate import GIB, estimate, plan_layout
 from meshforge.planner.hardware import get_hardware
@@ -38,7 +38,7 @@ def test_offload_is_picked_only_when_nothing_fits_without_it():
         plan(SMALL, offload="none")
     ranked, _ = plan(SMALL)  # auto
     assert ranked and all(e.fits and e.layout.offload == "cpu" for e in ranked)
-    for e in ranked:  # the layout rule's verdict (parallel/dims/), not the planner's own
+    for e in ranked:  # the layout rule's verdict (parallel/rules.py), not the planner's own
         L = e.layout
         assert L.zero_stage >= 2 and offload_problem(L) is None
         assert e.memory["total"] <= SMALL.hbm_gib < sum(stage_state_bytes(SHAPE, L, "bf16").values()) / GIB
@@ -91,7 +91,7 @@ def test_emitted_offload_config_loads_resolves_and_dry_runs(tmp_path, capsys):
     best = json.loads(capsys.readouterr().out)["layouts"][0]
     assert best["offload"] == "cpu"
     assert best["memory_bytes"]["host"] > best["memory_bytes"]["device"] > 0
-    from meshforge.run_plan import World
+    from meshforge.config.run_plan import World
 
     cfg = resolve(load_config(str(out)), world=World(size=GPUS, device="cuda"))  # the layout rules take it
     assert cfg.layout.offload == "cpu" and cfg.layout.zero_stage == best["zero_stage"] >= 2

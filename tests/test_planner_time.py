@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from meshforge.config.layout import open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import open_layout
-from meshforge.parallel import dims
-from meshforge.parallel.dims import Batch
+from meshforge.parallel import rules
+from meshforge.parallel.rules import Batch
 from meshforge.planner import time_terms
 from meshforge.planner.candidates import schedules as _schedules
 from meshforge.planner.comm_time import (
@@ -124,11 +124,11 @@ def test_async_tp_runs_on_any_backend_but_needs_sequence_parallelism():
     it overlaps sequence parallelism's collectives, so without SP it is refused."""
     lay = plan_layout(2, 1, 1, micro_batch_size=1, async_tp=True)
     shape = from_preset("debug")
-    dims.check(lay, shape, Batch(128, 1, 2, "cpu"))
-    dims.check(lay, shape, Batch(128, 1, 2, "cuda"))
+    rules.check(lay, shape, Batch(128, 1, 2, "cpu"))
+    rules.check(lay, shape, Batch(128, 1, 2, "cuda"))
     no_sp = plan_layout(2, 1, 1, micro_batch_size=1, async_tp=True, sequence_parallel=False)
     with pytest.raises(ConfigError, match="parallel.async_tp"):
-        dims.check(no_sp, shape, Batch(128, 1, 2, "cpu"))
+        rules.check(no_sp, shape, Batch(128, 1, 2, "cpu"))
 
 
 def test_zero1_waits_for_its_parameter_all_gather_whole():

@@ -20,7 +20,7 @@ from corpus_files import (
     write_parquet,
     write_text_dir,
 )
-from meshforge.data import pieces
+from meshforge.data import text_pieces as pieces
 from meshforge.data.prepare import prepare
 from meshforge.data.sources import discover
 from meshforge.data.tokenizer import ByteTokenizer

@@ -22,12 +22,13 @@ from corpus_files import (
     write_jsonl,
     write_parquet,
 )
-from meshforge.data import pieces, shards
+from meshforge.data import shards
+from meshforge.data import text_pieces as pieces
 from meshforge.data.dataset import TokenDataset
-from meshforge.data.pieces import cut
 from meshforge.data.prepare import prepare
 from meshforge.data.progress import Progress
 from meshforge.data.sources import discover
+from meshforge.data.text_pieces import cut
 from meshforge.data.tokenizer import ByteTokenizer, load_tokenizer
 from meshforge.errors import DataError
 
@@ -140,7 +141,8 @@ def test_format_version_1_still_reads_but_has_no_offsets(tmp_path):
 
 _KILLER = """
 import os, signal, sys
-from meshforge.data import pieces, shards
+from meshforge.data import shards
+from meshforge.data import text_pieces as pieces
 from meshforge.data.prepare import prepare
 from meshforge.data.tokenizer import ByteTokenizer
 pieces.BATCH_BYTES = shards.HEAD_TOKENS = 1 << 14

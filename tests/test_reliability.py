@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_args, run_cli, tiny_config, tiny_overrides
-from meshforge import disk, run_lock
-from meshforge.disk import DiskError
+from meshforge.guards import disk, run_lock
+from meshforge.guards.disk import DiskError
 
 HOLDER = (
     "import sys, time; from meshforge import run_lock; run_lock.acquire(sys.argv[1]); "
@@ -133,7 +133,9 @@ def test_a_short_write_with_less_room_than_a_checkpoint_is_a_full_disk(tmp_path,
 
 @pytest.mark.parametrize("local_rank,said", [("0", True), ("1", False)])
 def test_an_every_rank_error_is_said_once_per_node(monkeypatch, capsys, local_rank, said):
-    from meshforge import cli, cli_train, peer_lost
+    from meshforge.cli import main as cli
+    from meshforge.cli import train as cli_train
+    from meshforge.health import peer_lost
     from meshforge.health.keeper import HealthStop
 
     def stop(argv):
@@ -151,7 +153,7 @@ def test_an_every_rank_error_is_said_once_per_node(monkeypatch, capsys, local_ra
 
 
 def test_a_report_that_cannot_be_written_leaves_no_file(tmp_path, corpus, monkeypatch, capsys):
-    from meshforge.cli_train import write_run_report
+    from meshforge.cli.train import write_run_report
     from meshforge.report import run_report
 
     cfg = tiny_config(tmp_path / "run", corpus)
@@ -174,7 +176,7 @@ def test_a_report_that_cannot_be_written_leaves_no_file(tmp_path, corpus, monkey
 def test_the_run_exit_code_is_the_cause_not_the_killed_peers():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from meshforge.launch import exit_code_of
+    from meshforge.launch.local import exit_code_of
 
     def failed(*codes):
         fails = {
@@ -187,7 +189,7 @@ def test_the_run_exit_code_is_the_cause_not_the_killed_peers():
 
 
 def test_a_rank_whose_peer_went_away_says_one_line(monkeypatch, capsys):
-    from meshforge.peer_lost import is_peer_lost, say_peer_lost
+    from meshforge.health.peer_lost import is_peer_lost, say_peer_lost
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

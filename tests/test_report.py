@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 import pytest
 
 from conftest import cli_args, run_cli, tiny_overrides
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.report import write_report
 from meshforge.report.run_report import CHARTS, load_run, predict
 

@@ -1,3 +1,3 @@
-from meshforge.cli import entry
+from meshforge.cli.main import entry
 
 entry()

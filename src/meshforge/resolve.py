@@ -2,7 +2,7 @@
 
 ``resolve`` fills every automatic value (device, precision, mixed-precision mode, the
 inferred degree, pipeline micro-batches, micro-batch size, expert-parallel chunks, warm-up,
-optimizer kernel, checkpoint cadence), checks the layout with ``parallel/dims/`` and what only the machine
+optimizer kernel, checkpoint cadence), checks the layout with ``parallel/rules.py`` and what only the machine
 decides (a GPU to offload from, torchao for fp8), and takes each layout decision once. A
 value it must change (a warm-up longer than the run, a chunked loss a zero-bubble schedule
 cannot take on this torch) is a recorded ``Change`` with its reason, never a silent one.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshforge import launch_env
 from meshforge.config import Config
+from meshforge.config.layout import Layout
+from meshforge.config.run_plan import Change, RunPlan, World
 from meshforge.config.sections import CheckpointConfig, OptimConfig, TrainConfig
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout
-from meshforge.parallel import dims
-from meshforge.parallel.dims import Batch, DiLoCoRules
+from meshforge.launch import env as launch_env
+from meshforge.parallel import rules
 from meshforge.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule_name
-from meshforge.run_plan import Change, RunPlan, World
+from meshforge.parallel.rules import Batch, DiLoCoRules
 
 
 def detect_world(cfg: Config, size: int | None = None) -> World:
@@ -56,8 +56,8 @@ def resolve(cfg: Config, world_size: int | None = None, *, world: World | None =
     cfg = dataclasses.replace(cfg, checkpoint=_checkpoint(cfg))
     if machine:
         _machine_checks(cfg, world)
-    fsdp = layout.uses_fsdp() or dims.casts_once(layout, train.precision, train.mixed_precision)
-    flat_zero1 = dims.uses_flat_zero1(layout, train.precision)
+    fsdp = layout.uses_fsdp() or rules.casts_once(layout, train.precision, train.mixed_precision)
+    flat_zero1 = rules.uses_flat_zero1(layout, train.precision)
     return RunPlan(
         config=cfg,
         world=world,
@@ -67,7 +67,7 @@ def resolve(cfg: Config, world_size: int | None = None, *, world: World | None =
         flat_zero1=flat_zero1,
         ddp=layout.dp_cp > 1 and not fsdp and not flat_zero1,
         changes=tuple(changes),
-        async_tp=dims.async_tp_mode(layout, world.device, train.compile, world.symm_mem),
+        async_tp=rules.async_tp_mode(layout, world.device, train.compile, world.symm_mem),
     )
 
 
@@ -92,15 +92,15 @@ def _train(cfg: Config, world: World, changes: list[Change]) -> TrainConfig:
 
 def _layout(cfg: Config, world: World, precision: str) -> Layout:
     """The degrees for this world, checked by the layout rules, with the pipeline's micro-batches written in."""
-    lay = dims.resolve_degrees(cfg.layout, world.size)
+    lay = rules.resolve_degrees(cfg.layout, world.size)
     d = cfg.diloco
-    rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
+    diloco_rules = DiLoCoRules(**{k: getattr(d, k) for k in DiLoCoRules.__dataclass_fields__})
     t = cfg.train
     batch = Batch(
-        t.seq_len, t.global_batch_size, world.ranks_per_node, world.device, precision, t.compile, diloco=rules
+        t.seq_len, t.global_batch_size, world.ranks_per_node, world.device, precision, t.compile, diloco=diloco_rules
     )
-    dims.check(lay, cfg.shape, batch)
-    lay = lay.replace(ep_chunks=dims.ep_chunks_of(lay, world.ranks_per_node))
+    rules.check(lay, cfg.shape, batch)
+    lay = lay.replace(ep_chunks=rules.ep_chunks_of(lay, world.ranks_per_node))
     if lay.pp > 1:  # (train.micro_batch_size = 0 stays: "the whole per-rank batch" is a rule, not a choice)
         return lay.replace(num_microbatches=lay.microbatches(t.global_batch_size))
     return lay
@@ -146,4 +146,4 @@ def _fp8_all_gather(cfg: Config, world: World, fsdp: bool) -> bool:
     t, lay = cfg.train, cfg.layout
     if t.precision != "fp8" or lay.offload == "cpu" or t.fp8_recipe != "tensorwise":
         return False
-    return fsdp and dims.gathers_weights(lay) and world.fp8_native
+    return fsdp and rules.gathers_weights(lay) and world.fp8_native

@@ -23,7 +23,7 @@ import torch
 
 from meshforge.calibration.saved_activations import SavedReport, measure
 from meshforge.config import load_config
-from meshforge.run_plan import RunPlan
+from meshforge.config.run_plan import RunPlan
 
 # the run settings that decide what a block keeps (config keys, as `meshforge train` takes them)
 MODE_KEYS = (

@@ -17,10 +17,10 @@ from meshforge.checkpoint.saver import resolve_load
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
 from meshforge.checkpoint.weights import shape_mismatch
+from meshforge.config.run_plan import ResumePoint, RunPlan
 from meshforge.errors import ConfigError
 from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ModelShape
-from meshforge.run_plan import ResumePoint, RunPlan
 
 
 def find_resume_point(plan: RunPlan, resuming: bool, sequences: int, hashes: bool = True) -> ResumePoint:

@@ -28,14 +28,14 @@ from meshforge.checkpoint.resume_point import check_shape
 from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.checkpoint.weights import save_weights
-from meshforge.hooks import RunHooks
-from meshforge.launch_env import restart_count
+from meshforge.config.run_plan import RunPlan
+from meshforge.health.fault_hooks import RunHooks
+from meshforge.launch.env import restart_count
 from meshforge.metrics.sinks import trim_metrics
 from meshforge.models.hf import save_hf_state
 from meshforge.parallel.diloco.outer import DiLoCo
-from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
-from meshforge.run_plan import RunPlan
+from meshforge.parallel.rules import rank_layout
 
 
 def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tuple[dict[str, Any] | None, int]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from meshforge.checkpoint import store
 from meshforge.checkpoint.store import CheckpointError
-from meshforge.hooks import RunHooks
+from meshforge.health.fault_hooks import RunHooks
 
 Event = Callable[..., None]
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.checkpoint.safe_metadata import UnsafeCheckpointError, read_metadata
+from meshforge.data.manifest import read_manifest
 from meshforge.errors import MeshforgeError
-from meshforge.manifest import read_manifest
 
 FORMAT = "meshforge-checkpoint"
 VERSION = 1

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from meshforge.data.manifest import read_manifest
 from meshforge.errors import ConfigError, MeshforgeError
-from meshforge.manifest import read_manifest
 from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ANALYSIS_ONLY, ModelShape
 

@@ -2,7 +2,7 @@
 
 Types are checked as values are read (values.py; floats must be finite), every number against
 its range (ranges.py), then the rules between keys here. Whether a layout
-can run (degrees, divisibility, schedules) is parallel/dims/'s; what depends on the machine
+can run (degrees, divisibility, schedules) is parallel/rules.py's; what depends on the machine
 (a GPU for offload, torchao for fp8) is resolve.py's.
 """
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.config import sections as s
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.shape import ModelShape
 
 # (TOML section, Config attribute, declaring class), in the order the sections are written

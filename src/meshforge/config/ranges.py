@@ -6,7 +6,7 @@ other check looks at it. The bounds are generous -- a model 10x the largest trai
 fits, a step count reaches years at any step time -- and exist to catch a typo or a unit
 slip (1e23 steps, a learning rate of 3e4, a negative seed) before it trains into nonsense.
 Rules between keys (heads divide hidden, degrees divide the world) stay in checks.py,
-models/presets.py and parallel/dims/.
+models/presets.py and parallel/rules.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ it reproduces the run.
 Model shape fields default to the preset's value (shown as `—`).
 
 This page is generated from the fields' docstrings (`src/meshforge/config/sections.py`,
-`src/meshforge/layout.py`, `src/meshforge/models/shape.py`):
+`src/meshforge/config/layout.py`, `src/meshforge/models/shape.py`):
 `python -m meshforge.config.reference > docs/configuration.md`.
 """
 

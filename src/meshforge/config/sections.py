@@ -1,7 +1,7 @@
 """The config sections that are not the model's shape or the layout: one frozen dataclass
 per TOML section, one field per key. A field's docstring is its help (``meshforge train
 --help``, docs/configuration.md); its type is what the loader accepts. [model]'s shape
-fields are ``ModelShape``'s (models/shape.py) and [parallel]'s are ``Layout``'s (layout.py),
+fields are ``ModelShape``'s (models/shape.py) and [parallel]'s are ``Layout``'s (config/layout.py),
 declared there once. ``auto`` and the other automatic values are replaced when a config
 resolves into a run plan (resolve.py), so a run's config.toml holds none of them.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.presets import get_preset
 from meshforge.models.shape import LOSS_CHUNK_SIZE, ModelShape
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshforge.data.manifest import read_manifest
 from meshforge.data.prepare import FORMAT, FORMAT_VERSION
 from meshforge.errors import DataError
-from meshforge.manifest import read_manifest
 
 
 def _mapped(root: Path, name: str, count: int, dtype: str | np.dtype) -> np.ndarray:
@@ -112,7 +112,7 @@ class TokenDataset:
         self.index = index
         self.vocab_size = int(index["vocab_size"])
         self.tokenizer = index["tokenizer"]
-        self.eos_id = index.get("eos_id")  # the end-of-text token that separates documents (data/documents.py)
+        self.eos_id = index.get("eos_id")  # the end-of-text token that separates documents (data/eos_boundaries.py)
         splits, dtype = index["splits"], index["dtype"]
         train_seams = val_seams = None  # (format version 1 did not record the split's period)
         if "val_every" in index:

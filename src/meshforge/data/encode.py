@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from meshforge.data.pieces import Piece
+from meshforge.data.text_pieces import Piece
 from meshforge.data.tokenizer import Tokenizer
 
 

@@ -36,7 +36,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from meshforge.data import pieces, shards
+from meshforge.data import shards
+from meshforge.data import text_pieces as pieces
 from meshforge.data.encode import default_workers, encoded
 from meshforge.data.progress import Progress
 from meshforge.data.shards import JOURNAL, ShardSet, load_journal, save_journal, val_block_size

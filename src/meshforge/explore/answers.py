@@ -1,5 +1,5 @@
 """The explorer's answers, all from the planner: one layout's memory, communication and step
-time (``planner.estimate``), the rules it breaks (``parallel.dims``), the best layouts for the
+time (``planner.estimate``), the rules it breaks (``parallel.rules``), the best layouts for the
 same model and cluster (``planner.search``) and the train config of one (``planner.output``).
 Nothing here models memory or time itself."""
 
@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from meshforge.config.layout import Layout, open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout, open_layout
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.models.shape import ModelShape
-from meshforge.parallel import dims
-from meshforge.parallel.dims import Batch, Problem, resolve_degrees
+from meshforge.parallel import rules
+from meshforge.parallel.rules import Batch, Problem, resolve_degrees
 from meshforge.planner import output
 from meshforge.planner.estimate import Estimate, estimate, plan_layout, run_layout
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
@@ -55,7 +55,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
         offload=v["offload"],
     )
     shape = shape_of(v)
-    found = dims.problems(run_layout(lay), shape, Batch(v["seq_len"], v["global_batch"], v["gpus_per_node"]))
+    found = rules.problems(run_layout(lay), shape, Batch(v["seq_len"], v["global_batch"], v["gpus_per_node"]))
     _refuse_ep(found)
     problems = [asdict(p) for p in found]
     whole = v["global_batch"] % dp == 0 and local % v["micro_batch"] == 0
@@ -63,7 +63,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
 
 
 def _refuse_ep(found: list[Problem]) -> None:
-    """An invalid ep is answered 400 with the expert rule's own message (parallel/dims/)."""
+    """An invalid ep is answered 400 with the expert rule's own message (parallel/rules.py)."""
     refused = [p.message for p in found if p.key == "parallel.ep" and p.kind == "invalid"]
     if refused:
         raise BadRequest("; and ".join(refused))
@@ -72,7 +72,7 @@ def _refuse_ep(found: list[Problem]) -> None:
 def _check_best_ep(shape: ModelShape, v: dict[str, Any]) -> None:
     """A fixed ep for the search, put to the layout rules' judge of a partial layout: a dense
     model, or an ep that does not divide the experts, is refused in the rule's words."""
-    _refuse_ep(dims.partial_problems(open_layout(ep=v["ep"]), shape, v["gpus"], v["gpus_per_node"]))
+    _refuse_ep(rules.partial_problems(open_layout(ep=v["ep"]), shape, v["gpus"], v["gpus_per_node"]))
 
 
 def _estimate_json(e: Estimate, hw: Hardware) -> dict[str, Any]:

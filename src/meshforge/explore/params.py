@@ -15,7 +15,7 @@ from typing import Any
 from meshforge.errors import suggest
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.dims import RECOMPUTE
+from meshforge.parallel.rules import RECOMPUTE
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware, get_hardware

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from meshforge.config.sections import HealthConfig
+from meshforge.health.fault_hooks import RunHooks
 from meshforge.health.nonfinite import diagnose
 from meshforge.health.spike import SpikeDetector
-from meshforge.hooks import RunHooks
 
 
 class StepGuard:

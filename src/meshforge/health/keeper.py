@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.errors import MeshforgeError
+from meshforge.health.fault_hooks import RunHooks
 from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
-from meshforge.hooks import RunHooks
 from meshforge.parallel.mesh import Mesh
-from meshforge.run_plan import RunPlan
 
 
 class HealthStop(MeshforgeError):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from meshforge.config import to_dict
+from meshforge.config.run_plan import RunPlan
 from meshforge.metrics.profiler import StepProfiler
 from meshforge.metrics.sinks import MetricsLogger
 from meshforge.metrics.step_metrics import StepMetrics
@@ -19,7 +20,6 @@ from meshforge.metrics.time_breakdown import StepClock
 from meshforge.metrics.wandb_sink import WandbSink
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.mesh import Mesh
-from meshforge.run_plan import RunPlan
 
 
 class StepInstruments:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from meshforge.config.run_plan import RunPlan as Config
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
@@ -24,7 +25,6 @@ from meshforge.metrics.step_result import StepResult
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.fp8 import fp8_emulated
-from meshforge.run_plan import RunPlan as Config
 
 SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 

@@ -11,7 +11,7 @@ It is built once per micro-batch (``from_lengths``: the lengths are checked agai
 batch by name) and shared by every layer; what a core derives from it (tile plans, masks,
 a FlexAttention block mask) is built on first use and cached on it, so recomputation under
 activation checkpointing reuses it. The lengths may come from end-of-text separators
-(``data/documents.py``) or from a prepared corpus's document offsets alike.
+(``data/eos_boundaries.py``) or from a prepared corpus's document offsets alike.
 """
 
 from __future__ import annotations

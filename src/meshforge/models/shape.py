@@ -1,6 +1,6 @@
 """The one model-shape type: ``ModelShape``, spelled as the [model] config keys.
 
-The model (models/llama.py), the layout rules (parallel/dims/), FLOP counting
+The model (models/llama.py), the layout rules (parallel/rules.py), FLOP counting
 (models/flops.py), the planner and the explorer all read this one type; its fields are the
 [model] config keys (config/keys.py reads them, docstrings included), less ``ANALYSIS_ONLY``.
 """

@@ -1,7 +1,7 @@
 """The device mesh: every layout is a named N-D mesh of ranks, built from a Layout.
 
 Which dimensions and flattened sub-meshes exist, and in which order, is a layout rule and
-lives in ``parallel/dims/``; this file only turns them into process groups. One
+lives in ``parallel/rules.py``; this file only turns them into process groups. One
 process per device. Under torchrun (or ``meshforge train --nproc N``) the ranks find each
 other through the launcher's environment (``launch_env``); started directly, meshforge
 is a world of one and needs no process group, except on FSDP2 (bf16 cast once, CPU
@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshforge import launch_env
 from meshforge.compat import mesh_slice_names
+from meshforge.config.layout import ISLAND, Layout
 from meshforge.errors import ConfigError
-from meshforge.layout import ISLAND, Layout
+from meshforge.launch import env as launch_env
 
 
 @dataclass
@@ -34,7 +34,9 @@ class Mesh:
     layout: Layout = field(default_factory=Layout)
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
-    expert_mesh: DeviceMesh | None = None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see layout.py
+    expert_mesh: DeviceMesh | None = (
+        None  # ep > 1: the same ranks as (pp, dp_replicate, edp, ep, tp); see config/layout.py
+    )
     ep_group: dist.ProcessGroup | None = None  # ep > 1: the token all-to-all's own group (counted as axis "ep")
     solo: DeviceMesh | None = None  # a world of one on FSDP2 (bf16 cast once, CPU offload): its one-rank mesh
 

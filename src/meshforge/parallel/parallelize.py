@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.models.llama import Transformer, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
@@ -52,7 +53,6 @@ from meshforge.parallel.pipeline.split import balanced_split, chunk_ranks, give_
 from meshforge.parallel.precision import autocast
 from meshforge.parallel.tensor.apply import apply_tp, loss_context
 from meshforge.parallel.tensor.moe import split_over_tp
-from meshforge.run_plan import RunPlan
 
 
 def build_loss(plan: RunPlan) -> LanguageModelLoss:

@@ -1,17 +1,17 @@
 """The layouts a cluster allows: every degree, ZeRO stage, micro-batch, recompute mode,
 schedule and offload choice the fixed flags leave open, put to the layout rules in
-``parallel/dims/`` (``judge``); search.py estimates and ranks them."""
+``parallel/rules.py`` (``judge``); search.py estimates and ranks them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
 
+from meshforge.config.layout import Layout
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel import dims
-from meshforge.parallel.dims import RECOMPUTE, Batch, Spelling, tp_divides_heads
+from meshforge.parallel import rules
+from meshforge.parallel.rules import RECOMPUTE, Batch, Spelling, tp_divides_heads
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES, plan_layout, run_layout
 from meshforge.planner.hardware import Hardware
 from meshforge.planner.offload_costs import can_offload
@@ -23,7 +23,7 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-# the planner's flags for the layout rules' keys (dims.partial_problems speaks them)
+# the planner's flags for the layout rules' keys (rules.partial_problems speaks them)
 PLAN_FLAGS = Spelling(
     {
         **{f"parallel.{k}": f"--{k}" for k in ("tp", "pp", "cp", "ep", "offload")},
@@ -37,8 +37,8 @@ PLAN_FLAGS = Spelling(
 
 
 def check_fixed(shape: ModelShape, gpus: int, f: Layout, gpus_per_node: int) -> None:
-    """Refuse impossible fixed choices with the layout rules' reason and fix (``dims.partial_problems``)."""
-    for problem in dims.partial_problems(f, shape, gpus, gpus_per_node, PLAN_FLAGS):
+    """Refuse impossible fixed choices with the layout rules' reason and fix (``rules.partial_problems``)."""
+    for problem in rules.partial_problems(f, shape, gpus, gpus_per_node, PLAN_FLAGS):
         if problem.kind == "invalid":
             raise ConfigError(problem.message)
 
@@ -60,7 +60,7 @@ def offload_modes(f: Layout, hw: Hardware) -> list[str]:
 def judge(lay: Layout, shape: ModelShape, seq: int, global_batch: int, gpus_per_node: int) -> tuple[bool, str]:
     """(exists, why train refuses it or ""): the layout rules' verdict on the layout as its
     emitted config states it (``run_layout``)."""
-    found = dims.problems(run_layout(lay), shape, Batch(seq, global_batch, gpus_per_node))
+    found = rules.problems(run_layout(lay), shape, Batch(seq, global_batch, gpus_per_node))
     if any(p.kind == "invalid" for p in found):
         return False, found[0].message
     return True, found[0].message if found else ""
@@ -93,11 +93,11 @@ def _ep_choices(shape: ModelShape, dp_cp: int, f: Layout) -> list[int]:
 
 
 def _zero_choices(dp_cp: int, ep: int, f: Layout) -> list[int]:
-    """ZeRO stages to try; under ep the model runs on FSDP2 (dims.uses_fsdp), searched as stages 2 and 3,
+    """ZeRO stages to try; under ep the model runs on FSDP2 (rules.uses_fsdp), searched as stages 2 and 3,
     as is CPU offload on one data-parallel rank (the layout rule refuses it except on a world of one)."""
     if f.zero_stage is not None:
         return [f.zero_stage]
-    if dp_cp == 1:  # a world of one offloads on a one-rank FSDP2 mesh (ZeRO-2/3; dims.offload_problem)
+    if dp_cp == 1:  # a world of one offloads on a one-rank FSDP2 mesh (ZeRO-2/3; rules.offload_problem)
         return [2, 3] if f.offload == "cpu" else [0]
     return [2, 3] if ep > 1 else [0, 1, 2, 3]
 

@@ -5,12 +5,12 @@ host-link copies under CPU offload."""
 
 from __future__ import annotations
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.context.cost import local_tokens, ring_bytes, ring_messages
-from meshforge.parallel.dims.data import uses_flat_zero1
-from meshforge.parallel.tensor.pieces import pieces_of
+from meshforge.parallel.data.rules import uses_flat_zero1
+from meshforge.parallel.tensor.ring_pieces import pieces_of
 from meshforge.planner import kernel_costs, moe_costs, offload_costs, time_terms
+from meshforge.planner.context_costs import local_tokens, ring_bytes, ring_messages
 from meshforge.planner.hardware import Hardware, cost_coefficients
 from meshforge.planner.memory import stage_layers, stage_params, stage_state_bytes
 

@@ -4,7 +4,7 @@ of exponentially distributed length with mean N (``models/flops.document_span``)
 - One device (and tp, pp): a block-sparse kernel (FlexAttention's 128 x 128 tiles on CUDA, the
   query tiles on a CPU) runs about the documents' own squares: the attention core's time
   scales by span / seq.
-- Context parallelism: the ring skips whole blocks only (``parallel/context/cost.py``:
+- Context parallelism: the ring skips whole blocks only (``planner/context_costs.py``:
   ``ring_block_work``); the slowest cp rank sets the pace, so the core's time scales by its
   expected work over the causal ring's (zigzag keeps the causal ring even; the skips are not).
 - Model FLOPs (and so the predicted MFU) count attention as executed: over the span, as the
@@ -13,9 +13,9 @@ of exponentially distributed length with mean N (``models/flops.document_span``)
 
 from __future__ import annotations
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.flops import document_span
-from meshforge.parallel.context.cost import ring_block_work
+from meshforge.planner.context_costs import ring_block_work
 
 
 def attention_share(seq: int, lay: Layout, mean_doc_len: float) -> float:

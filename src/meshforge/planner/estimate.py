@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models import flops
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.pipeline.schedules import SCHEDULES as DIMS_SCHEDULES
@@ -63,7 +63,7 @@ from meshforge.planner.memory import (
     stage_state_bytes,
 )
 
-# the pipeline schedules and their bubble are the layout rules' (parallel/dims/)
+# the pipeline schedules and their bubble are the layout rules' (parallel/rules.py)
 SCHEDULES = tuple(s for s in DIMS_SCHEDULES if s not in V_SHAPED)  # searched
 V_SCHEDULES = V_SHAPED  # planned when asked for (--schedule), two chunks per rank
 
@@ -108,7 +108,7 @@ class Estimate:
     mfu: float
     hfu: float
     budget: dict[str, float] = field(default_factory=dict)  # fractions of the step
-    not_runnable: str = ""  # why `meshforge train` refuses this layout (parallel/dims/); "" if it runs
+    not_runnable: str = ""  # why `meshforge train` refuses this layout (parallel/rules.py); "" if it runs
     host_memory: dict[str, float] = field(default_factory=dict)  # GiB under CPU offload (per GPU, per_node)
 
     def as_json(self) -> dict[str, Any]:

@@ -7,13 +7,9 @@ Megatron/TE runs and ``train.compile``) and the chunked loss unless told otherwi
 
 from __future__ import annotations
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.shape import LOSS_CHUNK_SIZE, ModelShape
-from meshforge.parallel.context.cost import (
-    local_tokens,
-    ring_extra_saved_bytes_per_token,
-)
-from meshforge.parallel.dims import casts_once
+from meshforge.parallel.rules import casts_once
 from meshforge.planner import moe_costs, offload_costs
 from meshforge.planner.activation_bytes import (
     TOKEN_ID_BYTES,
@@ -23,6 +19,10 @@ from meshforge.planner.activation_bytes import (
     holding,
     loss_saved_bytes_per_token,
     rope_bytes_per_token,
+)
+from meshforge.planner.context_costs import (
+    local_tokens,
+    ring_extra_saved_bytes_per_token,
 )
 from meshforge.planner.hardware import GIB, Hardware
 from meshforge.planner.zero1_partition import largest_share

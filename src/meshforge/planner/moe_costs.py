@@ -26,7 +26,7 @@ from typing import Any
 from meshforge.models import flops
 from meshforge.models.moe import expert_ffn, is_moe_layer
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.dims.experts import ep_chunks_of
+from meshforge.parallel.expert.rules import ep_chunks_of
 from meshforge.planner import kernel_costs
 from meshforge.planner.hardware import Hardware
 

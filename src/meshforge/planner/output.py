@@ -187,7 +187,7 @@ def emitted_config(
         values |= {f"parallel.{k}": getattr(L, k) for k in pipe}
         if L.pp_layers:
             values["parallel.pp_layers"] = tuple(L.pp_layers)
-    if L.offload == "cpu":  # FSDP2's CPU offload (parallel/dims/)
+    if L.offload == "cpu":  # FSDP2's CPU offload (parallel/rules.py)
         values["parallel.offload"] = "cpu"
     if L.async_tp:
         values["parallel.async_tp"] = True

@@ -17,8 +17,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from meshforge.config import load_config
+from meshforge.config.layout import Layout, open_layout
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout, open_layout
 from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.hardware import ATTENTION_KERNELS, Hardware, get_hardware, preset_for_device

@@ -8,7 +8,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from meshforge.parallel.dims import OFFLOAD
+from meshforge.parallel.rules import OFFLOAD
 from meshforge.planner import diloco_costs
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS

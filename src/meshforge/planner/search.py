@@ -1,7 +1,7 @@
 """Estimate every layout candidates.py enumerates, keep what fits, rank by speed.
 
 Whether a layout can exist and whether ``meshforge train`` runs it is not decided here:
-every candidate is put to the layout rules in ``parallel/dims/``. A candidate they call
+every candidate is put to the layout rules in ``parallel/rules.py``. A candidate they call
 invalid is skipped; one they call unsupported is estimated and ranked after the runnable
 ones, marked with the reason, so the planner never recommends a layout training refuses.
 """
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from meshforge.config.layout import Layout
 from meshforge.errors import ConfigError
-from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 from meshforge.planner import output
 from meshforge.planner.candidates import check_fixed, layouts, offload_modes

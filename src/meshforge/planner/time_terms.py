@@ -6,7 +6,7 @@ nothing here is fitted to a run."""
 
 from __future__ import annotations
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models import flops
 from meshforge.models.shape import ModelShape
 

@@ -4,7 +4,7 @@ Only ``preflight`` is imported with the package: the launcher of ``train --nproc
 and nothing else, and loop.py brings in DCP, DTensor and the models (~2 s of CPU per launch).
 The other names load on first use (PEP 562)."""
 
-from meshforge.train.preflight import preflight
+from meshforge.guards.preflight import preflight
 
 __all__ = ["Trainer", "lr_at", "preflight", "prepare_run_dir", "train"]
 

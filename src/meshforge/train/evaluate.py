@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenSplit
 from meshforge.models.documents import Documents
 from meshforge.models.loss import LanguageModelLoss
@@ -23,7 +24,6 @@ from meshforge.parallel.context.ring import cp_index
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.parallel.tensor.apply import local_value
-from meshforge.run_plan import RunPlan
 from meshforge.train.packing import Packing
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from meshforge import peer_lost
 from meshforge.checkpoint import store
 from meshforge.config import Config
-from meshforge.disk import checkpoint_bytes, disk_error
 from meshforge.errors import MeshforgeError
+from meshforge.guards.disk import checkpoint_bytes, disk_error
+from meshforge.health import peer_lost
 from meshforge.metrics.step_metrics import resume_hint
-from meshforge.train.start import event_writer
+from meshforge.train.run_dir import event_writer
 
 
 def on_failure(cfg: Config, rank: int, world: int, exc: BaseException) -> BaseException | None:

@@ -5,7 +5,7 @@ optimizer and LR schedule (optimizer.py), the step runner (step.py), the evaluat
 (evaluate.py), checkpoints (checkpoint/run_checkpoints.py), the run log (run_log.py: events,
 console, records, summary), what a measured step gathers (measure.py), the health keeper
 (health/keeper.py), the profiler and step clock (metrics/instruments.py), and the run's
-hooks, where fault injection attaches (hooks.py, faults.py). A step is *measured* (syncs,
+hooks, where fault injection attaches (health/fault_hooks.py, health/faults.py). A step is *measured* (syncs,
 collectives, comm counting) only when logged, last, or drawn as a Gantt chart; see
 docs/metrics.md.
 """
@@ -19,34 +19,36 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from meshforge import faults, launch_env, run_lock, startup_gc
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.config import Config
+from meshforge.config.run_plan import RunPlan
+from meshforge.data.corpus import open_data, separator_warning
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.sampler import GlobalBatchSampler
+from meshforge.guards import run_lock
+from meshforge.guards.preflight import launch_plan
+from meshforge.health import faults
+from meshforge.health.fault_hooks import RunHooks
 from meshforge.health.keeper import HealthKeeper
-from meshforge.hooks import RunHooks
+from meshforge.launch import env as launch_env
+from meshforge.launch import startup_gc
 from meshforge.metrics.instruments import StepInstruments
 from meshforge.metrics.logged_steps import is_logged
 from meshforge.metrics.step_result import StepResult
 from meshforge.parallel.diloco.outer import build_diloco
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, forward_context
-from meshforge.run_plan import RunPlan
-from meshforge.train.corpus import open_data
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.failure import on_failure
-from meshforge.train.measure import StepMeasures
 from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
-from meshforge.train.packing import separator_warning
-from meshforge.train.preflight import launch_plan
 from meshforge.train.rollback import roll_back
+from meshforge.train.run_dir import agree_on_start
 from meshforge.train.run_log import RunLog
-from meshforge.train.start import agree_on_start
 from meshforge.train.step import PipelineStep, PlainStep
+from meshforge.train.step_stats import StepMeasures
 from meshforge.train.stop import StopRequest
 
 
@@ -155,7 +157,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to train.steps (or a stop request); returns the summary."""
-        startup_gc.resume()  # (paused while the process started: startup_gc.py)
+        startup_gc.resume()  # (paused while the process started: launch/startup_gc.py)
         try:
             with StopRequest(self.mesh, self.log.say) as stop:
                 result = self._fit(stop)

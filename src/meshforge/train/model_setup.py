@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from meshforge.checkpoint.weights import load_pretrained, shape_mismatch
+from meshforge.config.run_plan import RunPlan
 from meshforge.errors import ConfigError
 from meshforge.models.llama import build_model
 from meshforge.models.loss import LanguageModelLoss
@@ -20,7 +21,6 @@ from meshforge.models.shape import ModelShape
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.parallelize import parallelize, parallelize_pipeline
 from meshforge.parallel.pipeline.runtime import Pipeline
-from meshforge.run_plan import RunPlan
 
 
 @dataclass

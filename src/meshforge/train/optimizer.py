@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.parallel.data.apply import make_optimizer
 from meshforge.parallel.mesh import Mesh
-from meshforge.run_plan import RunPlan
 
 
 def lr_at(cfg: RunPlan, step: int) -> float:

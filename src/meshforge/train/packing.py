@@ -12,13 +12,9 @@ from typing import Any
 
 import torch
 
-from meshforge.data.dataset import TokenDataset
-from meshforge.data.documents import document_lengths, single_document_fraction
-from meshforge.errors import DataError
+from meshforge.config.run_plan import RunPlan
+from meshforge.data.eos_boundaries import document_lengths
 from meshforge.models.documents import Documents
-from meshforge.run_plan import RunPlan
-
-WARN_FRACTION = 1.0  # warn when this share of the sampled sequences (all of them) holds a single document
 
 
 class Packing:
@@ -49,28 +45,3 @@ class Packing:
         if self.reset and not d.single:
             positions = d.positions if self.cp_index is None else d.positions[:, self.cp_index]
         return {"positions": positions, "documents": d if self.mask else None}
-
-
-def check_separator(plan: RunPlan, data: TokenDataset) -> None:
-    """Packed documents need the corpus's end-of-text token: refuse an index.json without one."""
-    if (plan.data.document_mask or plan.data.reset_positions) and type(data.eos_id) is not int:
-        raise DataError(
-            f"data.document_mask / data.reset_positions need the corpus's end-of-text token, but {data.root} "
-            "/ index.json has no integer 'eos_id'; re-run `meshforge data prepare`, or set both to false"
-        )
-
-
-def separator_warning(plan: RunPlan, data: TokenDataset) -> str | None:
-    """With data.document_mask on, a corpus whose sampled training sequences all hold a single
-    document (no end-of-text separator inside) gets one warning: the mask changes nothing there."""
-    if not plan.data.document_mask or data.eos_id is None:
-        return None
-    fraction, read = single_document_fraction(data.train, int(data.eos_id))
-    if read == 0 or fraction < WARN_FRACTION:
-        return None
-    return (
-        f"data.document_mask = true, but {fraction:.0%} of {read} training sequences sampled hold a single document "
-        f"(no end-of-text token, id {data.eos_id}, inside): the corpus does not separate its documents, so "
-        "attention is plain causal; prepare it with one document per file or JSONL line, or set "
-        "data.document_mask = false to silence this"
-    )

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from meshforge.metrics.chrome_trace import write_timeline_trace
 from meshforge.metrics.memory import peak_mem_gib
-from meshforge.parallel.dims import rank_layout
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.runtime import Pipeline
+from meshforge.parallel.rules import rank_layout
 
 
 def gather_pipeline_stats(pipe: Pipeline, mesh: Mesh) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.cpu_peak import estimated_cpu_peak, recheck
 from meshforge.metrics.logged_steps import slow_step_line
@@ -26,7 +27,6 @@ from meshforge.models.flops import num_params
 from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh
-from meshforge.run_plan import RunPlan
 
 
 class RunLog:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.health.guard import StepGuard
 from meshforge.metrics.memory import gathered_param_bytes, host_state_bytes, state_bytes
 from meshforge.metrics.step_result import StepResult
@@ -32,7 +33,6 @@ from meshforge.parallel.grad_clip import clip_grad_norm
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.parallel.tensor.apply import local_value, match_grad_layouts
-from meshforge.run_plan import RunPlan
 from meshforge.train.optimizer import current_lr
 from meshforge.train.packing import Packing
 

@@ -1,5 +1,5 @@
 """Context parallelism: exact ring attention over the cp ranks (``ring.py``: zigzag or
 contiguous split, ring or all-gather K/V rotation), the attention kernels of one ring block
-(``kernels.py``), MoE balance counts over the whole sequence (``moe.py``) and the ring's cost
-formulas shared with the planner (``cost.py``); the layout rules are
-``parallel/dims/context.py``."""
+(``kernels.py``), packed documents on the ring (``document_ring.py``), MoE balance counts over
+the whole sequence (``moe.py``) and the layout rules (``rules.py``); the ring's cost formulas
+are the planner's (``planner/context_costs.py``)."""

@@ -9,7 +9,7 @@ is the micro-batch's; the loss is linear in P, and the cp ranks' losses (and gra
 averaged like data-parallel ones. So it is enough to give every rank the micro-batch's f_i:
 its per-expert slot counts summed over the cp group (E integers per MoE layer and
 micro-batch, no gradient). The router z-loss is a mean over tokens and needs nothing.
-Capacity is not run under cp (parallel/dims/ refuses it): it would drop per shard.
+Capacity is not run under cp (parallel/rules.py refuses it): it would drop per shard.
 """
 
 from __future__ import annotations

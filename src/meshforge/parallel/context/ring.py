@@ -37,7 +37,7 @@ from torch import nn
 
 from meshforge.models.documents import Documents
 from meshforge.parallel import comm_stats
-from meshforge.parallel.context.documents import BlockWork, RingPlan, plan_ring
+from meshforge.parallel.context.document_ring import BlockWork, RingPlan, plan_ring
 from meshforge.parallel.context.kernels import block_backward, block_forward, pick_kernel
 from meshforge.parallel.mesh import Mesh
 
@@ -187,7 +187,7 @@ class RingAttentionFn(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, plan: RingPlan | None = None
     ) -> torch.Tensor:
-        """``plan``: packed documents (``context/documents.py``): skip and mask blocks as it says."""
+        """``plan``: packed documents (``parallel/context/document_ring.py``): skip and mask blocks as it says."""
         n, scale = len(ring.ids(ring.rank)), 1.0 / math.sqrt(q.shape[-1])
         kernel = pick_kernel(q, ring.kernel)
         qs = _split(q, n)

@@ -5,7 +5,7 @@ FSDP, TP, PP, ...) with its own AdamW for H steps; then the islands average thei
 pseudo-gradients (the round's start weights minus the current ones) and an outer SGD with
 Nesterov momentum moves the shared *outer* weights, which every island continues from.
 Only this sync crosses islands, over the ``island`` mesh dimension (the outermost: see
-parallel/dims/); each rank averages its own local shard with the ranks at the same inner
+parallel/rules.py); each rank averages its own local shard with the ranks at the same inner
 coordinates in the other islands, so under FSDP/TP the outer state is per local shard.
 
 Streaming DiLoCo (Douillard et al. 2025): the parameters are split into ``fragments``

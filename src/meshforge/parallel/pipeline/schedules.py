@@ -1,6 +1,6 @@
 """Pipeline schedules: their names, the model chunks each runs per rank, and their bubble.
 
-Facts about the schedules, shared by the layout rules (parallel/dims/), the pipeline
+Facts about the schedules, shared by the layout rules (parallel/rules.py), the pipeline
 (parallel/pipeline/runtime.py) and the planner; which schedule a layout may use is a rule in dims/.
 """
 

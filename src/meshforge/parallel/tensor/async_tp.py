@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshforge import compat
 from meshforge.parallel import comm_stats
-from meshforge.parallel.tensor.pieces import pieces_of
+from meshforge.parallel.tensor.ring_pieces import pieces_of
 
 _batch_isend_irecv = dist.batch_isend_irecv  # the original: the ring books its own bytes (comm_stats.book)
 

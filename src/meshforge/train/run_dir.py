@@ -15,14 +15,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshforge import run_lock
 from meshforge.checkpoint import store
 from meshforge.checkpoint.resume_point import find_resume_point
-from meshforge.launch_env import restart_count
+from meshforge.config.run_plan import RunPlan
+from meshforge.data.corpus import open_data
+from meshforge.guards import run_lock
+from meshforge.guards.preflight import check_run_dir, resuming
+from meshforge.launch.env import restart_count
 from meshforge.parallel.mesh import Mesh
-from meshforge.run_plan import RunPlan
-from meshforge.train.corpus import open_data
-from meshforge.train.preflight import check_run_dir, resuming
 
 
 def prepare_run_dir(cfg: RunPlan) -> Path:

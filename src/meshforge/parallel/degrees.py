@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from meshforge.config.layout import DIMS, ISLAND, Layout
 from meshforge.errors import ConfigError
-from meshforge.layout import DIMS, ISLAND, Layout
-
-from .core import product
+from meshforge.parallel.rule_types import product
 
 
 def resolve_degrees(layout: Layout, world_size: int) -> Layout:

@@ -157,7 +157,7 @@ def hold(run_dir: Path, quiet: bool = False) -> RunLock | None:
     try:
         lock = acquire(run_dir)
     except OSError as e:  # a read-only run.dir, no permission: said as the write probe says it
-        from meshforge.disk import DiskError, describe
+        from meshforge.guards.disk import DiskError, describe
 
         raise DiskError(describe(run_dir, e, "write run.dir at")) from None
     note = stale_note(lock)

@@ -73,7 +73,7 @@ def ring_block_work(seq_len: int, cp: int, balance: str, mean_doc_len: float = 0
     """Each cp rank's expected attention work in blocks (a chunk-by-chunk product of scores; the
     causal triangle of a diagonal block counts 1/2), for documents of exponentially distributed
     length with mean ``mean_doc_len`` (0: none, plain causal). Under document masks
-    (``context/documents.py``) a block ``d`` chunks before the query chunk is skipped when a
+    (``parallel/context/document_ring.py``) a block ``d`` chunks before the query chunk is skipped when a
     document starts among the (d - 1)·chunk + 1 tokens between them (probability
     1 - exp(-that / mean)); every other block runs whole, a diagonal one its causal triangle."""
     n = 2 * cp if balance == "zigzag" else cp

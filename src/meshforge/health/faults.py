@@ -14,7 +14,7 @@
 
 Faults other than pace fire only on the first attempt (``launch_env.restart_count()`` = 0), so a restarted
 group runs clean, and nan / spike only once (a step redone after a rollback runs clean).
-Nothing happens when the variable is unset. ``attach`` puts them on a run's hooks (hooks.py):
+Nothing happens when the variable is unset. ``attach`` puts them on a run's hooks (health/fault_hooks.py):
 the loop, the checkpoint saver and the health guard never call a fault themselves.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from meshforge import launch_env
 from meshforge.errors import ConfigError
-from meshforge.hooks import RunHooks
+from meshforge.health.fault_hooks import RunHooks
+from meshforge.launch import env as launch_env
 
 # kind -> the fields it takes, in order
 KINDS = {"kill": ("rank", "step|save"), "nan": ("rank", "step"), "spike": ("step",), "hang": ("rank", "step")}

@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.shape import ModelShape
+from meshforge.parallel.data.rules import offload_problem
+from meshforge.parallel.pipeline.rules import sizes_ok
 from meshforge.parallel.pipeline.schedules import SCHEDULES, V_SHAPED
-
-from .core import Problem, product
-from .data import offload_problem
-from .pipeline import sizes_ok
-from .tensor import tp_divides_heads
+from meshforge.parallel.rule_types import Problem, product
+from meshforge.parallel.tensor.rules import tp_divides_heads
 
 RECOMPUTE = ("none", "selective", "full")  # train.activation_checkpoint, in the planner's search order
 OFFLOAD = ("auto", "none", "cpu")  # parallel.offload; "auto" (or None): the search decides

@@ -1,6 +1,6 @@
 """The points of a run where outside behaviour can attach: before and after each step,
 after a checkpoint's shards are written, and on a step's loss. A normal run leaves them
-empty; fault injection (faults.py) fills them, so the loop and the checkpoint saver call
+empty; fault injection (health/faults.py) fills them, so the loop and the checkpoint saver call
 hooks, never the faults themselves.
 """
 

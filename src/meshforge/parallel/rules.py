@@ -1,4 +1,5 @@
-"""The one home of layout rules: degrees, what divides what, and which meshes exist.
+"""Every axis's layout rules gathered (each lives beside its code: ``parallel/<axis>/rules.py``):
+degrees, what divides what, and which meshes exist.
 
 ``Layout`` is pure Python (no process groups, no tensors), so the config check
 before launch, the device mesh, ``parallelize.py`` and the planner's search all ask the
@@ -27,31 +28,39 @@ divide the heads), ``unsupported`` ones could, but this version of meshforge doe
 them (ZeRO-1 under tp, a mixture of experts under tp). Each problem names the key
 and the fix.
 
-The rules live in this package, one module per axis: ``data`` (DDP/ZeRO/HSDP, offload, the
-batch), ``tensor`` (tp, sequence parallelism, async TP), ``context`` (cp), ``pipeline``, ``experts``,
-``diloco``, ``degrees`` (inferring a -1 degree, each rank's coordinates) and ``partial``
-(a partial layout's fixed choices, judged before a search). ``core`` holds the vocabulary.
+Each axis's rules live beside its code: ``data/rules.py`` (DDP/ZeRO/HSDP, offload, the batch),
+``tensor/rules.py`` (tp, sequence parallelism, async TP), ``context/rules.py`` (cp),
+``pipeline/rules.py``, ``expert/rules.py``, ``diloco/rules.py``; beside this module
+``degrees.py`` (inferring a -1 degree, each rank's coordinates), ``partial_rules.py`` (a partial
+layout's fixed choices, judged before a search) and ``rule_types.py`` (the vocabulary).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from meshforge.config.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
 from meshforge.errors import ConfigError
-from meshforge.layout import DIMS, EXPERT_DIMS, FLATTENED, ISLAND, Layout
 from meshforge.models.shape import ModelShape
+from meshforge.parallel.context.rules import _context_parallel
+from meshforge.parallel.data.rules import (
+    _batch,
+    _data_parallel,
+    _offload,
+    casts_once,
+    gathers_weights,
+    offload_problem,
+    uses_flat_zero1,
+)
+from meshforge.parallel.degrees import rank_layout, resolve_degrees
+from meshforge.parallel.diloco.rules import diloco_problems
+from meshforge.parallel.expert.rules import _experts, ep_chunks_of
+from meshforge.parallel.partial_rules import CONFIG, OFFLOAD, RECOMPUTE, Spelling, partial_problems
+from meshforge.parallel.pipeline.rules import _pipeline
+from meshforge.parallel.rule_types import SYNC_DTYPES, Batch, DiLoCoRules, Problem
+from meshforge.parallel.tensor.rules import _async_tp, _tensor_parallel, async_tp_mode, tp_divides_heads
 
-from .context import _context_parallel
-from .core import SYNC_DTYPES, Batch, DiLoCoRules, Problem
-from .data import _batch, _data_parallel, _offload, casts_once, gathers_weights, offload_problem, uses_flat_zero1
-from .degrees import rank_layout, resolve_degrees
-from .diloco import diloco_problems
-from .experts import _experts, ep_chunks_of
-from .partial import CONFIG, OFFLOAD, RECOMPUTE, Spelling, partial_problems
-from .pipeline import _pipeline
-from .tensor import _async_tp, _tensor_parallel, async_tp_mode, tp_divides_heads
-
-__all__ = [  # the layout data lives in meshforge/layout.py; the rules here
+__all__ = [  # the layout data lives in meshforge/config/layout.py; the rules here
     "CONFIG",
     "DIMS",
     "EXPERT_DIMS",

@@ -1,7 +1,7 @@
 """``meshforge train``: its arguments (``--section.key=value`` overrides beside --config,
 --nproc, --max-restarts, --dry-run), the launch (in this process, or N local ranks through
 torch.distributed.run) and, on rank 0, the run report written whatever the outcome. Imported
-only when the command is ``train`` (cli.py keeps ``meshforge --help`` free of torch).
+only when the command is ``train`` (cli/main.py keeps ``meshforge --help`` free of torch).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshforge import launch_env
-from meshforge.disk import check_name_length
 from meshforge.errors import ConfigError, MeshforgeError, suggest
-from meshforge.launcher_tie import tie_to_launcher
+from meshforge.guards.disk import check_name_length
+from meshforge.launch import env as launch_env
+from meshforge.launch.tie import tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
                        [--section.key=value ...]
@@ -96,7 +96,7 @@ def cmd_train(argv: list[str]) -> int:
         print(TRAIN_USAGE)
         print(describe_keys())
         return 0
-    from meshforge import run_lock
+    from meshforge.guards import run_lock
 
     early = run_lock.run_dir_in_argv(argv)
     if early:
@@ -112,8 +112,8 @@ def cmd_train(argv: list[str]) -> int:
 
 def _train(argv: list[str]) -> int:
     """``meshforge train`` once run.dir is locked: in this process, or launching the ranks."""
-    from meshforge import run_lock
     from meshforge.config import load_config
+    from meshforge.guards import run_lock
 
     config_file, nproc, restarts, overrides = parse_train_args(argv)
     cfg = load_config(config_file, overrides)
@@ -124,8 +124,8 @@ def _train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
-    from meshforge.launch import check_nproc, launch_local
-    from meshforge.train import preflight
+    from meshforge.guards import preflight
+    from meshforge.launch.local import check_nproc, launch_local
 
     if launch_env.under_launcher():
         if nproc > 1:
@@ -162,8 +162,8 @@ def train_and_report(cfg: Any) -> dict[str, Any]:
     wrote, also after a failed or stopped run. Written here, above train/, so that training
     never imports the analysis side (report/ reads the planner). Rank 0 checks the run first
     (as the multi-rank launch does): a refused run writes nothing, not even into an old run."""
+    from meshforge.guards.preflight import launch_plan
     from meshforge.train import train
-    from meshforge.train.preflight import launch_plan
 
     plan = launch_plan(cfg, launch_env.world_size())  # a refusal here has written nothing, not even a report
     try:
@@ -176,9 +176,9 @@ def train_and_report(cfg: Any) -> dict[str, Any]:
 def write_run_report(cfg: Any) -> None:
     """run.dir/report.html (unless metrics.report = false); a report error is logged as an
     event (``report_failed``), never raised over the run's own outcome."""
-    from meshforge.disk import describe
+    from meshforge.guards.disk import describe
     from meshforge.report import write_report
-    from meshforge.train.start import event_writer
+    from meshforge.train.run_dir import event_writer
 
     run_dir = Path(cfg.run.dir)
     if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
@@ -198,7 +198,7 @@ def dry_run(cfg: Any, world: int) -> int:
     """Print the run plan for ``world`` ranks on this machine (the config.toml a run would write),
     the device and its memory, and the planner's estimate of exactly that layout on it (the one
     the pre-flight fit check uses); start nothing and write nothing (run.dir is not touched)."""
-    from meshforge.fit import device_memory, estimate_run
+    from meshforge.guards.memory_fit import device_memory, estimate_run
     from meshforge.resolve import resolve
 
     plan = resolve(cfg, world, machine=False)

@@ -6,7 +6,7 @@ These fields ARE the config's layout keys (config/keys.py reads them, docstrings
 so a new layout setting is one field here and the code that applies it. A config resolves
 once into a run plan whose ``layout`` every part reads (``meshforge/resolve.py``): the mesh,
 ``parallelize``, the planner, the explorer and ``--emit-config``. Whether a layout runs is
-decided by ``parallel/dims/``; this file holds no rules, only the data and its derived
+decided by ``parallel/rules.py``; this file holds no rules, only the data and its derived
 quantities.
 
 A *partial* layout (``open_layout``) holds None for what is not decided yet (the planner's
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when islands > 1
-EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/dims/)
+EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/rules.py)
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -154,7 +154,7 @@ class Layout:
         return {ISLAND: self.islands, **inner} if self.islands > 1 else inner
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
-        """The flattened sub-meshes this layout builds (see parallel/dims/)."""
+        """The flattened sub-meshes this layout builds (see parallel/rules.py)."""
         return dict(FLATTENED)
 
     def uses_fsdp(self) -> bool:

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from meshforge import launch_env
+from meshforge.launch import env as launch_env
 
 PATTERN = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|Connection refused|"

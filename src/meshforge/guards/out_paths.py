@@ -12,9 +12,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from meshforge.disk import DiskError, check_name_length, describe, existing_ancestor, probe_run_dir
 from meshforge.errors import MeshforgeError
-from meshforge.run_files import owning_run
+from meshforge.guards.disk import DiskError, check_name_length, describe, existing_ancestor, probe_run_dir
+from meshforge.guards.foreign_files import owning_run
 
 
 def check_out_dir(out: Path, flag: str = "--out") -> None:

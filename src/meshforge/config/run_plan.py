@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshforge.config import Config, to_toml
+from meshforge.config.layout import Layout
 from meshforge.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -27,7 +28,6 @@ from meshforge.config.sections import (
     RunConfig,
     TrainConfig,
 )
-from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 
 

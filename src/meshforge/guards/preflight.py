@@ -11,21 +11,21 @@ import os
 import time
 from pathlib import Path
 
-from meshforge import launch_env
 from meshforge.checkpoint import store
 from meshforge.checkpoint.resume_point import find_resume_point
 from meshforge.checkpoint.weights import pretrained_shape, shape_mismatch
 from meshforge.config import Config
-from meshforge.disk import check_disk, check_name_length
+from meshforge.config.run_plan import RunPlan
+from meshforge.data.corpus import open_data
 from meshforge.errors import ConfigError
-from meshforge.fit import check_fit
+from meshforge.guards.disk import check_disk, check_name_length
+from meshforge.guards.foreign_files import foreign_entries, is_meshforge_run
+from meshforge.guards.memory_fit import check_fit
 from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.text_check import refuse_binary
-from meshforge.launch_env import restart_count
+from meshforge.launch import env as launch_env
+from meshforge.launch.env import restart_count
 from meshforge.resolve import resolve
-from meshforge.run_files import foreign_entries, is_meshforge_run
-from meshforge.run_plan import RunPlan
-from meshforge.train.corpus import open_data
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.shape import ModelShape
-
-from .core import Batch, Problem
+from meshforge.parallel.rule_types import Batch, Problem
 
 
 def _experts(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:

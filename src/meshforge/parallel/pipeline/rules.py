@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from meshforge.config.layout import Layout
 from meshforge.errors import suggest
-from meshforge.layout import Layout
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.pipeline.schedules import SCHEDULES, schedule_available, schedule_name
-
-from .core import Batch, Problem
+from meshforge.parallel.rule_types import Batch, Problem
 
 
 def _pipeline(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from meshforge.layout import Layout
+from meshforge.config.layout import Layout
 from meshforge.models.shape import ModelShape
-
-from .core import SYNC_DTYPES, Batch, Problem
+from meshforge.parallel.rule_types import SYNC_DTYPES, Batch, Problem
 
 
 def diloco_problems(d: Layout, model: ModelShape, t: Batch) -> Iterator[Problem]:

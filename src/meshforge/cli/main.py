@@ -16,10 +16,12 @@ import sys
 import threading
 from pathlib import Path
 
-from meshforge import __version__, launch_env, startup_gc
-from meshforge.disk import DiskError, check_name_length, describe
+from meshforge import __version__
 from meshforge.errors import ConfigError, MeshforgeError
-from meshforge.out_paths import check_file_out, check_out_dir, check_profile_out, check_report_out
+from meshforge.guards.disk import DiskError, check_name_length, describe
+from meshforge.guards.out_paths import check_file_out, check_out_dir, check_profile_out, check_report_out
+from meshforge.launch import env as launch_env
+from meshforge.launch import startup_gc
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] == "train":
-            from meshforge.cli_train import cmd_train
+            from meshforge.cli.train import cmd_train
 
             return cmd_train(argv[1:])
         parser = build_parser()
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "explore":
             return cmd_explore(args)
         if args.command == "calibrate":
-            from meshforge.calibration.measure import run as run_calibrate
+            from meshforge.calibration.calibrate import run as run_calibrate
 
             check_profile_out(Path(args.out))
             return run_calibrate(args)
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except MeshforgeError as e:
         if e.every_rank and launch_env.under_launcher() and launch_env.local_rank() != 0:
-            from meshforge.peer_lost import leave_it_to_local_rank0
+            from meshforge.health.peer_lost import leave_it_to_local_rank0
 
             return leave_it_to_local_rank0(e)  # said once per node
         print(f"meshforge: error: {e}", file=sys.stderr)
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _pipe_closed()
     except Exception as e:
-        from meshforge.peer_lost import is_peer_lost, say_peer_lost
+        from meshforge.health.peer_lost import is_peer_lost, say_peer_lost
 
         if launch_env.under_launcher() and is_peer_lost(e):
             return say_peer_lost(e)
@@ -225,7 +227,7 @@ def entry() -> None:
     (SIGABRT, "terminate called without an active exception") once its peers are gone, and
     the launcher would then report -6 instead of the documented exit code (docs/health.md)."""
     if sys.argv[1:2] == ["train"]:
-        startup_gc.pause()  # a train process, until its long part starts (startup_gc.py); not for in-process main()
+        startup_gc.pause()  # a train process, until its long part starts; not for in-process main()
     code = main()
     if code and launch_env.under_launcher() and launch_env.world_size() > 1:
         sys.stdout.flush()

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.runtime import Pipeline
-from meshforge.run_plan import RunPlan
 from meshforge.train.moe_stats import moe_record
 from meshforge.train.pipeline_stats import gather_pipeline_stats, write_gantt
 

@@ -12,9 +12,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from meshforge import startup_gc
 from meshforge.errors import ConfigError
-from meshforge.launcher_tie import LAUNCHER_ENV
+from meshforge.launch import startup_gc
+from meshforge.launch.tie import LAUNCHER_ENV
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -58,7 +58,7 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
             *child_argv,
         ]
     )
-    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launcher_tie.py)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launch/tie.py)
     stop = StopForwarding(forward)
     startup_gc.resume()  # the launcher now waits on its ranks, for as long as they train
     try:

@@ -4,7 +4,7 @@ anything is allocated, with what would make it fit.
 One estimate serves both ``meshforge train --dry-run`` and this check (``estimate_run``): the
 planner's estimate of exactly the resolved layout, on a hardware profile whose memory is this
 machine's (the free memory of the rank's GPU; on a CPU the host RAM available to each rank, or
-less where a cgroup or rlimit allows less: host_limits.py), so the planner's own verdict and
+less where a cgroup or rlimit allows less: guards/host_limits.py), so the planner's own verdict and
 overflow text speak of the real device. Without the check an
 8B model on a 24 GiB CPU machine is killed by the kernel minutes later with no message, and on
 a GPU dies out of memory after its first steps.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import MeshforgeError
-from meshforge.host_limits import Limit, cgroup_limits, rlimits
+from meshforge.guards.host_limits import Limit, cgroup_limits, rlimits
 
 GIB = 2**30
 AVAILABLE_ENV = "MESHFORGE_TEST_AVAILABLE_GIB"  # tests: pretend this many GiB are available (CPU and CUDA)
@@ -115,7 +115,7 @@ def device_memory(cuda: bool, local_rank: int = 0, local_ranks: int = 1) -> Devi
 
 
 def binding_limit(ram_per_rank_gib: float, ranks: int) -> tuple[Limit | None, float]:
-    """The cgroup or rlimit (host_limits.py) that leaves a rank less than its share of the host's
+    """The cgroup or rlimit (guards/host_limits.py) that leaves a rank less than its share of the host's
     available RAM, with what the planner's estimate may total under it (GiB); (None, 0) if none."""
     if os.environ.get(AVAILABLE_ENV):
         return None, 0.0  # a test pretends this much memory: nothing else is read

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
+from meshforge.data.eos_boundaries import single_document_fraction
 from meshforge.data.prepare import prepared_dir_for
 from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError, DataError
 from meshforge.models.shape import ModelShape
-from meshforge.run_plan import RunPlan
-from meshforge.train.packing import check_separator
+
+WARN_FRACTION = 1.0  # warn when this share of the sampled sequences (all of them) holds a single document
 
 
 def dataset_root(cfg: RunPlan) -> Path:
@@ -44,3 +46,28 @@ def open_data(cfg: RunPlan, shape: ModelShape) -> TokenDataset:
         )
     check_separator(cfg, ds)
     return ds
+
+
+def check_separator(plan: RunPlan, data: TokenDataset) -> None:
+    """Packed documents need the corpus's end-of-text token: refuse an index.json without one."""
+    if (plan.data.document_mask or plan.data.reset_positions) and type(data.eos_id) is not int:
+        raise DataError(
+            f"data.document_mask / data.reset_positions need the corpus's end-of-text token, but {data.root} "
+            "/ index.json has no integer 'eos_id'; re-run `meshforge data prepare`, or set both to false"
+        )
+
+
+def separator_warning(plan: RunPlan, data: TokenDataset) -> str | None:
+    """With data.document_mask on, a corpus whose sampled training sequences all hold a single
+    document (no end-of-text separator inside) gets one warning: the mask changes nothing there."""
+    if not plan.data.document_mask or data.eos_id is None:
+        return None
+    fraction, read = single_document_fraction(data.train, int(data.eos_id))
+    if read == 0 or fraction < WARN_FRACTION:
+        return None
+    return (
+        f"data.document_mask = true, but {fraction:.0%} of {read} training sequences sampled hold a single document "
+        f"(no end-of-text token, id {data.eos_id}, inside): the corpus does not separate its documents, so "
+        "attention is plain causal; prepare it with one document per file or JSONL line, or set "
+        "data.document_mask = false to silence this"
+    )
