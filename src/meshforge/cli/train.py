@@ -124,7 +124,7 @@ def _train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
-    from meshforge.guards import preflight
+    from meshforge.guards.preflight import preflight
     from meshforge.launch.local import check_nproc, launch_local
 
     if launch_env.under_launcher():
