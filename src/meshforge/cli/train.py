@@ -91,10 +91,11 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 def cmd_train(argv: list[str]) -> int:
     tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
+        from meshforge.cli.help_text import fit, terminal_width
         from meshforge.config.reference import describe_keys
 
-        print(TRAIN_USAGE)
-        print(describe_keys())
+        print(fit(TRAIN_USAGE, terminal_width()))
+        print(describe_keys(terminal_width()))
         return 0
     from meshforge.guards import run_lock
 

@@ -81,7 +81,7 @@ class Layout:
     """under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the GEMMs
     beside them (async TP, Megatron-Core `--tp-comm-overlap`): a decomposed collective matmul on any backend;
     on CUDA torch's symmetric-memory fused ops (eager) or inductor's micro-pipeline TP (train.compile);
-    `meshforge plan --tp-overlap` prices it. See [parallelism.md](parallelism.md#async-tensor-parallelism)"""
+    `meshforge plan --tp-overlap` prices it. See [parallelism.md](parallelism.md#communication-under-compute)"""
     pp_schedule: str = "1f1b"
     """`gpipe`, `1f1b`, `interleaved_1f1b`, `zero_bubble` (interleaved zero bubble), `zbv`, `dualpipev` (the last
     two where the installed PyTorch has them)"""

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
 from meshforge.config.ranges import range_text
 from meshforge.config.values import toml_value, type_name
@@ -39,17 +41,32 @@ def _default_text(default: object) -> str:
     return PRESET_DEFAULT + " value" if default == PRESET_DEFAULT else toml_value(default)
 
 
-def describe_keys() -> str:
-    """Every config key with its type, default and meaning, for ``--help``."""
+def describe_keys(width: int = 100) -> str:
+    """Every config key with its type, default and meaning, for ``--help``, wrapped to ``width``
+    columns (a terminal's): the key, its type and default on one line, the meaning under it. One
+    line per key made lines of 500 characters, which a terminal folds mid-word."""
     lines, section = [], None
     for k in keys().values():
         if k.section != section:
             section = k.section
             lines.append(f"[{section}]")
-        default = _default_text(k.default)
+        head = f"{type_name(k.type)}, default {_default_text(k.default)}"
         bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
-        lines.append(f"  --{k.dotted:<36} {type_name(k.type):<24} default {default}  {plain_text(k.help)}{bounds}")
+        lines += _wrap(head, width, f"  --{k.dotted}  ", " " * 8)
+        lines += _wrap(plain_text(k.help) + bounds, width, " " * 6, " " * 6)
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int, first: str, rest: str) -> list[str]:
+    """``text`` in lines of at most ``width`` columns where its words allow (a word is never split)."""
+    return textwrap.wrap(
+        " ".join(text.split()),
+        width,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def markdown() -> str:
