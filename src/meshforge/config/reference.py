@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
-from meshforge.config.ranges import range_text
 from meshforge.config.values import toml_value, type_name
 
 INTRO = """# Configuration reference
@@ -47,7 +46,7 @@ def describe_keys() -> str:
             section = k.section
             lines.append(f"[{section}]")
         default = _default_text(k.default)
-        bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
+        bounds = f" ({k.range_text()})" if k.range_text() else ""
         lines.append(f"  --{k.dotted:<36} {type_name(k.type):<24} default {default}  {plain_text(k.help)}{bounds}")
     return "\n".join(lines)
 
@@ -63,7 +62,7 @@ def markdown() -> str:
         for k in keys().values():
             if k.section == section:
                 default = "—" if k.default == PRESET_DEFAULT else f"`{toml_value(k.default)}`"
-                bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
+                bounds = f" ({k.range_text()})" if k.range_text() else ""
                 meaning = (k.help + bounds).replace("|", "\\|")
                 out.append(f"| `{k.name}` | {default} | {meaning} |")
         out.append("")
