@@ -14,14 +14,15 @@ Every key below can be set in a TOML file passed with `--config` and overridden 
 as `--section.key=value` or `--section.key value`. Unknown keys, wrong types, non-finite numbers and
 impossible values are refused before training with a message naming the key (and the nearest valid
 one); every number has a range (shown with its meaning), and a value outside it is refused naming the
-key and the range. A run resolves its config once, for its world size and machine, into a run plan; the run
-directory's `config.toml` is that plan written out: every preset field and every automatic value
-(`auto`, an inferred `-1` degree, the pipeline's micro-batches) replaced by what ran, with the
-decisions taken from them and any value the resolution changed (and why) as comments. Rerunning
-it reproduces the run.
+key and the range. `meshforge plan`'s flags and the explorer's parameters that set a key take its range
+and words from the same field, so all three accept the same values. A run resolves its config once,
+for its world size and machine, into a run plan; the run directory's `config.toml` is that plan
+written out: every preset field and every automatic value (`auto`, an inferred `-1` degree, the
+pipeline's micro-batches) replaced by what ran, with the decisions taken from them and any value
+the resolution changed (and why) as comments. Rerunning it reproduces the run.
 Model shape fields default to the preset's value (shown as `—`).
 
-This page is generated from the fields' docstrings (`src/meshforge/config/sections.py`,
+This page is generated from the fields' docstrings and ranges (`src/meshforge/config/sections.py`,
 `src/meshforge/config/layout.py`, `src/meshforge/models/shape.py`):
 `python -m meshforge.config.reference > docs/configuration.md`.
 """
