@@ -159,3 +159,15 @@ def test_parameter_counts_in_sensible_units(capsys):
     assert [output.count(n) for n in (8.03e9, 918_656, 12_345, 500)] == ["8.03B", "0.92M", "12.35K", "500"]
     assert main(["plan", *BASE, "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("debug: 0.92M parameters |")  # was "0.00B"
+
+
+def test_a_config_value_means_in_plan_what_it_means_in_a_config():
+    """The values a config key takes mean the same on plan's flag: a -1 degree is inferred (the
+    search finds it), micro-batch 0 is the whole per-rank batch, precision auto the device's."""
+    base = [*BASE, "--seq-len", "64", "--global-batch", "8"]
+    searched = plan_from_args(parse_plan_args(base))
+    inferred = plan_from_args(parse_plan_args([*base, "--tp", "-1", "--dp", "-1"]))
+    assert [e.layout for e in inferred.results] == [e.layout for e in searched.results]
+    whole = plan_from_args(parse_plan_args([*base, "--micro-batch", "0", "--dp", "2"]))
+    assert {(e.layout.micro_batch_size, e.layout.num_microbatches) for e in whole.results} == {(4, 1)}
+    assert plan_from_args(parse_plan_args([*base, "--precision", "auto"])).precision == "fp32"  # --gpu cpu
