@@ -2,7 +2,7 @@
 field whose metadata carries a ``Span``. The config loader's value checks (config/checks.py),
 ``meshforge plan``'s flags (planner/plan_args.py) and the explorer's parameters
 (explore/params.py) all read a key's range from there, so the three front ends accept the same
-values (tests/test_one_vocabulary.py walks them).
+values (tests/unit/test_one_vocabulary.py walks them).
 
 A leaf that imports nothing of meshforge: models/shape.py declares [model]'s ranges with it
 without importing config/. The bounds are generous -- a model 10x the largest trained today

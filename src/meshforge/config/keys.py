@@ -1,6 +1,6 @@
 """Every config key, read off the dataclasses that declare it: its section, the object of
 ``Config`` that holds it, its type, default and help (the field's docstring). ``--help``,
-docs/configuration.md (tests/test_config_docs.py fails when it is stale) and the loader's
+docs/configuration.md (tests/unit/test_config_docs.py fails when it is stale) and the loader's
 checks are all generated from this one table, so a new key is one field; its range is the field's
 ``ranged`` metadata (meshforge/ranges.py), which ``meshforge plan`` and the explorer read too.
 """

@@ -3,7 +3,7 @@ that turns a query string into a model, a cluster and a layout or refuses it wit
 
 A parameter that sets a config key (``SHARED``: parameter -> key) takes its help, range and
 words from that key's field, so the explorer accepts and refuses what a train config and
-``meshforge plan`` do (tests/test_one_vocabulary.py walks them); its default is the
+``meshforge plan`` do (tests/unit/test_one_vocabulary.py walks them); its default is the
 explorer's (a view of a model on a cluster, not a run). The explorer's own parameters (the
 cluster, the hardware's figures, how many layouts to list) keep caps of their own: they keep
 one request (a search above all) to about a second and nonsense out of the planner.

@@ -1,7 +1,7 @@
 """``meshforge plan``'s command line. A flag that sets a config key (``candidates.KEY_FLAGS``) is
 built from that key's field: its help is the field's docstring, its range the field's ``ranged``
 metadata, its words the field's ``Literal`` type, so `plan` accepts and refuses exactly what a
-train config does (tests/test_one_vocabulary.py walks every shared key). The planner's own flags
+train config does (tests/unit/test_one_vocabulary.py walks every shared key). The planner's own flags
 (the cluster, the hardware, what the search prices, the output) keep their help and bounds here.
 A typo is refused with the flag's name and range before any search runs."""
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # folder (or top-level module) of meshforge -> the folders it may import at run time, bottom up
 ALLOWED: dict[str, set[str]] = {

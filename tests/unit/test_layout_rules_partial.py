@@ -12,7 +12,7 @@ from meshforge.models.shape import ModelShape
 from meshforge.parallel.rules import partial_problems
 from meshforge.planner.candidates import PLAN_FLAGS, check_fixed
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "meshforge"
+SRC = Path(__file__).resolve().parents[2] / "src" / "meshforge"
 MOE = ModelShape(hidden=256, layers=4, heads=16, kv_heads=16, ffn_hidden=512, vocab_size=1000, num_experts=8)
 DENSE = ModelShape(hidden=256, layers=4, heads=16, kv_heads=16, ffn_hidden=512, vocab_size=1000)
 NODE = 8

@@ -13,7 +13,7 @@ from meshforge.config import keys
 from meshforge.config.keys import plain_text
 from meshforge.config.reference import markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "meshforge"
 
 
