@@ -177,8 +177,7 @@ def test_real_cpu_calibration_is_plausible():
 def test_a_run_that_beats_its_cached_peak_says_so_and_never_reports_over_100_percent(monkeypatch, tmp_path, corpus):
     """A peak cached while the cores were busy (here 1 MFLOP/s, and measuring again gives no
     better): the run takes the estimate instead, says so, and no record shows MFU > 100%."""
-    from conftest import tiny_config
-    from meshforge.train import train
+    from conftest import tiny_config, train
 
     monkeypatch.setenv("MESHFORGE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_peak, "calibrate_cpu_peak", lambda dtype: 1e6)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from conftest import cli_args, tiny_config, tiny_overrides
+from conftest import cli_args, tiny_config, tiny_overrides, train
 from meshforge.checkpoint import store
 from meshforge.cli.main import main
 from meshforge.config import key_type, load_config
@@ -37,7 +37,6 @@ from meshforge.config.keys import keys
 from meshforge.config.ranges import LIST_RANGES, RANGES, STEP_KEYS
 from meshforge.errors import ConfigError
 from meshforge.guards import disk
-from meshforge.train import train
 
 TINY = [
     *("--model.hidden=64", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2", "--model.ffn_hidden=128"),
