@@ -239,7 +239,8 @@ def _sha(data: bytes) -> str:
 
 
 def _hold_lock(run: Path):
-    code = "import sys, time; from meshforge import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True)"
+    code = "import sys, time; from meshforge.guards import run_lock; run_lock.acquire(sys.argv[1]); "
+    code += "print('held', flush=True)"
     p = subprocess.Popen(
         [sys.executable, "-c", code + "; time.sleep(600)", str(run)], stdout=subprocess.PIPE, text=True
     )

@@ -25,7 +25,7 @@ from meshforge.guards import disk, run_lock
 from meshforge.guards.disk import DiskError
 
 HOLDER = (
-    "import sys, time; from meshforge import run_lock; run_lock.acquire(sys.argv[1]); "
+    "import sys, time; from meshforge.guards import run_lock; run_lock.acquire(sys.argv[1]); "
     "print('held', flush=True); time.sleep(600)"
 )
 
@@ -73,17 +73,6 @@ def test_a_symlink_in_place_of_the_lock_is_refused_and_nothing_it_points_at_is_t
     (d / run_lock.LOCK_NAME).symlink_to(victim)  # put in its place while held
     lock.release()
     assert victim.read_text() == "precious\n" and (d / run_lock.LOCK_NAME).is_symlink()  # not ours: left alone
-
-
-def test_ranks_of_the_launcher_skip_the_lock_it_holds(tmp_path, monkeypatch):
-    monkeypatch.setenv(run_lock.HELD_ENV, str(tmp_path))
-    assert run_lock.held_by_launcher(tmp_path) and run_lock.acquire(tmp_path) is None
-    monkeypatch.delenv(run_lock.HELD_ENV)
-    cfg = tmp_path / "c.toml"
-    cfg.write_text('[run]\ndir = "somewhere"\n')
-    assert run_lock.run_dir_in_argv(["--config", str(cfg)]) == "somewhere"
-    assert run_lock.run_dir_in_argv(["--config", str(cfg), "--run.dir=else"]) == "else"
-    assert run_lock.run_dir_in_argv(["--train.steps", "3"]) is None
 
 
 def test_disk_errors_name_the_path_the_errno_and_the_fix(tmp_path, corpus, monkeypatch):
