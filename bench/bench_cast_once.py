@@ -34,7 +34,7 @@ def trainer(args: argparse.Namespace, mode: str):
     from meshforge.launch.env import rank, world_size
     from meshforge.parallel.mesh import build_mesh
     from meshforge.train.loop import Trainer, agree_on_start
-    from meshforge.train.run_log import prepare_run_dir
+    from meshforge.train.run_dir import prepare_run_dir
 
     over = {
         **small_model(args.hidden, args.layers, args.seq_len),

@@ -37,7 +37,7 @@ from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import DEFAULT_EXCLUDE, fp8_config, fp8_plan, require_torchao
 from meshforge.parallel.precision import autocast
 from meshforge.train.loop import train
-from meshforge.train.run_log import prepare_run_dir
+from meshforge.train.run_dir import prepare_run_dir
 
 RUNS = (("bf16", "tensorwise"), ("fp8", "tensorwise"), ("fp8", "rowwise"))
 

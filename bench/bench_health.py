@@ -35,7 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshforge.launch.env import rank, world_size
     from meshforge.parallel.mesh import build_mesh, shutdown
     from meshforge.train.loop import Trainer, agree_on_start
-    from meshforge.train.run_log import prepare_run_dir
+    from meshforge.train.run_dir import prepare_run_dir
 
     os.environ.setdefault(*ENV)
     steps = args.block_steps * (args.blocks + 1)

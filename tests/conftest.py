@@ -147,7 +147,7 @@ def rank_plan(cfg):
     follower's plan on the other ranks (rank 0 tells them run.dir and the checkpoint)."""
     from meshforge.guards.preflight import follower_plan, preflight
     from meshforge.launch import env
-    from meshforge.train.run_log import prepare_run_dir
+    from meshforge.train.run_dir import prepare_run_dir
 
     if env.rank() != 0:
         return follower_plan(cfg, env.world_size())

@@ -201,7 +201,7 @@ def test_hang_report_names_the_rank_behind_or_silent():
 
 def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys):
     from meshforge.health.text_check import not_text_files
-    from meshforge.train.run_log import event_writer
+    from meshforge.train.run_dir import event_writer
 
     (tmp_path / "prose.txt").write_text("plain text, ünïcödé too\n" * 100)
     (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 64)

@@ -8,7 +8,7 @@
    the verdict every rank trains on (``--nproc``'s ranks get it from the launcher: they
    neither resolve nor check again);
 3. that process alone holds run.dir's lock, from before it writes anything (it prepares the
-   run directory: train/run_log.py) until the launch is over;
+   run directory: train/run_dir.py) until the launch is over;
 4. this process trains (train/loop.py), or N local ranks do, each rank 0 writing the run
    report whatever the outcome.
 
@@ -167,7 +167,7 @@ def holding_run_dir(plan: RunPlan) -> Iterator[None]:
     """run.dir locked (the launch's one lock, held across elastic restarts: its ranks never lock)
     and prepared for the run, before anything is written into it; let go when the launch ends."""
     from meshforge.guards import run_lock
-    from meshforge.train.run_log import prepare_run_dir
+    from meshforge.train.run_dir import prepare_run_dir
 
     run_dir = Path(plan.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +206,7 @@ def write_run_report(plan: RunPlan) -> None:
     event (``report_failed``), never raised over the run's own outcome."""
     from meshforge.guards.disk import describe
     from meshforge.report import write_report
-    from meshforge.train.run_log import event_writer
+    from meshforge.train.run_dir import event_writer
 
     run_dir = Path(plan.run.dir)
     if not plan.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):

@@ -5,7 +5,7 @@ CPU). The names load on first use (PEP 562)."""
 
 __all__ = ["Trainer", "lr_at", "prepare_run_dir", "train"]
 
-_LAZY = {"Trainer": "loop", "train": "loop", "lr_at": "optimizer", "prepare_run_dir": "run_log"}
+_LAZY = {"Trainer": "loop", "train": "loop", "lr_at": "optimizer", "prepare_run_dir": "run_dir"}
 
 
 def __getattr__(name: str):  # noqa: ANN202

@@ -17,7 +17,7 @@ from meshforge.errors import MeshforgeError
 from meshforge.guards.disk import checkpoint_bytes, disk_error
 from meshforge.health import peer_lost
 from meshforge.metrics.step_metrics import resume_hint
-from meshforge.train.run_log import event_writer
+from meshforge.train.run_dir import event_writer
 
 
 def on_failure(plan: RunPlan, rank: int, world: int, exc: BaseException) -> BaseException | None:

@@ -50,7 +50,8 @@ from meshforge.train.failure import on_failure
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.rollback import roll_back
-from meshforge.train.run_log import RunLog, event_writer
+from meshforge.train.run_dir import event_writer
+from meshforge.train.run_log import RunLog
 from meshforge.train.step import PipelineStep, PlainStep
 from meshforge.train.step_stats import StepMeasures
 from meshforge.train.stop import StopRequest

@@ -1,6 +1,4 @@
-"""What a run writes about itself into run.dir: ``prepare_run_dir`` readies it before the run
-(config.toml; an old run cleared on run.overwrite), ``event_writer`` appends an event from
-anywhere, and ``RunLog`` is one rank's voice: events and console lines (rank 0 writes them; the
+"""What one rank's run says about itself: events and console lines (rank 0 writes them; the
 other ranks' calls do nothing), the run_start announcement (the fp8 boundary, the compile
 plan, what the resolution changed), each logged step's record or an unlogged step's
 slow-step note, evaluations, and the end-of-run summary. The trainer holds one and hands its
@@ -10,10 +8,6 @@ slow-step note, evaluations, and the end-of-run summary. The trainer holds one a
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,7 +16,6 @@ from torch import nn
 
 from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
-from meshforge.launch.env import restart_count
 from meshforge.metrics.cpu_peak import estimated_cpu_peak, recheck
 from meshforge.metrics.logged_steps import slow_step_line
 from meshforge.metrics.mfu import peak_flops
@@ -34,37 +27,6 @@ from meshforge.models.flops import num_params
 from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh
-
-
-def prepare_run_dir(plan: RunPlan) -> Path:
-    """Ready run.dir for the run its pre-flight accepted (the caller holds its lock): clear an old
-    run when run.overwrite is set (not on an elastic restart, which continues it) and write
-    config.toml, the resolved plan."""
-    run_dir = Path(plan.run.dir)
-    if plan.run.overwrite and restart_count() == 0:
-        for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
-        for name in ("tensorboard", "final", "final-hf", "checkpoints"):
-            shutil.rmtree(run_dir / name, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(plan.to_toml())
-    return run_dir
-
-
-def event_writer(run_dir: str | Path) -> Callable[..., None]:
-    """Append one event to run_dir/events.jsonl from any rank (before or without a run log)."""
-
-    def write(event: str, **fields: Any) -> None:
-        rec = {"time": time.time(), "event": event, **fields}
-        path = Path(run_dir) / "events.jsonl"
-        if path.parent.is_dir():
-            with path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if event == "checkpoint_skipped":  # say it where people look, too
-            what = f"skipped checkpoint {fields.get('path')} ({fields.get('reason')}); trying an older one"
-            print(f"meshforge: warning: {what}", file=sys.stderr)
-
-    return write
 
 
 class RunLog:

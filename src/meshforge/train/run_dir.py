@@ -1,0 +1,49 @@
+"""The run directory around the run: ``prepare_run_dir`` readies it for the run the pre-flight
+accepted (by the lock's one holder, cli/train.py's ``holding_run_dir``), ``event_writer``
+appends an event before (or without) the run log. Light on purpose: ``--nproc N``'s launcher
+imports it, and nothing of torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshforge.config.run_plan import RunPlan
+from meshforge.launch.env import restart_count
+
+
+def prepare_run_dir(plan: RunPlan) -> Path:
+    """Ready run.dir for the run its pre-flight accepted (the caller holds its lock): clear an old
+    run when run.overwrite is set (not on an elastic restart, which continues it) and write
+    config.toml, the resolved plan."""
+    run_dir = Path(plan.run.dir)
+    if plan.run.overwrite and restart_count() == 0:
+        for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        for name in ("tensorboard", "final", "final-hf", "checkpoints"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(plan.to_toml())
+    return run_dir
+
+
+def event_writer(run_dir: str | Path) -> Callable[..., None]:
+    """Append one event to run_dir/events.jsonl from any rank (before or without a run log)."""
+
+    def write(event: str, **fields: Any) -> None:
+        rec = {"time": time.time(), "event": event, **fields}
+        path = Path(run_dir) / "events.jsonl"
+        if path.parent.is_dir():
+            with path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if event == "checkpoint_skipped":  # say it where people look, too
+            what = f"skipped checkpoint {fields.get('path')} ({fields.get('reason')}); trying an older one"
+            print(f"meshforge: warning: {what}", file=sys.stderr)
+
+    return write
