@@ -243,6 +243,14 @@ def _source_hits(pattern: str, allowed: set[str]) -> list[str]:
     ]
 
 
+def test_the_loop_takes_a_plan_only(tmp_path, corpus):
+    from meshforge.train.loop import train
+
+    with pytest.raises(TypeError, match="takes the run plan the pre-flight accepted"):
+        train(tiny_config(tmp_path / "run", corpus))
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_loss_group_and_the_layout_are_read_one_way():
     assert _source_hits('"dp_cp" if', {"parallel/mesh.py"}) == []  # Mesh.loss_name / loss_group
     assert _source_hits("mesh.layout", set()) == []  # the layout is the plan's: plan.layout

@@ -120,7 +120,7 @@ def cmd_train(argv: list[str]) -> int:
         print(describe_keys())
         return 0
     handed = handed_plan()
-    if handed is not None:  # a rank of `meshforge train --nproc N`: its launcher's verdict
+    if handed is not None:  # a rank of `meshforge train --nproc N`: its launcher's verdict (argv: only its name)
         return _rank_of_launcher(RunPlan.from_json(handed))
     from meshforge.config import load_config
 
@@ -159,7 +159,8 @@ def _launch(config: Config, nproc: int, restarts: int) -> int:
             return _train_here(plan)
         from meshforge.launch.local import launch_local
 
-        return launch_local(nproc, ["train"], restarts, plan=plan.to_json())
+        # the ranks train on the plan; their arguments only name the run (for ps and pgrep)
+        return launch_local(nproc, ["train", f"--run.dir={plan.run.dir}"], restarts, plan=plan.to_json())
 
 
 @contextlib.contextmanager

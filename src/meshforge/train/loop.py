@@ -62,6 +62,10 @@ DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 def train(plan: RunPlan, stream: TextIO | None = None) -> dict[str, Any]:
     """Run training on this rank; ``plan`` is the launch's verdict (guards/preflight.py), never
     resolved or checked again here. Returns the run's summary."""
+    if not isinstance(plan, RunPlan):
+        raise TypeError(
+            f"train takes the run plan the pre-flight accepted (guards/preflight.py), not {type(plan).__name__}"
+        )
     if plan.train.deterministic:  # (before the process group starts, as the flight recorder's)
         for k, v in DETERMINISTIC_ENV.items():
             os.environ.setdefault(k, v)
