@@ -251,8 +251,6 @@ def layout_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict):
 def reference_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict, **extra):
     """``get(name)``: the single-process run for layout ``name``'s model variant (its model.*
     overrides) on top of ``common`` and ``extra``, trained once per variant per module."""
-    from meshforge.train import train
-
     runs: dict[tuple, Path] = {}
 
     def get(name: str) -> Path:
