@@ -23,8 +23,9 @@ from meshforge.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule_name
 from meshforge.parallel.rules import Batch, DiLoCoRules
 
 
-def detect_world(cfg: Config, size: int | None = None) -> World:
-    """This machine as a run of ``size`` ranks (default: the launcher's world) sees it."""
+def detect_world(cfg: Config, size: int | None = None, ranks_per_node: int | None = None) -> World:
+    """This machine as a run of ``size`` ranks (default: the launcher's world), ``ranks_per_node``
+    of them on each node (default: as the launcher's environment says), sees it."""
     import torch
 
     from meshforge.compat import split_backward_through_custom_functions, symm_mem_available
@@ -37,7 +38,7 @@ def detect_world(cfg: Config, size: int | None = None) -> World:
     return World(
         size=size,
         device="cuda" if cuda else "cpu",
-        ranks_per_node=launch_env.local_world_size(),
+        ranks_per_node=launch_env.local_world_size() if ranks_per_node is None else ranks_per_node,
         torch=torch.__version__,
         fp8_native=bool(fp8),
         split_backward_custom_functions=split_backward_through_custom_functions(),
@@ -45,10 +46,18 @@ def detect_world(cfg: Config, size: int | None = None) -> World:
     )
 
 
-def resolve(cfg: Config, world_size: int | None = None, *, world: World | None = None, machine: bool = True) -> RunPlan:
-    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks);
-    ``machine = False`` leaves out what only the machine refuses (``--dry-run`` says it instead)."""
-    world = world or detect_world(cfg, world_size)
+def resolve(
+    cfg: Config,
+    world_size: int | None = None,
+    *,
+    world: World | None = None,
+    machine: bool = True,
+    ranks_per_node: int | None = None,
+) -> RunPlan:
+    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks,
+    ``ranks_per_node`` per node: ``detect_world``); ``machine = False`` leaves out what only the
+    machine refuses (``--dry-run`` says it instead)."""
+    world = world or detect_world(cfg, world_size, ranks_per_node)
     changes: list[Change] = []
     train = _train(cfg, world, changes)
     layout = _layout(cfg, world, train.precision)
@@ -102,7 +111,7 @@ def _layout(cfg: Config, world: World, precision: str) -> Layout:
     rules.check(lay, cfg.shape, batch)
     lay = lay.replace(ep_chunks=rules.ep_chunks_of(lay, world.ranks_per_node))
     if lay.pp > 1:  # (train.micro_batch_size = 0 stays: "the whole per-rank batch" is a rule, not a choice)
-        return lay.replace(num_microbatches=lay.microbatches(t.global_batch_size))
+        return lay.replace(num_microbatches=lay.batch_split(t.global_batch_size).count)
     return lay
 
 

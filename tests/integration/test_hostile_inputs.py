@@ -29,14 +29,13 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from conftest import cli_args, tiny_config, tiny_overrides
+from conftest import cli_args, tiny_config, tiny_overrides, train
 from meshforge.checkpoint import store
 from meshforge.cli.main import main
 from meshforge.config import key_type, load_config
 from meshforge.config.keys import keys
 from meshforge.errors import ConfigError
 from meshforge.guards import disk
-from meshforge.train import train
 
 TINY = [
     *("--model.hidden=64", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2", "--model.ffn_hidden=128"),

@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
-from meshforge.train import train
 from tb_read import read_scalars
 
 KEYS = {

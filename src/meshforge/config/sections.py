@@ -136,8 +136,9 @@ class CheckpointConfig:
 
     interval: int | str = ranged(whole(0, MAX_STEPS), 0)
     """steps between sharded training checkpoints in `run.dir/checkpoints` (also one at the end); 0: none;
-    `"auto"`: the Young/Daly optimum √(2 × blocking cost × MTBF), re-measured as the run goes.
-    See [checkpointing.md](checkpointing.md)"""
+    `"auto"`: the Young/Daly optimum √(2 × blocking cost × MTBF), re-measured as the run goes (one save early to
+    measure its cost, then that interval); the run plan and config.toml name this cadence `"young_daly"`, which a
+    config may also give. See [checkpointing.md](checkpointing.md)"""
     keep: int = ranged(whole(1, 10**6), 3)
     """complete checkpoints to keep; older ones are deleted"""
     async_: bool = field(default=False, metadata={"key": "async"})

@@ -16,20 +16,20 @@ from meshforge.models.shape import ModelShape
 WARN_FRACTION = 1.0  # warn when this share of the sampled sequences (all of them) holds a single document
 
 
-def dataset_root(cfg: RunPlan) -> Path:
-    """Where the token shards for cfg.data live (prepared once, cached by content)."""
-    tok = load_tokenizer(cfg.data.tokenizer)
-    return prepared_dir_for(cfg.data.path, tok, cfg.data.val_fraction, cfg.data.cache_dir)
+def dataset_root(plan: RunPlan) -> Path:
+    """Where the token shards for plan.data live (prepared once, cached by content)."""
+    tok = load_tokenizer(plan.data.tokenizer)
+    return prepared_dir_for(plan.data.path, tok, plan.data.val_fraction, plan.data.cache_dir)
 
 
-def open_data(cfg: RunPlan, shape: ModelShape) -> TokenDataset:
-    """Prepare (or reuse) the token shards for cfg.data and check they fit the model and batch."""
-    tok = load_tokenizer(cfg.data.tokenizer)
-    root = dataset_root(cfg)
-    ds = TokenDataset(root, cfg.train.seq_len)
+def open_data(plan: RunPlan, shape: ModelShape) -> TokenDataset:
+    """Prepare (or reuse) the token shards for plan.data and check they fit the model and batch."""
+    tok = load_tokenizer(plan.data.tokenizer)
+    root = dataset_root(plan)
+    ds = TokenDataset(root, plan.train.seq_len)
     if ds.tokenizer != tok.name:
         raise DataError(
-            f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{cfg.data.tokenizer}' "
+            f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{plan.data.tokenizer}' "
             f"('{tok.name}'); set data.tokenizer to the tokenizer the data was prepared with"
         )
     vocab = shape.vocab_size
@@ -38,13 +38,13 @@ def open_data(cfg: RunPlan, shape: ModelShape) -> TokenDataset:
             f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
             f"set --model.vocab_size={ds.vocab_size} (or larger)"
         )
-    if len(ds.train) < cfg.train.global_batch_size:
+    if len(ds.train) < plan.train.global_batch_size:
         raise DataError(
-            f"the corpus at {cfg.data.path or 'the default corpus'} has {len(ds.train)} training sequences of "
-            f"{cfg.train.seq_len + 1} tokens ({ds.train.tokens} tokens), fewer than one global batch of "
-            f"{cfg.train.global_batch_size}; add data or lower train.global_batch_size / train.seq_len"
+            f"the corpus at {plan.data.path or 'the default corpus'} has {len(ds.train)} training sequences of "
+            f"{plan.train.seq_len + 1} tokens ({ds.train.tokens} tokens), fewer than one global batch of "
+            f"{plan.train.global_batch_size}; add data or lower train.global_batch_size / train.seq_len"
         )
-    check_separator(cfg, ds)
+    check_separator(plan, ds)
     return ds
 
 

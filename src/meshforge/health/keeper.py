@@ -56,19 +56,21 @@ class HealthKeeper:
         self,
         plan: RunPlan,
         mesh: Mesh,
+        *,
         runner: Any,
         model: nn.Module,
         called: list[nn.Module],
-        report: tuple[Callable[..., None], Callable[[str], None]],
+        event: Callable[..., None],
+        say: Callable[[str], None],
         hooks: RunHooks,
         samples: Callable[[int], list[int]],
     ):
         """``runner``: the step runner (its guard slot and loss reduction); ``model``: this rank's
         parameters (the non-finite diagnosis names one); ``called``: the modules
-        a forward calls (under pp the stages' parts); ``report``: the run log's event and say;
+        a forward calls (under pp the stages' parts); ``event``, ``say``: the run log's;
         ``samples(lag)``: the sample indices of the batch ``lag`` steps before the last one."""
         self.mesh, self.runner, self.called, self.samples = mesh, runner, called, samples
-        self.event, self.say = report
+        self.event, self.say = event, say
         self.run_dir, h = Path(plan.run.dir), plan.health
         self.guard = StepGuard(h, model, mesh.rank, mesh.distributed, runner.reduce_loss, hooks)
         self.watchdog = None

@@ -14,7 +14,7 @@ from torch.distributed.run import get_args_parser, run
 
 from meshforge.errors import ConfigError
 from meshforge.launch import startup_gc
-from meshforge.launch.tie import LAUNCHER_ENV
+from meshforge.launch.tie import LAUNCHER_ENV, PLAN_ENV
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -41,8 +41,9 @@ def check_nproc(nproc: int, device: str) -> None:
             )
 
 
-def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code."""
+def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0, plan: str | None = None) -> int:
+    """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code.
+    ``plan``: the run plan (JSON) the ranks train on (launch/tie.py's ``handed_plan``)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     parser = get_args_parser()
     forward = Path("/proc/self/stat").exists() and "--signals-to-handle" in parser._option_string_actions
@@ -59,6 +60,8 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
         ]
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launch/tie.py)
+    if plan is not None:
+        os.environ[PLAN_ENV] = plan
     stop = StopForwarding(forward)
     startup_gc.resume()  # the launcher now waits on its ranks, for as long as they train
     try:
@@ -74,6 +77,7 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
         return code
     finally:
         os.environ.pop(LAUNCHER_ENV, None)
+        os.environ.pop(PLAN_ENV, None)
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from meshforge.config.run_plan import RunPlan as Config
+from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
@@ -32,12 +32,12 @@ SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 class StepMetrics:
     """Turns measured steps into records; keeps step times and loss handles in between."""
 
-    def __init__(self, cfg: Config, shape: ModelShape, world_size: int, peak: float, device: torch.device):
-        t = cfg.train
+    def __init__(self, plan: RunPlan, shape: ModelShape, world_size: int, peak: float, device: torch.device):
+        t = plan.train
         self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
-        self.shape, self.seq_len, self.recompute = shape, t.seq_len, cfg.layout.activation_checkpoint
+        self.shape, self.seq_len, self.recompute = shape, t.seq_len, plan.layout.activation_checkpoint
         self.flops_per_token = model_flops_per_token(shape, t.seq_len)
-        self.hw_flops_per_token = hardware_flops_per_token(shape, t.seq_len, cfg.layout.activation_checkpoint)
+        self.hw_flops_per_token = hardware_flops_per_token(shape, t.seq_len, plan.layout.activation_checkpoint)
         self.spans: list[float] = []  # packed documents masked: the logged windows' attention spans
         self.peak, self.device = peak, device
         self.times: list[float] = []  # every step's wall time (host clock, no sync)
@@ -136,29 +136,27 @@ class StepMetrics:
 
 
 def start_line(
-    cfg: Config,
+    plan: RunPlan,
     params: int,
     world: int,
     device: torch.device,
     precision: str,
-    accum: int,
-    micro: int,
     data: TokenDataset,
 ) -> str:
     """The console's first line: what is trained, where, on what."""
-    t = cfg.train
+    t, b = plan.train, plan.batch
     return (
-        f"meshforge: training {cfg.model.preset} ({params / 1e6:.2f}M params) for {t.steps} "
+        f"meshforge: training {plan.model.preset} ({params / 1e6:.2f}M params) for {t.steps} "
         f"steps on {world} x {device.type} ({precision}) | batch "
-        f"{t.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es) of {micro} per rank "
-        f"| data {data.root} ({len(data.train)} sequences) | run dir {cfg.run.dir}"
-        + (f" | {fp8_note(cfg, device)}" if precision == "fp8" else "")
+        f"{t.global_batch_size} x {t.seq_len} tokens, {b.count} micro-batch(es) of {b.micro} per rank "
+        f"| data {data.root} ({len(data.train)} sequences) | run dir {plan.run.dir}"
+        + (f" | {fp8_note(plan, device)}" if precision == "fp8" else "")
     )
 
 
-def fp8_note(cfg: Config, device: torch.device) -> str:
+def fp8_note(plan: RunPlan, device: torch.device) -> str:
     """Says whether fp8 is real or emulated (numerics only) on this device."""
-    recipe = cfg.train.fp8_recipe
+    recipe = plan.train.fp8_recipe
     if device.type != "cuda":
         return f"fp8 ({recipe}) emulated on CPU: numerics only, no speedup"
     if fp8_emulated(device):
@@ -180,15 +178,15 @@ def end_line(summary: dict[str, Any], run_dir: str) -> str:
     )
 
 
-def resume_hint(cfg: Config, world: int, finished: bool) -> str:
+def resume_hint(plan: RunPlan, world: int, finished: bool) -> str:
     """The command that goes on from this run: resume or extend it from its checkpoints, or
     (with none) start a new run from its final weights. Printed whenever a run stops."""
-    run = Path(cfg.run.dir)
+    run = Path(plan.run.dir)
     base = f"meshforge train --config {run / 'config.toml'}" + (f" --nproc {world}" if world > 1 else "")
     ckpts = run / "checkpoints"
     if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
         if finished:
-            return f"to train further (resumes from its newest checkpoint): {base} --train.steps={2 * cfg.train.steps}"
+            return f"to train further (resumes from its newest checkpoint): {base} --train.steps={2 * plan.train.steps}"
         return f"to resume from its newest checkpoint: {base}"
     how = "no checkpoints (checkpoint.interval = 0), so it cannot resume exactly"
     if (run / "final").is_dir():
