@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 
 from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
-from meshforge.config.values import toml_value, type_name
+from meshforge.config.values import toml_value
 
 INTRO = """# Configuration reference
 
@@ -50,7 +50,7 @@ def describe_keys(width: int = 100) -> str:
         if k.section != section:
             section = k.section
             lines.append(f"[{section}]")
-        head = f"{type_name(k.type)}, default {_default_text(k.default)}"
+        head = f"{k.type_text}, default {_default_text(k.default)}"
         bounds = f" ({k.range_text()})" if k.range_text() else ""
         lines += _wrap(head, width, f"  --{k.dotted}  ", " " * 8)
         lines += _wrap(plain_text(k.help) + bounds, width, " " * 6, " " * 6)
