@@ -96,6 +96,12 @@ def pick_tokenizer(args: argparse.Namespace, kind: str, path: Path, run: Path | 
     from meshforge.data.tokenizer import load_tokenizer
 
     if args.tokenizer:
+        given = Path(args.tokenizer)
+        if args.tokenizer != "byte" and not (given.is_file() or (given / "tokenizer.json").is_file()):
+            raise MeshforgeError(
+                f"--tokenizer {args.tokenizer} is neither 'byte' nor a tokenizer.json (or a folder holding one); "
+                "pass the tokenizer the model was trained with"
+            )
         return load_tokenizer(args.tokenizer)
     if run is not None:
         spec = load_config(run / "config.toml").data.tokenizer
@@ -124,7 +130,7 @@ def load_model(kind: str, path: Path) -> Any:
     return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Check, load, and stream the continuation of the prompt to stdout."""
     from meshforge.models.generate import Sampling
 

@@ -102,6 +102,12 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshforge.cli import generate
+
+    return generate.run(args)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from meshforge.report import write_report
 
@@ -193,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             return cmd_convert(args)
         if args.command == "generate":
-            from meshforge.cli.generate import cmd_generate
-
             return cmd_generate(args)
         if args.command == "plan":
             from meshforge.planner.plan import run

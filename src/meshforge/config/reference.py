@@ -22,7 +22,8 @@ for its world size and machine, into a run plan; the run directory's `config.tom
 written out: every preset field and every automatic value (`auto`, an inferred `-1` degree, the
 pipeline's micro-batches) replaced by what ran, with the decisions taken from them and any value
 the resolution changed (and why) as comments. Rerunning it reproduces the run.
-Model shape fields default to the preset's value (shown as `—`).
+Model shape fields default to the preset's value (shown as `—`), but for `vocab_size`, whose `auto`
+takes the tokenizer's vocabulary (the key's meaning says how).
 
 This page is generated from the fields' docstrings and ranges (`src/meshforge/config/sections.py`,
 `src/meshforge/config/layout.py`, `src/meshforge/models/shape.py`):
