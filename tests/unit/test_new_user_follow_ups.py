@@ -121,3 +121,24 @@ def test_the_hub_hint_names_hf_download(capsys, tmp_path):
 def test_tensorboard_is_off_by_default():
     assert load_config().metrics.tensorboard is False
     assert load_config("configs/debug.toml").metrics.tensorboard is False  # README command 1 prints no note
+
+
+@pytest.mark.parametrize("ranks, off", [(4, True), (2, False)])
+def test_the_keeper_leaves_the_straggler_check_off_when_ranks_share_cores(monkeypatch, tmp_path, ranks, off):
+    import types
+
+    import torch
+
+    from meshforge.health.fault_hooks import RunHooks
+    from meshforge.health.keeper import HealthKeeper
+
+    monkeypatch.setattr(launch_env, "cpu_cores", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    plan = resolve(load_config(None, {"health.hang_timeout_s": 0, "run.dir": str(tmp_path)}), world=BPE)
+    mesh = types.SimpleNamespace(distributed=True, device=torch.device("cpu"), rank=0, world_size=ranks, is_main=False)
+    runner = types.SimpleNamespace(reduce_loss=None, guard=None)
+    events: list[dict] = []
+    report = (lambda name, **f: events.append({"event": name, **f}), lambda text: None)
+    keeper = HealthKeeper(plan, mesh, runner, torch.nn.Linear(2, 2), [], report, RunHooks(), lambda lag: [])
+    assert (keeper.stragglers is None) == off
+    assert [e["key"] for e in events if e["event"] == "warning"] == (["health.straggler_factor"] if off else [])
