@@ -167,6 +167,22 @@ CLI_CASES = [
         "not write over",
     ),
     ("explore-port", ["explore", "--port", "70000"], 2, "--port 70000 must be in 0..65535"),
+    # meshforge generate (issue 53); what needs a trained run is in test_generate.py
+    ("generate-missing", ["generate", "{h}/nope", "--prompt", "x"], 2, "does not exist; give a run directory"),
+    ("generate-a-file", ["generate", "/etc/passwd", "--prompt", "x"], 2, "is not a directory"),
+    ("generate-fifo", ["generate", "{h}/fifo", "--prompt", "x"], 2, "is not a directory"),
+    ("generate-user-dir", ["generate", "{h}/user", "--prompt", "x"], 2, "is neither a run directory (config.toml)"),
+    ("generate-temperature-nan", ["generate", "{h}", "--prompt", "x", "--temperature", "nan"], 2, "[0, 100]"),
+    ("generate-max-new-0", ["generate", "{h}", "--prompt", "x", "--max-new-tokens", "0"], 2, "between 1 and"),
+    ("generate-empty-prompt", ["generate", "{h}", "--prompt", ""], 2, "--prompt is empty"),
+    ("generate-tokenizer-fifo", ["generate", "{h}/hf-list", "--prompt", "x", "--tokenizer", "{h}/fifo"], 2, "neither"),
+    (
+        "generate-hf-config-a-list",
+        ["generate", "{h}/hf-list", "--prompt", "x", "--tokenizer", "byte"],
+        2,
+        "not a model config object",
+    ),
+    ("generate-hf-huge", ["generate", "{h}/hf-huge", "--prompt", "x", "--tokenizer", "byte"], 2, "hold 64 bytes"),
 ]
 
 

@@ -45,6 +45,7 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
                 "optim.lr": 1e-2,
                 "train.eval_interval": 10,
                 "metrics.console": True,
+                "metrics.tensorboard": True,
             },
         ),
         stream=out,

@@ -105,7 +105,7 @@ def _section_values(sections: dict[str, Any], where: str) -> dict[str, Any]:
             )
         for key, value in body.items():
             k = _lookup(section, key, where)
-            values[k.dotted] = coerce(k.dotted, value, k.type)
+            values[k.dotted] = _value(k, value)
     return values
 
 
@@ -118,8 +118,21 @@ def _collect(path: str | Path | None, overrides: dict[str, Any]) -> dict[str, An
         if "." not in dotted:
             raise ConfigError(f"override --{dotted} must name a section and key, like --train.steps=100")
         k = _lookup(*dotted.split(".", 1), f"--{dotted}")
-        values[k.dotted] = coerce(k.dotted, value, k.type)
+        values[k.dotted] = _value(k, value)
     return values
+
+
+def _value(k: Key, value: Any) -> Any:
+    """The value checked against its key's type, or one of the words the key takes beside it."""
+    if isinstance(value, str) and value in k.words:
+        return value
+    try:
+        return coerce(k.dotted, value, k.type)
+    except ConfigError as e:
+        if not k.words:
+            raise
+        words = " or ".join(f'"{w}"' for w in k.words)
+        raise ConfigError(f"{e} (or {words})") from None
 
 
 def build(values: dict[str, Any], base: Config | None = None) -> Config:
@@ -132,8 +145,15 @@ def build(values: dict[str, Any], base: Config | None = None) -> Config:
     shape = copy.copy(base.shape)
     if "preset" in holders["model"]:
         shape = get_preset(holders["model"]["preset"])
+    auto = dict.fromkeys(base.model.auto_shape)
     for attr, value in holders.pop("shape").items():
-        setattr(shape, attr, value)  # (setattr: head_dim = 0 stays "derived", see models/shape.py)
+        if isinstance(value, str) and value in keys()[f"model.{attr}"].words:
+            auto[attr] = None  # the preset's value stands until the resolution fills it
+        else:
+            setattr(shape, attr, value)  # (setattr: head_dim = 0 stays "derived", see models/shape.py)
+            auto.pop(attr, None)
+    if tuple(auto) != base.model.auto_shape:
+        holders["model"]["auto_shape"] = tuple(auto)
     parts = {h: dataclasses.replace(getattr(base, h), **v) for h, v in holders.items() if v}
     return dataclasses.replace(base, shape=shape, **parts)
 

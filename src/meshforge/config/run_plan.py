@@ -52,6 +52,7 @@ class World:
     fp8_native: bool = False  # the device has fp8 matmuls (CUDA compute capability >= 8.9); else emulated
     split_backward_custom_functions: bool = True  # compat: a zero-bubble weight pass crosses autograd.Functions
     symm_mem: bool = False  # torch's symmetric-memory fused matmul collectives run here (CUDA)
+    tokenizer_vocab: int | None = None  # data.tokenizer's vocabulary when it is a tokenizer.json; None: bytes
 
 
 @dataclass(frozen=True)

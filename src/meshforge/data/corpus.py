@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshforge.config.run_plan import RunPlan
+from meshforge.config.sections import TrainConfig
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.eos_boundaries import single_document_fraction
 from meshforge.data.prepare import prepared_dir_for
@@ -36,7 +37,7 @@ def open_data(plan: RunPlan, shape: ModelShape) -> TokenDataset:
     if ds.vocab_size > vocab:
         raise ConfigError(
             f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
-            f"set --model.vocab_size={ds.vocab_size} (or larger)"
+            f"set --model.vocab_size={ds.vocab_size} (or larger), or leave it out: `auto` takes a tokenizer.json's"
         )
     if len(ds.train) < plan.train.global_batch_size:
         raise DataError(
@@ -71,3 +72,27 @@ def separator_warning(plan: RunPlan, data: TokenDataset) -> str | None:
         "attention is plain causal; prepare it with one document per file or JSONL line, or set "
         "data.document_mask = false to silence this"
     )
+
+
+def split_warnings(tokens: dict[str, int], val_fraction: float) -> list[str]:
+    """What ``data prepare`` warns of: a split too small for one global batch of the default
+    ``train.seq_len`` and ``train.global_batch_size`` (the printed train command's), so training
+    would be refused or evaluation skipped. A val fraction of 0 asked for no validation."""
+    t = TrainConfig()
+    need = (t.seq_len + 1) * t.global_batch_size
+    total = sum(tokens.values())
+    batch = f"{t.global_batch_size} sequences of {t.seq_len + 1} tokens, {need:,} tokens"
+    out = []
+    if tokens.get("train", 0) < need:
+        out.append(
+            f"the train split holds {tokens.get('train', 0):,} tokens, fewer than one global batch ({batch}, with "
+            "the default train.seq_len and train.global_batch_size): add data, or lower those two when you train"
+        )
+    if val_fraction > 0 and tokens.get("val", 0) < need:
+        every = total // (need * 5 // 4)  # every k-th block: a quarter more than one batch, as blocks are whole
+        fix = f"raise --val-fraction to {1 / every:.3g} or add data" if every >= 2 else "add data"
+        out.append(
+            f"the validation split holds {tokens.get('val', 0):,} tokens, fewer than one evaluation batch ({batch}): "
+            f"training will report no validation loss; {fix}"
+        )
+    return out

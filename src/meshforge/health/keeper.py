@@ -21,7 +21,13 @@ from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
+from meshforge.launch import env as launch_env
 from meshforge.parallel.mesh import Mesh
+
+OVERSUBSCRIBED = (
+    "the straggler check is off: this node's CPU ranks outnumber its {} cores, so they take turns on them and a "
+    "rank's compute time measures the sharing, not the rank"
+)
 
 
 class HealthStop(MeshforgeError):
@@ -79,7 +85,9 @@ class HealthKeeper:
             self.watchdog = HangWatchdog(h.hang_timeout_s, mesh.rank, mesh.world_size, axes, self.run_dir)
             self.watchdog.start()
         self.stragglers = None
-        if mesh.distributed and h.straggler_factor > 0:
+        if mesh.distributed and h.straggler_factor > 0 and launch_env.oversubscribed(mesh.device.type):
+            self.event("warning", key="health.straggler_factor", message=OVERSUBSCRIBED.format(launch_env.cpu_cores()))
+        elif mesh.distributed and h.straggler_factor > 0:
             self.stragglers = StragglerCheck(h.straggler_factor, mesh.rank, mesh.world_size, mesh.device)
         self.logged, self.compute_s, self._t0 = False, 0.0, 0.0
         self.first_logged = 1 if plan.metrics.log_interval == 1 else 2  # step 1 is warm-up unless it is all

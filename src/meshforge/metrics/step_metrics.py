@@ -21,6 +21,7 @@ from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
+from meshforge.metrics.pace import Pace
 from meshforge.metrics.step_result import StepResult
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.shape import ModelShape
@@ -41,6 +42,7 @@ class StepMetrics:
         self.spans: list[float] = []  # packed documents masked: the logged windows' attention spans
         self.peak, self.device = peak, device
         self.times: list[float] = []  # every step's wall time (host clock, no sync)
+        self.pace = Pace()  # the step time recently (a moving average) and on average, for the summary
         self.window: list[float] = []  # since the last logged step
         self.first_loss: torch.Tensor | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=SUMMARY_TAIL)
@@ -50,6 +52,7 @@ class StepMetrics:
     def add(self, dt: float, result: StepResult) -> None:
         """Book one step: its time, and its loss tensor (a reference, no copy, no sync)."""
         self.times.append(dt)
+        self.pace.add(1, dt)
         self.window.append(dt)
         if self.first_loss is None:
             self.first_loss = result.loss
@@ -128,6 +131,8 @@ class StepMetrics:
             "final_loss_steps": len(kept[1:]),
             "val_loss": fields["val_loss"],
             "tokens_per_s": tps,
+            "step_time_mean_s": self.pace.average,
+            "step_time_recent_s": self.pace.recent,
             "mfu": utilization(flops, per_device, self.peak),
             "hfu": utilization(hw_flops, per_device, self.peak),
             "peak_mem_gib": peak_mem_gib(self.device),
@@ -172,10 +177,18 @@ def end_line(summary: dict[str, Any], run_dir: str) -> str:
     loss = f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} (mean of the last {tail} steps)"
     return (
         f"{'stopped early' if summary['interrupted'] else 'done'}: {summary['steps']} steps in "
-        f"{summary['wall_time_s']:.1f}s | {summary['tokens'] / 1e6:.2f}M tokens | {loss}{vl} | "
+        f"{summary['wall_time_s']:.1f}s{_pace(summary)} | {summary['tokens'] / 1e6:.2f}M tokens | {loss}{vl} | "
         f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
         f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
     )
+
+
+def _pace(summary: dict[str, Any]) -> str:
+    """A step's time on average and recently (what the ETA used), when the summary has them."""
+    mean, recent = summary.get("step_time_mean_s"), summary.get("step_time_recent_s")
+    if mean is None or recent is None or not math.isfinite(mean) or not math.isfinite(recent):
+        return ""
+    return f" ({mean:.3g} s/step on average, {recent:.3g} s/step recently)"
 
 
 def resume_hint(plan: RunPlan, world: int, finished: bool) -> str:
