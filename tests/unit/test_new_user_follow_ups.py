@@ -138,7 +138,10 @@ def test_the_keeper_leaves_the_straggler_check_off_when_ranks_share_cores(monkey
     mesh = types.SimpleNamespace(distributed=True, device=torch.device("cpu"), rank=0, world_size=ranks, is_main=False)
     runner = types.SimpleNamespace(reduce_loss=None, guard=None)
     events: list[dict] = []
-    report = (lambda name, **f: events.append({"event": name, **f}), lambda text: None)
-    keeper = HealthKeeper(plan, mesh, runner, torch.nn.Linear(2, 2), [], report, RunHooks(), lambda lag: [])
+    keeper = HealthKeeper(
+        plan, mesh, runner=runner, model=torch.nn.Linear(2, 2), called=[],
+        event=lambda name, **f: events.append({"event": name, **f}), say=lambda text: None,
+        hooks=RunHooks(), samples=lambda lag: [],
+    )  # fmt: skip
     assert (keeper.stragglers is None) == off
     assert [e["key"] for e in events if e["event"] == "warning"] == (["health.straggler_factor"] if off else [])

@@ -43,3 +43,10 @@ def test_no_dead_code():
     cmd = [sys.executable, "-m", "vulture", str(SRC), str(whitelist), "--min-confidence", "80"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == "", r.stdout
+
+
+def test_test_files_have_names_of_their_own_across_the_tiers():
+    """pytest imports tests/unit/x.py and tests/integration/x.py as the same module: one of them
+    would not even be collected ("import file mismatch")."""
+    names = [p.name for tier in ("unit", "integration") for p in (ROOT / "tests" / tier).glob("test_*.py")]
+    assert len(names) > 80 and len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})

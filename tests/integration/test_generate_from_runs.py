@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import STDLIB, run_cli, tiny_config
+from conftest import STDLIB, run_cli, tiny_config, train
 from meshforge.data.tokenizer import ByteTokenizer
 from meshforge.models.generate import Sampling, generate
 from meshforge.models.llama import build_model
 from meshforge.models.shape import ModelShape
-from meshforge.train import train
 
 TEXT = "meshforge generate: the quick brown fox jumps over the lazy dog; 0123456789."
 
