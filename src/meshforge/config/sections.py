@@ -89,12 +89,18 @@ class OptimConfig:
     """peak learning rate"""
     min_lr_ratio: float = ranged(unit(), 0.1)
     """the decay ends at `lr × min_lr_ratio`"""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """`cosine`, `linear` or `constant` after warmup"""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """after warmup: `cosine`, `linear` or `constant`, or `wsd` (warmup-stable-decay: the peak until the last
+    `decay_fraction` of the run, then a linear decay; extending the run with `--resume` continues from the stable
+    phase, so it equals a run meant to be that long). `cosine` and `linear` extended are stretched to the new end.
+    See [checkpointing.md](checkpointing.md#continuing-a-run)"""
     warmup_steps: int = ranged(whole(0, MAX_STEPS, -1), -1)
     """linear warmup steps; -1 = min(100, steps/10); more than `train.steps` is clipped to it (and said)"""
     decay_steps: int = ranged(whole(0, MAX_STEPS), 0)
-    """steps over which the decay runs; 0 = the whole run"""
+    """`cosine`, `linear`: the step at which the decay reaches the floor; 0 = the end of the run (not for `wsd`,
+    whose decay is `decay_fraction`)"""
+    decay_fraction: float = ranged(unit(lo_open=True), 0.2)
+    """`wsd`: the share of `train.steps` the final decay takes (it moves with the end when a run is extended)"""
     weight_decay: float = ranged(unit(10.0), 0.1)
     """AdamW decoupled weight decay"""
     beta1: float = ranged(unit(hi_open=True), 0.9)
@@ -150,8 +156,14 @@ class CheckpointConfig:
     never; or a checkpoint directory / `checkpoints/` folder (also from another run and layout)"""
     mtbf_hours: float = ranged(Span(0.0, 1e6, lo_open=True), 24.0)
     """the job's mean time between failures, for `interval = "auto"`"""
+    final: bool = True
+    """keep a resumable checkpoint (weights, optimizer, data position, RNG) in `run.dir/checkpoints` at the end of
+    the run (also after Ctrl-C), whatever `interval`, and under `optim.schedule = "wsd"` one at the end of the
+    stable phase: `meshforge train --resume RUN_DIR --train.steps=M` continues from them. `false`: only
+    `interval`'s checkpoints (with `interval = 0`, the final weights alone)"""
     save_final: bool = True
-    """write the final weights to `run.dir/final` (also after Ctrl-C)"""
+    """write the final weights (the model alone, no optimizer: for `model.init_from`, `generate`, `convert`) to
+    `run.dir/final` (also after Ctrl-C); the resumable end of a run is `final`'s checkpoint"""
     export_hf: bool = False
     """also write `run.dir/final-hf`, a Hugging Face directory"""
 

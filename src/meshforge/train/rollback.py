@@ -11,8 +11,8 @@ from typing import Any
 import torch.distributed as dist
 
 from meshforge.checkpoint import store
+from meshforge.checkpoint.resume_point import latest_checkpoint
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints
-from meshforge.checkpoint.saver import checkpoint_to_load
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.health.keeper import HealthStop
 from meshforge.metrics.sinks import trim_metrics
@@ -34,7 +34,7 @@ def roll_back(
     consumed = state.sampler.consumed  # just past the bad batch
     run_dir = checkpoints.run_dir
     root = run_dir / "checkpoints"
-    found = [str(checkpoint_to_load("latest", root, event)[0] or "")] if mesh.is_main else [""]
+    found = [str(latest_checkpoint(checkpoints.plan, root, event)[0] or "")] if mesh.is_main else [""]
     if mesh.distributed:
         dist.broadcast_object_list(found, src=0)
     if not found[0]:
