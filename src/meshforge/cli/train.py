@@ -30,7 +30,7 @@ from meshforge.errors import ConfigError, MeshforgeError, suggest
 from meshforge.launch import env as launch_env
 from meshforge.launch.tie import handed_plan, tie_to_launcher
 
-TRAIN_USAGE = """usage: meshforge train [--config FILE.toml | --resume RUN_DIR] [--nproc N] [--max-restarts K]
+TRAIN_USAGE = """usage: meshforge train [--config FILE | --resume RUN_DIR] [--nproc N] [--max-restarts K]
                        [--dry-run] [--section.key=value ...]
 
 Train a model. Any config key can be overridden as --section.key=value or --section.key value,
