@@ -8,6 +8,7 @@ that the run ends at step 800 in the same run directory, and the validation loss
 
     python bench/bench_continue.py                    # runs/bench-continue (replaced)
     python bench/bench_continue.py --dir /tmp/cont --steps 800
+    python bench/bench_continue.py --first 100 --steps 200   # the same run scaled down (a busy machine)
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ def val_losses(run: Path) -> dict[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="runs/bench-continue")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--first", type=int, default=400, help="the first run's train.steps (the main job: 400)")
+    p.add_argument("--steps", type=int, default=800, help="the step the printed command extends it to")
     a = p.parse_args()
     run = Path(a.dir)
     shutil.rmtree(run, ignore_errors=True)
     load0 = os.getloadavg()[0]
-    out, t_first = meshforge(["train", "--config", "configs/debug.toml", "--run.dir", str(run)])
+    first_run = ["train", "--config", "configs/debug.toml", "--run.dir", str(run), f"--train.steps={a.first}"]
+    out, t_first = meshforge(first_run)
     last = out.strip().splitlines()[-1]
     printed = shlex.split(last[last.index("meshforge train") :])[1:]
-    print(f"last line of the 400-step run: {last}")
+    print(f"last line of the {a.first}-step run: {last}")
     first, val_first = losses(run), val_losses(run)
     end = max(first)
     command = [*[w for w in printed if not w.startswith("--train.steps")], f"--train.steps={a.steps}"]
