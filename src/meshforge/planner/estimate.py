@@ -160,10 +160,9 @@ def _compute_time(
     attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
     if lay.activation_checkpoint in ("full", "selective"):
         attn_flops *= 4 / 3
-    # full recomputation reruns the blocks' forward, not the head's (checkpointing wraps blocks; the
-    # HFU convention of models/flops.py counts the head's too)
-    head_rerun = 2 * flops.head_flops_per_token(shape) / 6 if lay.activation_checkpoint == "full" else 0.0
-    flops_step = (shape.hardware_flops_per_token(seq, lay.activation_checkpoint) - head_rerun) * tokens_gpu
+    # full recomputation reruns the blocks' forward but for each block's last GEMM, never the head's
+    # (models/flops.recomputed_matmul_params: what runs, held to a step by tests/test_gemm_census.py)
+    flops_step = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tokens_gpu
     rate = kernel_costs.dense_gemm_rate(shape, hw, tokens_mb, lay.tp, precision)
     attn_s = kernel_costs.attention_seconds(
         shape, hw, seq, tokens_gpu, shape.layers, lay.activation_checkpoint, precision, rate
