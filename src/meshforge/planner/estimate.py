@@ -119,11 +119,15 @@ class Estimate:
             **{k: lay[k] for k in JSON_SETTINGS},
             "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
             "host_memory_gib": {k: round(v, 3) for k, v in self.host_memory.items()},
+            # every part in bytes too (the GiB above are rounded to 3 decimals, ~1 MiB); "device" is the
+            # total, "host" and "host_per_node" what CPU offload keeps in host memory
             "memory_bytes": {
+                **{k: round(v * GIB) for k, v in self.memory.items()},
                 "device": round(self.memory["total"] * GIB),
                 "host": round(self.host_memory.get("total", 0.0) * GIB),
                 "host_per_node": round(self.host_memory.get("per_node", 0.0) * GIB),
             },
+            "host_memory_bytes": {k: round(v * GIB) for k, v in self.host_memory.items()},
             "fits": self.fits,
             "overflow": self.overflow,
             "runnable": not self.not_runnable,
