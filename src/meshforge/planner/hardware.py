@@ -93,11 +93,15 @@ class Hardware:
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
+    def is_cpu(self) -> bool:
+        """A CPU profile (the preset, this CPU's measured one, or a calibrated ``cpu/N``)."""
+        return self.name == "cpu" or self.name.startswith("cpu/")
+
     def mixed(self) -> str:
         """train.mixed_precision as a run on this hardware resolves it (parallel/precision.py)."""
         if self.mixed_precision != "auto":
             return self.mixed_precision
-        return "autocast" if self.name == "cpu" or self.name.startswith("cpu/") else "cast_once"
+        return "autocast" if self.is_cpu() else "cast_once"
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
