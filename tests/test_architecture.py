@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
         "parallel",
     },
     # the top: what drives the rest
-    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
+    "calibration": {"compat", "config", "errors", "metrics", "models", "parallel", "planner", "resolve", "train"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "guards", "health", "launch"),
         *("models", "planner", "report", "resolve", "train"),
