@@ -39,7 +39,7 @@ from meshforge.calibration.collectives import COLLECTIVES, collective_times, com
 from meshforge.calibration.layout_fixed import layout_fixed_costs
 from meshforge.errors import ConfigError
 from meshforge.metrics.compute_profile import SYNC_COMPUTE, Timer, compute_profile, noise_warning
-from meshforge.planner.hardware import PRESETS, Hardware
+from meshforge.planner.hardware import PRESETS, Hardware, profile_fields
 
 
 def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: str) -> None:
@@ -139,7 +139,7 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         block_fixed_s=c.get("fixed", 0.0),
         optimizer_fixed_s=c.get("opt", 0.0),
         layout_fixed_s=res.get("layout_fixed", {}),
-        by_ranks={"1": _compute_fields(single)} if single else {},
+        by_ranks={"1": profile_fields(single)} if single else {},
         reserve_gib=base.reserve_gib,
         collectives=fits,
         comm_overlap=res["overlap"],
@@ -150,19 +150,6 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
             "timing_one_rank": single.get("timing", {}) if single else {},
         },
     )
-
-
-def _compute_fields(c: dict) -> dict:
-    """A compute profile (``compute_profile``) as the Hardware fields it sets."""
-    return {
-        "peak_flops": c["peaks"],
-        "hbm_bw": c["bw"],
-        "gemm_half_flop": c["half"],
-        "attention_efficiency": c["attn"],
-        "elementwise_bytes_per_hidden": c["elem"],
-        "block_fixed_s": c.get("fixed", 0.0),
-        "optimizer_fixed_s": c.get("opt", 0.0),
-    }
 
 
 def _ram_gib() -> float:

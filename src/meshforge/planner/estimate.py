@@ -184,7 +184,7 @@ def _compute_time(
     routed_recompute = routed_flops / 4 if lay.activation_checkpoint == "full" else 0.0
     recompute_s = (recompute_flops - routed_recompute) / rate + expert_recompute_s
     other_s += _dispatch_time(shape, lay, hw)
-    if hw.name != "cpu" and not hw.elementwise_bytes_per_hidden:  # a CPU profile measures its own
+    if not hw.is_cpu() and not hw.elementwise_bytes_per_hidden:  # a CPU profile measures its own
         other_s += kernel_costs.loss_seconds(shape, hw, tokens_gpu * lay.pp, lay.tp, hw.eager)  # the last stage's
     return {
         "ideal_compute": shape.model_flops_per_token(span) * tokens_gpu / peak,

@@ -95,7 +95,7 @@ class Hardware:
 
     def is_cpu(self) -> bool:
         """A CPU profile (the preset, this CPU's measured one, or a calibrated ``cpu/N``)."""
-        return self.name == "cpu" or self.name.startswith("cpu/")
+        return self.name in ("cpu", THIS_CPU) or self.name.startswith("cpu/")
 
     def mixed(self) -> str:
         """train.mixed_precision as a run on this hardware resolves it (parallel/precision.py)."""
@@ -236,7 +236,58 @@ for _name, (_link, _mem_bw, _mem_gib) in HOST_SIDE.items():
     PRESETS[_name] = replace(PRESETS[_name], host_link_bw=_link, host_mem_bw=_mem_bw, host_mem_gib=_mem_gib)
 
 
-def get_hardware(name: str | None, path: str | None = None) -> Hardware:
+THIS_CPU = "this-cpu"  # the planner's hardware for a run on this machine's CPU: measured, not assumed
+
+
+def profile_fields(c: dict) -> dict:
+    """A compute profile (metrics/compute_profile.py's dict) as the Hardware fields it sets."""
+    return {
+        "peak_flops": c["peaks"],
+        "hbm_bw": c["bw"],
+        "gemm_half_flop": c["half"],
+        "attention_efficiency": c["attn"],
+        "elementwise_bytes_per_hidden": c["elem"],
+        "block_fixed_s": c.get("fixed", 0.0),
+        "optimizer_fixed_s": c.get("opt", 0.0),
+    }
+
+
+def this_cpu(ranks: int = 1) -> Hardware:
+    """The ``cpu`` preset with this CPU's own figures (metrics/cpu_peak.cpu_profile: measured on
+    first use, about ten seconds, then cached): what a CPU run is priced with when no profile from
+    ``meshforge calibrate`` is given. ``ranks`` local ranks get cores/ranks threads each, as
+    ``meshforge train --nproc`` gives them; a 1-rank run is priced with every core's (``for_ranks``).
+    Collectives and per-layout-kind costs stay the preset's: only calibrate measures them."""
+    import os
+
+    from meshforge.metrics.cpu_peak import cpu_profile
+
+    cores = os.cpu_count() or 1
+    ranks = max(1, min(ranks, cores))
+    prof = cpu_profile(cores // ranks)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError):
+        ram = PRESETS["cpu"].hbm_gib
+    hw = replace(
+        PRESETS["cpu"],
+        name=THIS_CPU,
+        hbm_gib=ram / ranks,
+        gemm_efficiency=1.0,  # the peak is the best measured matmul
+        **profile_fields(prof),
+        source="this CPU, measured (metrics/cpu_peak.py)",
+        extra={"threads_per_rank": cores // ranks, "timing": prof.get("timing", {})},
+    )
+    if ranks > 1:
+        hw.by_ranks = {"1": profile_fields(cpu_profile(cores))}
+    return hw
+
+
+def get_hardware(name: str | None, path: str | None = None, ranks: int = 1) -> Hardware:
+    """A preset by name, ``this-cpu`` (this machine's CPU, measured: ``this_cpu``), or a profile
+    from ``meshforge calibrate`` at ``path``."""
+    if name == THIS_CPU and not path:
+        return this_cpu(ranks)
     if path:
         try:
             data = json.loads(Path(path).read_text())
@@ -251,7 +302,7 @@ def get_hardware(name: str | None, path: str | None = None) -> Hardware:
             hint = f"did you mean {' or '.join(repr(c) for c in prefixed)}?"
         else:
             hint = suggest(prefixed[0] if prefixed else name or "", PRESETS, cutoff=0.6)
-        raise ConfigError(f"unknown --gpu {name!r}; {hint} (or --hardware FILE)")
+        raise ConfigError(f"unknown --gpu {name!r}; {hint} (or {THIS_CPU}, or --hardware FILE)")
     return replace(PRESETS[name])
 
 
