@@ -27,7 +27,7 @@ def build(args: argparse.Namespace) -> tuple[dict, dict, int]:
     """One trainer per mode (no checkpoints, synchronous, asynchronous saves every N steps),
     and per mode the list its saves' write times go to."""
     from meshforge.config import load_config
-    from meshforge.guards import preflight
+    from meshforge.guards.preflight import preflight
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
     from meshforge.train import Trainer, prepare_run_dir

@@ -46,7 +46,7 @@ def build_trainers(args: argparse.Namespace, world: int, rank: int) -> dict:
     import torch.distributed as dist
 
     from meshforge.config import load_config
-    from meshforge.guards import preflight
+    from meshforge.guards.preflight import preflight
     from meshforge.parallel.mesh import build_mesh
     from meshforge.train import Trainer, prepare_run_dir
 

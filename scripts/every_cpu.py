@@ -12,7 +12,7 @@ only, by tests/conftest.py, with the reason.
 
     python scripts/every_cpu.py                  # the equivalence tests, every capability
     python scripts/every_cpu.py --whole          # the whole suite (once per release)
-    python scripts/every_cpu.py --only avx2 -- -x tests/test_train.py   # extra pytest arguments
+    python scripts/every_cpu.py --only avx2 -- -x tests/integration/test_train.py   # extra pytest arguments
 
 Prints one line per capability and exits 1 if any run failed. Not part of README's suite: it
 takes about 3 x the equivalence tests' time (see docs/running.md).

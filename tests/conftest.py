@@ -109,7 +109,7 @@ def assert_as_exact_as(got, ref, exact, margin: float = 4.0, msg: str = "") -> N
 # (a sum that cancels) moves by up to ±lr on one side and not the other: weights then differ
 # by ~lr in single elements and the later losses and gradient norms by ~1e-5 relative, which is
 # what failed on an AVX-512 Xeon. With ε = 1e-4 the same δg moves one step's update by at most
-# 3.8e-8 at lr 3e-3 (tests/test_tolerances.py measures it), so S steps differ by ≲ S·4e-8 per
+# 3.8e-8 at lr 3e-3 (tests/unit/test_tolerances.py measures it), so S steps differ by ≲ S·4e-8 per
 # element: far inside the 1e-6 / 1e-5 the equivalence tests allow. The gradients of the tiny
 # model are 1e-4 to 2e-2, so Adam still normalises them and a wrong gradient still shows.
 ADAM_EPS = 1e-4
@@ -262,3 +262,17 @@ def assert_convert_both_ways(hf, hf_cls, tmp_path: Path, vocab: int) -> None:
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
         torch.testing.assert_close(back(x).logits, hf(x).logits, atol=1e-4, rtol=0)
+
+
+def cached_cpu_peak(cache: Path, **entry) -> None:
+    """Write ``cache``/cpu_peak.json holding one fp32 entry for this machine (``entry`` overrides)."""
+    import json
+    import time
+
+    import torch
+
+    from meshforge.metrics import cpu_peak
+
+    e = {"flops": 1e6, "measured_at": time.time(), "machine": cpu_peak.machine_fingerprint(), **entry}
+    key = cpu_peak._key(torch.float32)
+    (cache / "cpu_peak.json").write_text(json.dumps({"version": cpu_peak.VERSION, "entries": {key: e}}))

@@ -1,4 +1,4 @@
-"""The single-process DiLoCo reference for tests/test_diloco.py: M islands stepped one after
+"""The single-process DiLoCo reference for tests/integration/test_diloco.py: M islands stepped one after
 another in one process (each a world-of-one Trainer with its own AdamW), their
 pseudo-gradients averaged and the outer Nesterov update applied by hand -- written from
 the papers, not from parallel/diloco/outer.py."""

@@ -1,4 +1,4 @@
-"""Names vulture reports as unused that an interface requires (read by tests/test_structure.py)."""
+"""Names vulture reports as unused that an interface requires (read by tests/unit/test_structure.py)."""
 
 # signal handlers take (signum, frame); torch's optimizer API names its arguments
 _.signum  # noqa: F821, B018

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 37's GPU check in one device command, about 8 minutes on one H100 or H200:
-#   1. the CUDA tests of the eager-pass changes (tests/test_eager_passes.py -m cuda: the fused
+#   1. the CUDA tests of the eager-pass changes (tests/unit/test_eager_passes.py -m cuda: the fused
 #      RMSNorm and the new RoPE launch fewer kernels, bf16 losses and gradients match)   ~0.5 min
 #   2. run.sh part2: 1B seq 4096 eager and compiled, meshforge vs the strongest peer, each row
 #      with its kernel diff (kdiff-part2.md)                                                 ~3.5 min
@@ -25,7 +25,7 @@ left() { echo $((TOTAL_S - ($(date +%s) - S))); }
 
 OUT=$WORK bash bench/gpu/run.sh install >"$WORK/install.log" 2>&1  # the wheels, every import checked
 PYTHONPATH="$PWD/src:$WORK/site" timeout 150 $PY -m pytest -m cuda -q -rs -p no:cacheprovider \
-  tests/test_eager_passes.py >"$DEST/cuda-tests.txt" 2>&1
+  tests/unit/test_eager_passes.py >"$DEST/cuda-tests.txt" 2>&1
 echo "exit $?" >>"$DEST/cuda-tests.txt"
 echo "cuda tests: $(($(date +%s) - S)) s" >"$DEST/timing.txt"
 

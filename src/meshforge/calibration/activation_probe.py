@@ -8,7 +8,7 @@ through the run's forward context and loss. A block's bytes are what a model wit
 block keeps more, and a token's what one more token costs, so nothing is attributed by hand:
 the RoPE tables every block shares, the embedding, the final norm and the loss cancel out of
 the per-block figure and make up the ``ends``. Used by bench/bench_activation_bytes.py and
-tests/test_activation_bytes.py against the planner's ``planner/activation_bytes.py``.
+tests/integration/test_activation_bytes.py against the planner's ``planner/activation_bytes.py``.
 """
 
 from __future__ import annotations

@@ -91,10 +91,11 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
 def cmd_train(argv: list[str]) -> int:
     tie_to_launcher()  # a rank that `meshforge train --nproc N` started dies with it (nothing under torchrun)
     if "--help" in argv or "-h" in argv:
+        from meshforge.cli.help_text import fit, terminal_width
         from meshforge.config.reference import describe_keys
 
-        print(TRAIN_USAGE)
-        print(describe_keys())
+        print(fit(TRAIN_USAGE, terminal_width()))
+        print(describe_keys(terminal_width()))
         return 0
     from meshforge.guards import run_lock
 
@@ -124,7 +125,7 @@ def _train(argv: list[str]) -> int:
             f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
             'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
-    from meshforge.guards import preflight
+    from meshforge.guards.preflight import preflight
     from meshforge.launch.local import check_nproc, launch_local
 
     if launch_env.under_launcher():

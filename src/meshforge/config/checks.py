@@ -1,7 +1,9 @@
 """Values that are wrong whatever the layout and the machine, refused with the key and the fix.
 
 Types are checked as values are read (values.py; floats must be finite), every number against
-its range (ranges.py), then the rules between keys here. Whether a layout
+the range its field declares (``ranged``, meshforge/ranges.py: the one place a range is enforced
+for a config; ``meshforge plan`` and the explorer check the same ranges on their own input), then
+the rules between keys here. Whether a layout
 can run (degrees, divisibility, schedules) is parallel/rules.py's; what depends on the machine
 (a GPU for offload, torchao for fp8) is resolve.py's.
 """
@@ -11,11 +13,11 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from meshforge.config.keys import keys, plain_text, value_of
-from meshforge.config.ranges import check_ranges
+from meshforge.config.keys import Key, keys, plain_text, value_of
 from meshforge.config.sections import Config
 from meshforge.errors import ConfigError
 from meshforge.models.presets import check_model_shape
+from meshforge.ranges import num
 
 MAX_INT = 2**40  # no count or size meshforge takes comes near it
 
@@ -27,14 +29,36 @@ def _need(cond: bool, msg: str) -> None:
 
 def check_values(cfg: Config) -> None:
     """Refuse values that are wrong whatever the layout, naming the key and the fix: each number
-    outside its range (ranges.py), then the rules between keys."""
+    outside its field's range, then the rules between keys."""
     _check_magnitudes(cfg)
-    table = keys()
-    check_ranges(lambda k: value_of(cfg, k), lambda k: plain_text(table[k].help).split(";")[0][:100])
+    check_ranges(cfg)
     check_model_shape(cfg.shape)
     _check_train(cfg)
     _check_run(cfg)
     _check_health(cfg)
+
+
+def check_ranges(cfg: Config) -> None:
+    """Refuse the first number outside its field's range, with the key, the range and what the
+    number means, before any other check looks at it (a word such as "auto" is the type's business)."""
+    for dotted, k in keys().items():
+        v = value_of(cfg, dotted)
+        if k.span is not None and _number(v) and not k.span.holds(v):
+            raise ConfigError(f"{dotted} = {num(v)} is out of range: it must be in {k.span.text()} ({_meaning(k)})")
+        if k.each is not None:
+            bad = [x for x in v or () if not k.each.holds(x)]
+            if bad:
+                raise ConfigError(
+                    f"{dotted} holds {num(bad[0])}: each entry must be in {k.each.text()} ({_meaning(k)})"
+                )
+
+
+def _meaning(k: Key) -> str:
+    return plain_text(k.help).split(";")[0][:100]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check_magnitudes(cfg: Config) -> None:

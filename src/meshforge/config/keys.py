@@ -1,7 +1,8 @@
 """Every config key, read off the dataclasses that declare it: its section, the object of
 ``Config`` that holds it, its type, default and help (the field's docstring). ``--help``,
-docs/configuration.md (tests/test_config_docs.py fails when it is stale) and the loader's
-checks are all generated from this one table, so a new key is one field.
+docs/configuration.md (tests/unit/test_config_docs.py fails when it is stale) and the loader's
+checks are all generated from this one table, so a new key is one field; its range is the field's
+``ranged`` metadata (meshforge/ranges.py), which ``meshforge plan`` and the explorer read too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from meshforge.config import sections as s
 from meshforge.config.layout import Layout
 from meshforge.models.shape import ModelShape
+from meshforge.ranges import EACH, RANGE, Span
 
 # (TOML section, Config attribute, declaring class), in the order the sections are written
 OWNERS: tuple[tuple[str, str, type], ...] = (
@@ -50,10 +52,25 @@ class Key:
     type: Any
     default: Any
     help: str
+    span: Span | None = None
+    """the range a number must fall in (the field's ``ranged`` metadata); None: not a number"""
+    each: Span | None = None
+    """a list key's range for each element"""
 
     @property
     def dotted(self) -> str:
         return f"{self.section}.{self.name}"
+
+    @property
+    def choices(self) -> tuple[Any, ...]:
+        """The words a ``Literal`` key takes (() for any other type)."""
+        return typing.get_args(self.type) if typing.get_origin(self.type) is typing.Literal else ()
+
+    def range_text(self) -> str:
+        """The range as the reference shows it ("" for a key without one)."""
+        if self.span is not None:
+            return f"range {self.span.text()}"
+        return f"each in {self.each.text()}" if self.each is not None else ""
 
 
 @functools.cache
@@ -96,6 +113,8 @@ def keys() -> dict[str, Key]:
                 hints[f.name],
                 _default(f, holder),
                 docs.get(f.name, ""),
+                f.metadata.get(RANGE),
+                f.metadata.get(EACH),
             )
             out[k.dotted] = k
     home = {holder: section for section, holder, _ in OWNERS}  # a section's own fields before borrowed ones

@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshforge.ranges import BLOCKS, DEGREE, TOKENS, ranged, whole
+
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ISLAND = "island"  # DiLoCo: the outermost mesh dimension, in front of DIMS when islands > 1
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # the expert mesh under ep > 1 (see parallel/rules.py)
@@ -39,31 +41,31 @@ class Layout:
     unless said). In a config any one of dp_replicate, dp_shard, tp, pp, cp may be -1
     (inferred from the world size); a resolved layout has every degree >= 1."""
 
-    dp_replicate: int = 1
+    dp_replicate: int = ranged(DEGREE, 1)
     """data-parallel groups that replicate each other (HSDP, with zero_stage 2 or 3); -1 infers it"""
-    dp_shard: int = 1
+    dp_shard: int = ranged(DEGREE, 1)
     """data-parallel ranks that shard (stages 2/3) or replicate (stages 0/1) within a group; -1 (the config's
     default) infers it from the world size"""
-    tp: int = 1
+    tp: int = ranged(DEGREE, 1)
     """tensor-parallel degree (Megatron column/row; innermost mesh dimension; must divide heads, kv_heads,
     ffn_hidden, vocab_size and, under SP, seq_len; at most the ranks per node).
     See [parallelism.md](parallelism.md#tensor-parallelism-with-sequence-parallelism)"""
-    pp: int = 1
+    pp: int = ranged(DEGREE, 1)
     """pipeline-parallel degree (outermost mesh dimension; the layer stack is cut into pp x pp_virtual_stages
     chunks). See [parallelism.md](parallelism.md#pipeline-parallelism)"""
-    cp: int = 1
+    cp: int = ranged(DEGREE, 1)
     """context-parallel degree: each sequence is split over cp ranks, attention runs over a ring (see
     [parallelism.md](parallelism.md#context-parallelism)); composes with DDP, ZeRO-1/2/3, HSDP, tp (+SP) and
     pp; FSDP and ZeRO-1 shard over dp × cp; seq_len must be a multiple of 2 x cp (zigzag)"""
-    ep: int = 1
+    ep: int = ranged(whole(1, 2**20), 1)
     """expert-parallel degree: each MoE block's experts split over this many data-parallel ranks (must divide
     `model.num_experts` and dp_shard × cp; see [moe.md](moe.md))"""
-    ep_chunks: int = 0
+    ep_chunks: int = ranged(whole(0, 1024), 0)
     """under ep > 1: each MoE layer's tokens go out in this many chunks, so one chunk's dispatch or combine
     all-to-all runs while another chunk's experts compute (1: one all-to-all each way, nothing overlapped);
     `0` = auto: 2 where the ep group spans nodes, 1 inside a node (fast links: the chunks cost more than
     they hide). See [moe.md](moe.md)"""
-    zero_stage: int = 0
+    zero_stage: int = ranged(whole(0, 3), 0)
     """0 DDP; 1 optimizer state sharded (fp32: ZeroRedundancyOptimizer; bf16/fp8: bf16 working state, fp32
     master + Adam sharded, 4Ψ + 12Ψ/N, see [precision.md](precision.md)); 2 + gradients (FSDP2, params kept
     gathered fwd→bwd); 3 + parameters (FSDP2). Under tp > 1 every stage runs on FSDP2 (stage 0: replicated
@@ -71,7 +73,7 @@ class Layout:
     sync_every_microbatch: bool = False
     """reduce gradients on every micro-batch instead of only the last (under ZeRO-2/3: less memory, more
     traffic)"""
-    ddp_bucket_mb: int = 25
+    ddp_bucket_mb: int = ranged(whole(1, 2**16), 25)
     """gradient bucket size in MiB (stages 0/1): DDP's all-reduce buckets, and bf16 ZeRO-1's reduce-scatter buckets,
     each reduced during backward as soon as its gradients are in"""
     sequence_parallel: bool = True
@@ -81,18 +83,18 @@ class Layout:
     """under tp > 1 with sequence parallelism: overlap the tp all-gathers / reduce-scatters with the GEMMs
     beside them (async TP, Megatron-Core `--tp-comm-overlap`): a decomposed collective matmul on any backend;
     on CUDA torch's symmetric-memory fused ops (eager) or inductor's micro-pipeline TP (train.compile);
-    `meshforge plan --tp-overlap` prices it. See [parallelism.md](parallelism.md#async-tensor-parallelism)"""
+    `meshforge plan --tp-overlap` prices it. See [parallelism.md](parallelism.md#communication-under-compute)"""
     pp_schedule: str = "1f1b"
     """`gpipe`, `1f1b`, `interleaved_1f1b`, `zero_bubble` (interleaved zero bubble), `zbv`, `dualpipev` (the last
     two where the installed PyTorch has them)"""
-    pp_virtual_stages: int = 1
+    pp_virtual_stages: int = ranged(whole(1, BLOCKS), 1)
     """model chunks per pipeline rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b, >= 1 for zero_bubble, 2 for
     zbv/dualpipev"""
-    pp_layers: tuple[int, ...] = ()
+    pp_layers: tuple[int, ...] = ranged(whole(0, BLOCKS), (), each=True)
     """blocks per chunk in pipeline order (pp x pp_virtual_stages numbers summing to model.layers), e.g.
     `[9, 10, 10, 3]`; the first and the last may be 0 (a chunk of only the embedding or only the head, as
     Llama 3 balanced its stages); empty: balanced by cost (the embedding and head count as work)"""
-    num_microbatches: int = 0
+    num_microbatches: int = ranged(whole(0, TOKENS), 0)
     """pipeline micro-batches per step and dp rank (>= pp; a multiple of the rounds for interleaving); 0:
     per-rank batch / train.micro_batch_size, or the largest divisor of the per-rank batch up to 2 x pp x
     pp_virtual_stages"""
@@ -109,11 +111,11 @@ class Layout:
     """`cpu`: FSDP2's CPU offload keeps sharded parameters, gradients and the optimizer step in host memory
     (CUDA only; needs zero_stage 2 or 3 with dp > 1, or a world of one; refused on a CPU run: the state already
     lives there). See [precision.md](precision.md#cpu-offload)"""
-    micro_batch_size: int = field(default=0, metadata={"section": "train"})
+    micro_batch_size: int = ranged(whole(0, TOKENS), 0, section="train")
     """sequences per forward pass per rank; 0 = the whole per-rank batch (no accumulation)"""
     activation_checkpoint: Literal["none", "full", "selective"] = field(default="none", metadata={"section": "train"})
     """`none`, `full` (recompute each block) or `selective` (keep matmul outputs)"""
-    islands: int = field(default=1, metadata={"section": "diloco"})
+    islands: int = ranged(whole(1, 2**20), 1, section="diloco")
     """DiLoCo islands (outermost mesh dimension; each runs the `[parallel]` layout on world / islands ranks);
     `1` = off"""
 

@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
-from meshforge.config.ranges import range_text
 from meshforge.config.values import toml_value, type_name
 
 INTRO = """# Configuration reference
@@ -15,14 +16,15 @@ Every key below can be set in a TOML file passed with `--config` and overridden 
 as `--section.key=value` or `--section.key value`. Unknown keys, wrong types, non-finite numbers and
 impossible values are refused before training with a message naming the key (and the nearest valid
 one); every number has a range (shown with its meaning), and a value outside it is refused naming the
-key and the range. A run resolves its config once, for its world size and machine, into a run plan; the run
-directory's `config.toml` is that plan written out: every preset field and every automatic value
-(`auto`, an inferred `-1` degree, the pipeline's micro-batches) replaced by what ran, with the
-decisions taken from them and any value the resolution changed (and why) as comments. Rerunning
-it reproduces the run.
+key and the range. `meshforge plan`'s flags and the explorer's parameters that set a key take its range
+and words from the same field, so all three accept the same values. A run resolves its config once,
+for its world size and machine, into a run plan; the run directory's `config.toml` is that plan
+written out: every preset field and every automatic value (`auto`, an inferred `-1` degree, the
+pipeline's micro-batches) replaced by what ran, with the decisions taken from them and any value
+the resolution changed (and why) as comments. Rerunning it reproduces the run.
 Model shape fields default to the preset's value (shown as `—`).
 
-This page is generated from the fields' docstrings (`src/meshforge/config/sections.py`,
+This page is generated from the fields' docstrings and ranges (`src/meshforge/config/sections.py`,
 `src/meshforge/config/layout.py`, `src/meshforge/models/shape.py`):
 `python -m meshforge.config.reference > docs/configuration.md`.
 """
@@ -39,17 +41,32 @@ def _default_text(default: object) -> str:
     return PRESET_DEFAULT + " value" if default == PRESET_DEFAULT else toml_value(default)
 
 
-def describe_keys() -> str:
-    """Every config key with its type, default and meaning, for ``--help``."""
+def describe_keys(width: int = 100) -> str:
+    """Every config key with its type, default and meaning, for ``--help``, wrapped to ``width``
+    columns (a terminal's): the key, its type and default on one line, the meaning under it. One
+    line per key made lines of 500 characters, which a terminal folds mid-word."""
     lines, section = [], None
     for k in keys().values():
         if k.section != section:
             section = k.section
             lines.append(f"[{section}]")
-        default = _default_text(k.default)
-        bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
-        lines.append(f"  --{k.dotted:<36} {type_name(k.type):<24} default {default}  {plain_text(k.help)}{bounds}")
+        head = f"{type_name(k.type)}, default {_default_text(k.default)}"
+        bounds = f" ({k.range_text()})" if k.range_text() else ""
+        lines += _wrap(head, width, f"  --{k.dotted}  ", " " * 8)
+        lines += _wrap(plain_text(k.help) + bounds, width, " " * 6, " " * 6)
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int, first: str, rest: str) -> list[str]:
+    """``text`` in lines of at most ``width`` columns where its words allow (a word is never split)."""
+    return textwrap.wrap(
+        " ".join(text.split()),
+        width,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def markdown() -> str:
@@ -63,7 +80,7 @@ def markdown() -> str:
         for k in keys().values():
             if k.section == section:
                 default = "—" if k.default == PRESET_DEFAULT else f"`{toml_value(k.default)}`"
-                bounds = f" ({range_text(k.dotted)})" if range_text(k.dotted) else ""
+                bounds = f" ({k.range_text()})" if k.range_text() else ""
                 meaning = (k.help + bounds).replace("|", "\\|")
                 out.append(f"| `{k.name}` | {default} | {meaning} |")
         out.append("")

@@ -14,6 +14,7 @@ from typing import Literal
 from meshforge.config.layout import Layout
 from meshforge.models.presets import get_preset
 from meshforge.models.shape import LOSS_CHUNK_SIZE, ModelShape
+from meshforge.ranges import BLOCKS, MAX_STEPS, TOKENS, Span, ranged, unit, whole
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,13 @@ class ModelConfig:
 class TrainConfig:
     """[train]: the batch, precision and the step (micro_batch_size and activation_checkpoint are layout keys)."""
 
-    steps: int = 200
+    steps: int = ranged(whole(1, MAX_STEPS), 200)
     """optimizer steps"""
-    seq_len: int = 256
+    seq_len: int = ranged(whole(1, TOKENS), 256)
     """tokens per sequence"""
-    global_batch_size: int = 16
+    global_batch_size: int = ranged(whole(1, TOKENS), 16)
     """sequences per optimizer step, over all ranks"""
-    seed: int = 0
+    seed: int = ranged(whole(0, 2**32 - 1), 0)
     """seeds the initial weights (per parameter name) and the data order"""
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """`auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`, `fp8` (bf16 plus fp8 matmuls in the chosen linears
@@ -56,10 +57,10 @@ class TrainConfig:
     casts each fp32 weight to bf16 once per micro-batch and reduces gradients in fp32; a world of one and DDP's
     layouts run on FSDP2 for it) or `autocast` (`torch.autocast` casts every weight at every use).
     See [precision.md](precision.md#one-cast-per-step)"""
-    loss_chunk_size: int = LOSS_CHUNK_SIZE
+    loss_chunk_size: int = ranged(whole(0, TOKENS), LOSS_CHUNK_SIZE)
     """tokens per chunk of the fused head + cross-entropy (only one chunk's logits exist, in fp32 for the
     softmax); 0 = the plain loss over the full logits. See [model.md](model.md#chunked-loss)"""
-    grad_clip: float = 1.0
+    grad_clip: float = ranged(unit(1e6), 1.0)
     """global gradient-norm clip; 0 turns it off"""
     compile: bool = False
     """`torch.compile` each block"""
@@ -70,9 +71,9 @@ class TrainConfig:
     skip_memory_check: bool = False
     """start even where the pre-flight fit check refuses the run (the planner's estimate exceeds the GPU's free
     memory, or on a CPU the RAM available to each local rank). See [precision.md](precision.md#pre-flight-fit-check)"""
-    eval_interval: int = 0
+    eval_interval: int = ranged(whole(0, MAX_STEPS), 0)
     """evaluate on the validation split every N steps; 0 = only at the end"""
-    eval_batches: int = 4
+    eval_batches: int = ranged(whole(0, 2**20), 4)
     """global batches of validation data per evaluation (the same sequences on every layout); 0 = no evaluation"""
 
 
@@ -82,23 +83,23 @@ class OptimConfig:
 
     name: Literal["adamw"] = "adamw"
     """optimizer (`adamw`); no weight decay on norms and embeddings"""
-    lr: float = 3e-3
+    lr: float = ranged(unit(10.0, lo_open=True), 3e-3)
     """peak learning rate"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = ranged(unit(), 0.1)
     """the decay ends at `lr × min_lr_ratio`"""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """`cosine`, `linear` or `constant` after warmup"""
-    warmup_steps: int = -1
+    warmup_steps: int = ranged(whole(0, MAX_STEPS, -1), -1)
     """linear warmup steps; -1 = min(100, steps/10); more than `train.steps` is clipped to it (and said)"""
-    decay_steps: int = 0
+    decay_steps: int = ranged(whole(0, MAX_STEPS), 0)
     """steps over which the decay runs; 0 = the whole run"""
-    weight_decay: float = 0.1
+    weight_decay: float = ranged(unit(10.0), 0.1)
     """AdamW decoupled weight decay"""
-    beta1: float = 0.9
+    beta1: float = ranged(unit(hi_open=True), 0.9)
     """Adam β1"""
-    beta2: float = 0.95
+    beta2: float = ranged(unit(hi_open=True), 0.95)
     """Adam β2"""
-    eps: float = 1e-8
+    eps: float = ranged(unit(lo_open=True), 1e-8)
     """Adam ε"""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """`auto` (fused on CUDA and CPU: one kernel per step, no host reads of the step counters; foreach
@@ -113,7 +114,7 @@ class DataConfig:
     """empty = the default corpus (Python stdlib sources); else text/dir/JSONL, or a prepared shard dir"""
     tokenizer: str = "byte"
     """`byte` or a path to a Hugging Face `tokenizer.json`"""
-    val_fraction: float = 0.01
+    val_fraction: float = ranged(unit(hi_open=True), 0.01)
     """share of the corpus held out for validation"""
     cache_dir: str = ""
     """where prepared corpora are cached; empty = `$MESHFORGE_CACHE` or `~/.cache/meshforge`"""
@@ -133,18 +134,18 @@ class DataConfig:
 class CheckpointConfig:
     """[checkpoint]: sharded training checkpoints, resuming, the final weights."""
 
-    interval: int | str = 0
+    interval: int | str = ranged(whole(0, MAX_STEPS), 0)
     """steps between sharded training checkpoints in `run.dir/checkpoints` (also one at the end); 0: none;
     `"auto"`: the Young/Daly optimum √(2 × blocking cost × MTBF), re-measured as the run goes.
     See [checkpointing.md](checkpointing.md)"""
-    keep: int = 3
+    keep: int = ranged(whole(1, 10**6), 3)
     """complete checkpoints to keep; older ones are deleted"""
     async_: bool = field(default=False, metadata={"key": "async"})
     """write checkpoints in the background (training blocks only for the copy to host memory)"""
     load: str = "latest"
     """`latest`: resume from the newest complete checkpoint in `run.dir/checkpoints` if there is one; `none`:
     never; or a checkpoint directory / `checkpoints/` folder (also from another run and layout)"""
-    mtbf_hours: float = 24.0
+    mtbf_hours: float = ranged(Span(0.0, 1e6, lo_open=True), 24.0)
     """the job's mean time between failures, for `interval = "auto"`"""
     save_final: bool = True
     """write the final weights to `run.dir/final` (also after Ctrl-C)"""
@@ -156,7 +157,7 @@ class CheckpointConfig:
 class MetricsConfig:
     """[metrics]: where step records go."""
 
-    log_interval: int = 10
+    log_interval: int = ranged(whole(1, MAX_STEPS), 10)
     """log step 1, then every N steps and the last (metrics.jsonl, console, TensorBoard)"""
     console: bool = True
     """progress lines and the summary on stdout"""
@@ -190,21 +191,21 @@ class HealthConfig:
     on_nonfinite: Literal["skip", "stop", "rollback"] = "skip"
     """a NaN/Inf loss or gradient norm: `skip` the update on every rank (the batch counts as consumed), `stop` the
     run, or `rollback` to the last complete checkpoint and skip the batches since"""
-    max_skipped: int = 10
+    max_skipped: int = ranged(whole(0, MAX_STEPS), 10)
     """more bad steps (non-finite, or spikes with skip/rollback) than this in one run stop it"""
-    spike_threshold: float = 0.0
+    spike_threshold: float = ranged(unit(1e6), 0.0)
     """a loss this many robust deviations (median/MAD) above the recent median is a `loss_spike`; `0` = off (on,
     every step reduces the loss over the ranks)"""
-    spike_window: int = 50
+    spike_window: int = ranged(whole(5, 10**6), 50)
     """steps in the running median / MAD"""
     on_spike: Literal["log", "skip", "rollback"] = "log"
     """`log` the spike, `skip` its update, or `rollback` (PaLM's recipe)"""
-    hang_timeout_s: float = 300.0
+    hang_timeout_s: float = ranged(Span(1.0, 1e7, also=(0,)), 300.0)
     """no step finished for this long: the ranks compare their last collectives through the rendezvous store,
     write `hang_report.json` and exit so `--max-restarts` can restart; `0` = off"""
-    straggler_factor: float = 1.5
+    straggler_factor: float = ranged(Span(1.0, 1e6, lo_open=True, also=(0,)), 1.5)
     """on logged steps a rank whose compute time is above this × the median is a `straggler`; `0` = off"""
-    text_warn_fraction: float = 0.05
+    text_warn_fraction: float = ranged(unit(lo_open=True), 0.05)
     """byte tokenizer: warn when more than this share of `data.path` is not valid UTF-8"""
 
 
@@ -212,9 +213,9 @@ class HealthConfig:
 class ProfileConfig:
     """[profile]: torch.profiler traces of a few steps."""
 
-    start_step: int = 0
+    start_step: int = ranged(whole(0, MAX_STEPS), 0)
     """first traced step (1-based); `0` = step 3 (past the warm-up)"""
-    steps: int = 0
+    steps: int = ranged(whole(0, 10**4), 0)
     """steps traced with `torch.profiler` into `run.dir/profile/` (Chrome traces, one per rank; open in
     Perfetto); `0` = no tracing"""
     memory: bool = True
@@ -227,22 +228,22 @@ class ProfileConfig:
 class DiLoCoConfig:
     """[diloco]: DiLoCo across islands of ranks (`islands` is a layout key); see [diloco.md](diloco.md)."""
 
-    inner_steps: int = 50
+    inner_steps: int = ranged(whole(1, MAX_STEPS), 50)
     """H: inner optimizer steps per round before the islands average pseudo-gradients"""
-    outer_lr: float = 0.7
+    outer_lr: float = ranged(unit(10.0, lo_open=True), 0.7)
     """outer SGD learning rate (the DiLoCo paper: 0.7)"""
-    outer_momentum: float = 0.9
+    outer_momentum: float = ranged(unit(hi_open=True), 0.9)
     """outer SGD momentum (the paper: 0.9)"""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD"""
-    fragments: int = 1
+    fragments: int = ranged(whole(1, BLOCKS), 1)
     """Streaming DiLoCo: contiguous block groups synced `inner_steps / fragments` steps apart (`1` = plain DiLoCo)"""
-    delay: int = 0
+    delay: int = ranged(whole(0, MAX_STEPS), 0)
     """tau: inner steps a fragment's all-reduce overlaps with compute before it is applied
     (`< inner_steps / fragments`)"""
     sync_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     """pseudo-gradients on the wire: `fp32`, `bf16`, or `fp8` (e4m3, a scale per 256 values, error feedback)"""
-    warmup_steps: int = 0
+    warmup_steps: int = ranged(whole(0, MAX_STEPS), 0)
     """steps of plain DDP over all islands (gradients averaged across islands) before the first round; the paper
     starts DiLoCo from a data-parallel-trained model"""
 

@@ -39,6 +39,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
         return None, [{"key": "parallel", "message": str(e), "kind": "invalid"}]
     pp, dp = degrees.pp, degrees.dp_shard
     local = v["global_batch"] // dp
+    mb = v["micro_batch"] or max(1, local)  # 0: the whole per-rank batch, as train.micro_batch_size = 0
     lay = plan_layout(
         degrees.tp,
         pp,
@@ -46,8 +47,8 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
         cp=degrees.cp,
         ep=degrees.ep,
         zero_stage=v["zero"] if dp * degrees.cp > 1 else 0,
-        micro_batch_size=v["micro_batch"],
-        num_microbatches=max(1, local // v["micro_batch"]),
+        micro_batch_size=mb,
+        num_microbatches=max(1, local // mb),
         activation_checkpoint=v["recompute"],
         pp_virtual_stages=v["virtual_stages"] if pp > 1 else 1,
         pp_schedule=v["schedule"] if pp > 1 else "none",
@@ -58,7 +59,7 @@ def layout_of(v: dict[str, Any]) -> tuple[Layout | None, list[dict[str, str]]]:
     found = rules.problems(run_layout(lay), shape, Batch(v["seq_len"], v["global_batch"], v["gpus_per_node"]))
     _refuse_ep(found)
     problems = [asdict(p) for p in found]
-    whole = v["global_batch"] % dp == 0 and local % v["micro_batch"] == 0
+    whole = v["global_batch"] % dp == 0 and local % mb == 0
     return (lay if whole else None), problems
 
 
@@ -250,6 +251,8 @@ def presets() -> dict[str, Any]:
                 "default": s.default,
                 "min": s.lo,
                 "max": s.hi,
+                "also": list(s.also),
+                "key": s.key,
                 "choices": list(s.choices),
                 "help": s.help,
             }

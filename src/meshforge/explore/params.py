@@ -1,8 +1,12 @@
 """Every parameter the explorer's API accepts: its type, range and default, and the check
 that turns a query string into a model, a cluster and a layout or refuses it with a message.
 
-The ranges are caps, not physics: they keep one request (a search above all) to about a
-second, and they keep nonsense (a negative GPU count, a 10^12-layer model) out of the planner.
+A parameter that sets a config key (``SHARED``: parameter -> key) takes its help, range and
+words from that key's field, so the explorer accepts and refuses what a train config and
+``meshforge plan`` do (tests/unit/test_one_vocabulary.py walks them); its default is the
+explorer's (a view of a model on a cluster, not a run). The explorer's own parameters (the
+cluster, the hardware's figures, how many layouts to list) keep caps of their own: they keep
+one request (a search above all) to about a second and nonsense out of the planner.
 """
 
 from __future__ import annotations
@@ -12,15 +16,16 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from meshforge.config.keys import keys, plain_text
 from meshforge.errors import suggest
 from meshforge.models.presets import PRESETS as MODEL_PRESETS
 from meshforge.models.shape import ModelShape
-from meshforge.parallel.rules import RECOMPUTE
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import PRESETS as GPU_PRESETS
 from meshforge.planner.hardware import Hardware, get_hardware
 from meshforge.planner.model_flags import check_flags, from_preset
 from meshforge.planner.offload_costs import can_offload
+from meshforge.ranges import Span
 
 MAX_GPUS = 16384
 SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
@@ -38,17 +43,44 @@ class Spec:
     hi: float = 0
     choices: tuple[str, ...] = ()
     help: str = ""
+    key: str = ""  # the config key it sets ("": the explorer's own)
+    also: tuple[float, ...] = ()  # values allowed outside [lo, hi] (a -1 degree: inferred)
+
+    @property
+    def span(self) -> Span:
+        return Span(self.lo, self.hi, also=self.also)
+
+
+# parameter -> the config key it sets: its help, range and words are the key's field's
+SHARED = {
+    **{k: f"model.{k}" for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "tie_embeddings")},
+    **{"vocab": "model.vocab_size", "seq_len": "train.seq_len", "global_batch": "train.global_batch_size"},
+    **{"precision": "train.precision", "micro_batch": "train.micro_batch_size"},
+    **{"recompute": "train.activation_checkpoint", "zero": "parallel.zero_stage", "sp": "parallel.sequence_parallel"},
+    **{k: f"parallel.{k}" for k in ("tp", "pp", "cp", "ep", "offload")},
+    **{"schedule": "parallel.pp_schedule", "virtual_stages": "parallel.pp_virtual_stages"},
+}
+# the choices of a key the config types as a plain string (the layout rules judge its words)
+OWN_CHOICES = {"parallel.pp_schedule": SCHEDULES + V_SCHEDULES}
+
+
+def shared(name: str, default: Any, note: str = "") -> Spec:
+    """The spec of a parameter that sets a config key: kind, range, words and help from its field."""
+    k = keys()[SHARED[name]]
+    words = OWN_CHOICES.get(k.dotted) or k.choices
+    kind = "bool" if k.type is bool else "choice" if words else "int" if k.type is int else "float"
+    span = k.span or Span(0, 0)
+    if span.lo_open or span.hi_open:  # (no shared number has an open end; the page checks [min, max])
+        raise TypeError(f"{k.dotted}: the explorer takes closed ranges")
+    text = f"{plain_text(k.help)} ({k.dotted}{'; ' + note if note else ''})"
+    return Spec(kind, default, span.lo, span.hi, tuple(words), text, k.dotted, tuple(span.also))
 
 
 SPECS: dict[str, Spec] = {
     "model": Spec("choice", "llama3.1-8b", choices=(*MODEL_PRESETS, "custom"), help="model preset, or custom"),
-    "layers": Spec("int", None, 1, 1024, help="transformer blocks (model=custom)"),
-    "hidden": Spec("int", None, 8, 131072, help="hidden size (model=custom)"),
-    "heads": Spec("int", None, 1, 1024, help="attention heads (model=custom)"),
-    "kv_heads": Spec("int", None, 1, 1024, help="key/value heads (model=custom; default: heads)"),
-    "ffn_hidden": Spec("int", None, 1, 1048576, help="feed-forward size (model=custom)"),
-    "vocab": Spec("int", None, 1, 1048576, help="vocabulary size (model=custom)"),
-    "tie_embeddings": Spec("bool", False, help="embedding and head share a weight (model=custom)"),
+    **{k: shared(k, None, "model=custom") for k in ("layers", "hidden", "heads", "ffn_hidden", "vocab")},
+    "kv_heads": shared("kv_heads", None, "model=custom; default: heads"),
+    "tie_embeddings": shared("tie_embeddings", False, "model=custom"),
     "gpu": Spec("choice", "h100-sxm", choices=tuple(GPU_PRESETS), help="GPU preset"),
     "hbm_gib": Spec("float", None, 1, 4096, help="memory per GPU in GiB (overrides the preset)"),
     "peak_tflops": Spec("float", None, 0.01, 100000, help="dense peak at the chosen precision, TFLOP/s"),
@@ -56,24 +88,18 @@ SPECS: dict[str, Spec] = {
     "inter_bw_gbs": Spec("float", None, 0.1, 100000, help="bandwidth per GPU across nodes, GB/s"),
     "gpus": Spec("int", 8, 1, MAX_GPUS, help="GPUs in the cluster"),
     "gpus_per_node": Spec("int", 8, 1, 64, help="GPUs per node"),
-    "seq_len": Spec("int", 4096, 1, 1048576, help="tokens per sequence"),
-    "global_batch": Spec("int", None, 1, 1048576, help="sequences per step (default: gpus)"),
-    "precision": Spec("choice", "bf16", choices=("bf16", "fp32", "fp8"), help="training precision"),
-    "tp": Spec("int", 1, 1, 64, help="tensor-parallel degree"),
-    "pp": Spec("int", 1, 1, 1024, help="pipeline-parallel degree"),
-    "cp": Spec("int", 1, 1, 1024, help="context-parallel degree"),
-    "ep": Spec(
-        "int", None, 1, 1024, help="expert-parallel degree (MoE models; default 1; /api/best searches it unless given)"
-    ),
-    "zero": Spec("int", 0, 0, 3, help="ZeRO stage of the data-parallel ranks (3: FSDP)"),
-    "micro_batch": Spec("int", 1, 1, 1048576, help="sequences per forward pass per rank"),
-    "recompute": Spec("choice", "none", choices=RECOMPUTE, help="activation recomputation"),
-    "schedule": Spec("choice", "1f1b", choices=SCHEDULES + V_SCHEDULES, help="pipeline schedule (pp > 1)"),
-    "virtual_stages": Spec("int", 1, 1, 16, help="model chunks per pipeline rank"),
-    "sp": Spec("bool", True, help="sequence parallelism with tp"),
-    "offload": Spec(
-        "choice", "none", choices=("none", "cpu"), help="CPU offload of the sharded model states (ZeRO-2/3)"
-    ),
+    "seq_len": shared("seq_len", 4096),
+    "global_batch": shared("global_batch", None, "default: gpus"),
+    "precision": shared("precision", "bf16"),
+    **{k: shared(k, 1) for k in ("tp", "pp", "cp")},
+    "ep": shared("ep", None, "MoE models; default 1; /api/best searches it unless given"),
+    "zero": shared("zero", 0),
+    "micro_batch": shared("micro_batch", 1),
+    "recompute": shared("recompute", "none"),
+    "schedule": shared("schedule", "1f1b", "pp > 1"),
+    "virtual_stages": shared("virtual_stages", 1),
+    "sp": shared("sp", True, "with tp"),
+    "offload": shared("offload", "none"),
     "top": Spec("int", 8, 1, 20, help="how many of the best layouts to list"),
 }
 
@@ -89,17 +115,19 @@ def _shown(raw: str) -> str:
 def _number(name: str, raw: str, spec: Spec) -> float:
     """The value of a numeric parameter, refused (never an overflow) when malformed or out of range."""
     lo, hi = (int(spec.lo), int(spec.hi)) if spec.kind == "int" else (spec.lo, spec.hi)
+    limits = f"{lo} to {hi}" + "".join(f" or {a}" for a in spec.also)
     pattern = INT_TEXT if spec.kind == "int" else FLOAT_TEXT
     if not pattern.fullmatch(raw):
         what = "a whole number" if spec.kind == "int" else "a number"
-        raise BadRequest(f"{name} must be {what} from {lo} to {hi}, got {_shown(raw)!r}")
+        raise BadRequest(f"{name} must be {what} from {limits}, got {_shown(raw)!r}")
     value = int(raw) if spec.kind == "int" else float(raw)  # ints compare exactly, at any size
-    if (spec.kind != "int" and not math.isfinite(value)) or not spec.lo <= value <= spec.hi:
-        raise BadRequest(f"{name} = {_shown(raw)} is out of range: {lo} to {hi}")
+    if (spec.kind != "int" and not math.isfinite(value)) or not spec.span.holds(value):
+        raise BadRequest(f"{name} = {_shown(raw)} is out of range: {limits}")
     return value
 
 
-def _value(name: str, raw: str) -> Any:
+def parse_value(name: str, raw: str) -> Any:
+    """One parameter's checked value (its type, range or words), before the checks between them."""
     spec = SPECS[name]
     if spec.kind == "choice":
         if raw not in spec.choices:
@@ -126,10 +154,12 @@ def parse(query: dict[str, list[str]]) -> dict[str, Any]:
             )
         if len(raws) != 1:
             raise BadRequest(f"parameter {name!r} is given {len(raws)} times; give it once")
-        values[name] = _value(name, raws[0].strip())
+        values[name] = parse_value(name, raws[0].strip())
     out = {k: s.default for k, s in SPECS.items()} | values
     if out["global_batch"] is None:
         out["global_batch"] = out["gpus"]
+    if out["precision"] == "auto":  # as a run resolves it: fp32 on a CPU, bf16 on a GPU
+        out["precision"] = "fp32" if out["gpu"] == "cpu" else "bf16"
     _cross_check(out, values)
     return out
 

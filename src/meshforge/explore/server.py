@@ -1,7 +1,8 @@
 """``meshforge explore``: a standard-library HTTP server for the page and its JSON API.
 
-Routes (GET only): ``/`` the page; ``/api/presets``; ``/api/estimate``, ``/api/best`` and
-``/api/config`` take the parameters of ``params.SPECS`` as a query string. A parameter the
+Routes (GET only): ``/`` (or ``/index.html``) the page, built once from static/ (page.py);
+``/api/presets``; ``/api/estimate``, ``/api/best`` and ``/api/config`` take the parameters of
+``params.SPECS`` as a query string. A parameter the
 API refuses is answered 400 with ``{"error": message}``; anything unexpected 500 with a
 fixed message: no traceback ever reaches the client. Nothing is read from or written to
 disk on a request. Requests whose Host header names another host are refused (a page on
@@ -30,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 from meshforge.errors import MeshforgeError
 
 from . import answers
-from .page import PAGE
+from .page import page
 from .params import BadRequest, parse
 from .pool import WRITE_S, PoolServer
 
@@ -77,7 +78,7 @@ def route(target: str, gone: Gone = None, budget_s: float = SEARCH_BUDGET_S) -> 
     if len(url.query) > MAX_QUERY:
         raise BadRequest(f"the query string is longer than {MAX_QUERY} characters")
     if url.path in ("/", "/index.html"):
-        return Reply(200, "text/html; charset=utf-8", PAGE.encode())
+        return Reply(200, "text/html; charset=utf-8", page())
     if url.path == "/api/presets":
         return json_reply(200, answers.presets())
     query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
@@ -180,6 +181,7 @@ def make_server(
     cls = type("Server6", (PoolServer,), {"address_family": socket.AF_INET6}) if ":" in host else PoolServer
     server = cls((host, port), handler)
     server.search_budget_s = search_budget_s
+    page()  # read the page's files now: a broken install fails here, not on the first visit
     route("/api/best?gpus=8&pp=2&top=1")  # warm: the first pipeline rule imports torch's pipelining (seconds)
     return server
 

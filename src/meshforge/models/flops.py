@@ -181,7 +181,7 @@ def recomputed_matmul_params(a: ShapeLike) -> int:
 
 
 def hardware_flops_per_token(a: ShapeLike, seq_len: float, recompute: str = "none") -> float:
-    """Model FLOPs plus what recomputation repeats, as it runs (tests/test_gemm_census.py holds a
+    """Model FLOPs plus what recomputation repeats, as it runs (tests/unit/test_gemm_census.py holds a
     step to it): full: the blocks' forward again but for each dense block's last GEMM and the
     head (``recomputed_matmul_params``), and the attention core's forward; selective: only the
     attention core (scores, softmax, weighted sum) runs again."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from meshforge.ranges import BLOCKS, TOKENS, WIDTH, Span, ranged, unit, whole
+
 # train.loss_chunk_size's default (models/chunked_loss.py): tokens per chunk, 0.5 GiB of fp32 logits at
 # 128K vocab. Here, beside the shape, so that the config and the planner read it without importing torch.
 LOSS_CHUNK_SIZE = 1024
@@ -22,70 +24,70 @@ class ModelShape:
     from its flags). Fields with ``config: False`` metadata describe models the planner prices
     but meshforge does not train (GPT-style) and are no config keys."""
 
-    hidden: int
+    hidden: int = ranged(whole(1, WIDTH))
     """model width"""
-    layers: int
+    layers: int = ranged(whole(1, BLOCKS))
     """number of transformer blocks"""
-    heads: int
+    heads: int = ranged(whole(1, BLOCKS))
     """attention heads (must divide `hidden`)"""
-    kv_heads: int
+    kv_heads: int = ranged(whole(1, BLOCKS))
     """key/value heads for grouped-query attention (must divide `heads`)"""
-    ffn_hidden: int
+    ffn_hidden: int = ranged(whole(1, WIDTH))
     """SwiGLU inner width"""
-    vocab_size: int
+    vocab_size: int = ranged(whole(1, 2**25))
     """embedding rows; must be ≥ the tokenizer's vocabulary"""
-    max_seq_len: int = 0
+    max_seq_len: int = ranged(whole(1, TOKENS), 0)
     """longest sequence the model accepts (`train.seq_len` must not exceed it)"""
-    norm_eps: float = 1e-5
+    norm_eps: float = ranged(unit(lo_open=True), 1e-5)
     """RMSNorm epsilon"""
     tie_embeddings: bool = False
     """share the embedding and output head weights"""
-    rope_theta: float = 10000.0
+    rope_theta: float = ranged(Span(1.0, 1e12), 10000.0)
     """RoPE base"""
     rope_scaling: Literal["none", "llama3"] = "none"
     """`none` or `llama3` (Llama 3.1 long-context frequency scaling)"""
-    rope_factor: float = 8.0
+    rope_factor: float = ranged(Span(0.0, 1e4, lo_open=True), 8.0)
     """llama3 scaling factor"""
-    rope_low_freq_factor: float = 1.0
+    rope_low_freq_factor: float = ranged(Span(0.0, 1e4, lo_open=True), 1.0)
     """llama3 scaling: low-frequency band edge"""
-    rope_high_freq_factor: float = 4.0
+    rope_high_freq_factor: float = ranged(Span(0.0, 1e4, lo_open=True), 4.0)
     """llama3 scaling: high-frequency band edge"""
-    rope_original_max_seq_len: int = 8192
+    rope_original_max_seq_len: int = ranged(whole(1, TOKENS), 8192)
     """llama3 scaling: the context length the frequencies were trained for"""
-    init_std: float = 0.02
+    init_std: float = ranged(unit(lo_open=True), 0.02)
     """std of the normal init (residual output projections get std/√(2·layers))"""
-    head_dim: int = 0
+    head_dim: int = ranged(whole(0, 2**16), 0)
     """width of one attention head; 0: `hidden / heads` (Qwen3 and others set it so that heads × head_dim ≠
     hidden); must be even (RoPE)"""
     qk_norm: bool = False
     """RMSNorm over each head's q and k before RoPE (Qwen3); not yet with `parallel.tp > 1`"""
-    num_experts: int = 0
+    num_experts: int = ranged(whole(0, 2**20), 0)
     """mixture of experts ([moe.md](moe.md)): routed experts per MoE block; 0: a dense model"""
-    experts_per_token: int = 2
+    experts_per_token: int = ranged(whole(1, 2**20), 2)
     """top-k: experts each token is sent to (1 ≤ k ≤ `num_experts`)"""
-    num_shared_experts: int = 0
+    num_shared_experts: int = ranged(whole(0, 2**10), 0)
     """always-on experts of `moe_ffn_hidden` each, added to every token's output"""
-    moe_ffn_hidden: int = 0
+    moe_ffn_hidden: int = ranged(whole(0, WIDTH), 0)
     """SwiGLU width of one expert; 0: `ffn_hidden`"""
-    moe_interval: int = 1
+    moe_interval: int = ranged(whole(1, BLOCKS), 1)
     """every n-th block (counted from `first_dense_layers`) is MoE, the others dense"""
-    first_dense_layers: int = 0
+    first_dense_layers: int = ranged(whole(0, BLOCKS), 0)
     """the first blocks that stay dense"""
     router_score: Literal["softmax", "sigmoid"] = "softmax"
     """`softmax` or `sigmoid` router scores (fp32)"""
     norm_topk: bool = True
     """renormalise the chosen experts' weights to sum to 1"""
-    capacity_factor: float = 0.0
+    capacity_factor: float = ranged(unit(1e3), 0.0)
     """0: dropless; > 0: each expert takes at most ⌈cf × tokens × k / E⌉ tokens per micro-batch, the
     lowest-scoring overflow is dropped (and counted)"""
     load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
     """`aux_loss` (Switch/GShard E·Σfᵢ·Pᵢ), `bias` (DeepSeek-V3 auxiliary-loss-free bias, checkpointed) or
     `none`"""
-    aux_loss_coeff: float = 0.01
+    aux_loss_coeff: float = ranged(unit(1e3), 0.01)
     """weight of the balance loss (`load_balance = "aux_loss"`)"""
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = ranged(unit(1.0), 1e-3)
     """bias step per optimizer step, × sign(mean load − load) (`load_balance = "bias"`)"""
-    z_loss_coeff: float = 0.0
+    z_loss_coeff: float = ranged(unit(1e3), 0.0)
     """router z-loss weight (mean squared log-sum-exp of the router logits); 0: off"""
     mlp: Literal["swiglu", "gelu"] = field(default="swiglu", metadata={"config": False})
     """the planner only: GPT-style GELU MLP"""

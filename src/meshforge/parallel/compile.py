@@ -3,7 +3,7 @@
 Each block is compiled whole with ``fullgraph=True`` where its forward traces as one graph:
 then nothing falls back to eager in the middle of a block, and a change that breaks the
 graph fails loudly instead of silently slowing the step. ``torch._dynamo.explain`` on CPU
-(tests/test_compile_blocks.py) finds one graph and no break for a dense block, with or
+(tests/integration/test_compile_blocks.py) finds one graph and no break for a dense block, with or
 without activation checkpointing and under FSDP2. A mixture-of-experts block does not hold:
 its routing has data-dependent shapes (``torch.bincount`` of the chosen experts, the token
 sort of the capacity drop) and reads autograd's graph task to tell a recomputation

@@ -1,6 +1,6 @@
 """What a Llama block, and the model around the blocks, keep for backward per token: the
 tensors meshforge's model saves, counted one by one, as ``calibration/activation_probe.py``
-measures them (held equal within 3% by tests/test_activation_bytes.py; docs/planner.md
+measures them (held equal within 3% by tests/integration/test_activation_bytes.py; docs/planner.md
 lists where each byte comes from).
 
 How a run holds its tensors (``Holding``): the matmuls' inputs and outputs in the compute

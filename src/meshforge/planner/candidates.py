@@ -23,14 +23,56 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-# the planner's flags for the layout rules' keys (rules.partial_problems speaks them)
+# config key -> the `meshforge plan` flag that sets it: the one table between the two vocabularies.
+# plan_args.py builds each of these flags from its key's field (help, range or words), so a key
+# added here is a flag whose limits are the config's; the explorer names its share in params.py.
+KEY_FLAGS = {
+    "model.layers": "--layers",
+    "model.hidden": "--hidden",
+    "model.heads": "--heads",
+    "model.kv_heads": "--kv-heads",
+    "model.ffn_hidden": "--ffn-hidden",
+    "model.vocab_size": "--vocab",
+    "model.tie_embeddings": "--tie-embeddings",
+    "model.num_experts": "--experts",
+    "model.experts_per_token": "--top-k",
+    "model.moe_ffn_hidden": "--moe-ffn-hidden",
+    "model.num_shared_experts": "--shared-experts",
+    "model.capacity_factor": "--capacity-factor",
+    "train.seq_len": "--seq-len",
+    "train.global_batch_size": "--global-batch",
+    "train.precision": "--precision",
+    "train.mixed_precision": "--mixed-precision",
+    "train.compile": "--compiled",
+    "train.micro_batch_size": "--micro-batch",
+    "train.activation_checkpoint": "--recompute",
+    "parallel.tp": "--tp",
+    "parallel.pp": "--pp",
+    "parallel.dp_shard": "--dp",
+    "parallel.cp": "--cp",
+    "parallel.ep": "--ep",
+    "parallel.zero_stage": "--zero",
+    "parallel.pp_virtual_stages": "--virtual-stages",
+    "parallel.pp_schedule": "--schedule",
+    "parallel.pp_layers": "--pp-layers",
+    "parallel.offload": "--offload",
+    "parallel.async_tp": "--tp-overlap",
+    "parallel.sequence_parallel": "--no-sequence-parallel",
+    "diloco.islands": "--islands",
+    "diloco.inner_steps": "--inner-steps",
+    "diloco.fragments": "--fragments",
+    "diloco.delay": "--delay",
+    "diloco.sync_dtype": "--sync-dtype",
+}
+# how the layout rules' messages name a key (rules.partial_problems): the flags, the model's
+# head counts by name (they may come from a preset), and the cluster's flags
 PLAN_FLAGS = Spelling(
     {
-        **{f"parallel.{k}": f"--{k}" for k in ("tp", "pp", "cp", "ep", "offload")},
-        **{"parallel.dp_shard": "--dp", "parallel.zero_stage": "--zero", "parallel.pp_schedule": "--schedule"},
-        **{"parallel.pp_layers": "--pp-layers", "parallel.pp_virtual_stages": "--virtual-stages"},
-        **{"train.activation_checkpoint": "--recompute", "model.num_experts": "--experts"},
-        **{"model.heads": "heads", "model.kv_heads": "kv_heads", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node"},
+        **KEY_FLAGS,
+        "model.heads": "heads",
+        "model.kv_heads": "kv_heads",
+        "gpus": "--gpus",
+        "gpus_per_node": "--gpus-per-node",
     },
     sep=" ",
 )
@@ -105,7 +147,10 @@ def _zero_choices(dp_cp: int, ep: int, f: Layout) -> list[int]:
 def _per_rank_choices(
     tp: int, pp: int, dp: int, cp: int, ep: int, local: int, f: Layout, shape: ModelShape
 ) -> Iterator[Layout]:
-    micros = [f.micro_batch_size] if f.micro_batch_size else [b for b in (1, 2, 4, 8, 16) if local % b == 0]
+    if f.micro_batch_size is not None:  # fixed; 0: the whole per-rank batch, as train.micro_batch_size = 0
+        micros = [f.micro_batch_size or max(1, local)]
+    else:
+        micros = [b for b in (1, 2, 4, 8, 16) if local % b == 0]
     offload = "cpu" if f.offload == "cpu" else "none"  # one setting per pass (offload_modes)
     for mb in micros:
         if local % mb:

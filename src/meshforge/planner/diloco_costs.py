@@ -25,21 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from meshforge.config.keys import keys
+
+DILOCO_KEYS = ("inner_steps", "fragments", "delay", "sync_dtype")
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 256}  # per pseudo-gradient element
-# the DiLoCo flags' defaults (they only matter with --islands M > 1)
-DEFAULTS = {"inter_island_gbps": 10.0, "inner_steps": 50, "fragments": 1, "delay": 0, "sync_dtype": "fp32"}
+# the DiLoCo flags' defaults (they only matter with --islands M > 1): the [diloco] keys' own
+DEFAULTS = {"inter_island_gbps": 10.0, **{k: keys()[f"diloco.{k}"].default for k in DILOCO_KEYS}}
 
 
-def add_arguments(p: argparse.ArgumentParser, whole: Callable[..., Any], real: Callable[..., Any]) -> None:
-    """The DiLoCo flags, checked by plan's own validators (``whole``/``real``: argparse types)."""
+def add_arguments(p: argparse.ArgumentParser, key_flag: Callable[..., Any], real: Callable[..., Any]) -> None:
+    """The DiLoCo flags: the [diloco] keys' (``key_flag`` builds a flag from its key's field) and the
+    link's (``real``: an argparse type)."""
     d = p.add_argument_group("DiLoCo across islands (docs/diloco.md)")
-    d.add_argument(
-        "--islands",
-        type=whole(1, 2**20),
-        default=1,
-        metavar="M",
-        help="islands joined by a slow link; compares DDP and DiLoCo",
-    )
+    key_flag(d, "diloco.islands", "islands joined by a slow link; compares DDP and DiLoCo", default=1, metavar="M")
     d.add_argument(
         "--inter-island-gbps",
         type=real(),
@@ -47,33 +45,10 @@ def add_arguments(p: argparse.ArgumentParser, whole: Callable[..., Any], real: C
         metavar="GBITS",
         help="island link, Gbit/s per island",
     )
-    d.add_argument(
-        "--inner-steps",
-        type=whole(1, 10**6),
-        default=DEFAULTS["inner_steps"],
-        metavar="H",
-        help="DiLoCo H: inner steps per round",
-    )
-    d.add_argument(
-        "--fragments",
-        type=whole(1, 4096),
-        default=DEFAULTS["fragments"],
-        metavar="N",
-        help="Streaming DiLoCo fragments",
-    )
-    d.add_argument(
-        "--delay",
-        type=whole(0, 10**6),
-        default=DEFAULTS["delay"],
-        metavar="TAU",
-        help="Streaming DiLoCo: inner steps a sync overlaps",
-    )
-    d.add_argument(
-        "--sync-dtype",
-        choices=list(WIRE_BYTES),
-        default=DEFAULTS["sync_dtype"],
-        help="pseudo-gradients on the wire (default fp32)",
-    )
+    key_flag(d, "diloco.inner_steps", "", default=DEFAULTS["inner_steps"], metavar="H")
+    key_flag(d, "diloco.fragments", "", default=DEFAULTS["fragments"])
+    key_flag(d, "diloco.delay", "", default=DEFAULTS["delay"], metavar="TAU")
+    key_flag(d, "diloco.sync_dtype", "", default=DEFAULTS["sync_dtype"])
 
 
 @dataclass(frozen=True)

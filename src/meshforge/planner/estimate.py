@@ -165,7 +165,7 @@ def _compute_time(
     if lay.activation_checkpoint in ("full", "selective"):
         attn_flops *= 4 / 3
     # full recomputation reruns the blocks' forward but for each block's last GEMM, never the head's
-    # (models/flops.recomputed_matmul_params: what runs, held to a step by tests/test_gemm_census.py)
+    # (models/flops.recomputed_matmul_params: what runs, held to a step by tests/unit/test_gemm_census.py)
     flops_step = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tokens_gpu
     rate = kernel_costs.dense_gemm_rate(shape, hw, tokens_mb, lay.tp, precision)
     attn_s = kernel_costs.attention_seconds(

@@ -150,7 +150,7 @@ AMPERE_GEMM, HOPPER_GEMM = 0.78, 0.55
 # Hopper's GEMMs by their smallest dimension (kernel_costs.dense_gemm_rate): the best share 0.66
 # (653 TFLOP/s) and half of it at d = 400 give 2048^3 ~550, 4096^3 ~595, 8192^3 ~620 TFLOP/s, at the
 # low end of the 600-750 that cuBLAS bf16 reaches on H100 SXM for large GEMMs (sustained training
-# clocks); it is the one figure the issue-28 H100 rows calibrate (tests/test_planner_h100_table.py)
+# clocks); it is the one figure the issue-28 H100 rows calibrate (tests/unit/test_planner_h100_table.py)
 HOPPER_GEMM_BEST, HOPPER_HALF_DIM = 0.66, 400.0
 
 PRESETS: dict[str, Hardware] = {

@@ -40,7 +40,7 @@ def model_state_bytes(psi: float, n: int, stage: int, precision: str) -> dict[st
 
 def allocated_state_bytes(shape: ModelShape, lay: Layout, psi: float, precision: str) -> dict[str, float]:
     """What meshforge allocates for parameters, gradients and optimizer state on the most
-    loaded GPU (held equal to a run's ``state_mem_bytes`` per part by tests/test_planner_memory.py).
+    loaded GPU (held equal to a run's ``state_mem_bytes`` per part by tests/integration/test_planner_memory_vs_runs.py).
     meshforge keeps fp32 weights and gradients in every precision (bf16 comes from autocast, or
     from FSDP2's cast of the gathered weights, counted under buffers) except bf16/fp8 ZeRO-1
     (parallel/data/zero1.py: bf16 working weights and gradients, the fp32 master and Adam's moments

@@ -21,7 +21,7 @@ step can peak and takes the largest:
 - ``optimizer step``: every parameter gradient and nothing else.
 
 Measured on a CPU with ``torch.distributed._tools.mem_tracker.MemTracker``
-(calibration/peak_probe.py, bench/bench_peak_memory.py, tests/test_peak_memory.py).
+(calibration/peak_probe.py, bench/bench_peak_memory.py, tests/integration/test_peak_memory.py).
 """
 
 from __future__ import annotations

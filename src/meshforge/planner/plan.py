@@ -23,13 +23,13 @@ from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs, output
 from meshforge.planner.hardware import ATTENTION_KERNELS, THIS_CPU, Hardware, get_hardware, preset_for_device
 from meshforge.planner.model_flags import check_flags, from_preset, named
-from meshforge.planner.plan_args import FIXED_FLAGS, MOE_FLAGS, SHAPE_FLAGS, add_arguments
+from meshforge.planner.plan_args import FIXED_KEYS, MOE_KEYS, SHAPE_FLAGS, add_arguments, attr, dest
 from meshforge.planner.search import Ranked, search
 
 
 def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelShape, bool]:
     """The shape with the MoE flags given laid over it (re-checked), and whether any was given."""
-    given = {field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if getattr(args, flag, None) is not None}
+    given = {attr(k): getattr(args, dest(k)) for k in MOE_KEYS if getattr(args, dest(k), None) is not None}
     if not given:
         return shape, False
     return check_flags(ModelShape(**{**shape.__dict__, **given})), True
@@ -37,7 +37,7 @@ def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelS
 
 def _model_of(args: argparse.Namespace) -> tuple[ModelShape, dict, str | None]:
     """The model, training defaults taken from --config, and the preset name (if any)."""
-    given = [f"--{k}" for k in SHAPE_FLAGS if getattr(args, k.replace("-", "_")) is not None]
+    given = [flag for flag in SHAPE_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
     given += ["--tie-embeddings"] if args.tie_embeddings else []
     if (args.config or args.model) and given:
         raise ConfigError(
@@ -161,14 +161,17 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
         raise ConfigError("--gpus N (the cluster size, a positive integer) is required")
     seq = args.seq_len if args.seq_len is not None else dflt.get("seq_len") or 4096
     gb = args.global_batch if args.global_batch is not None else dflt.get("global_batch") or args.gpus
-    precision = args.precision or dflt.get("precision") or ("fp32" if hw.is_cpu() else "bf16")
+    precision = args.precision or dflt.get("precision") or "auto"
+    precision = ("fp32" if hw.is_cpu() else "bf16") if precision == "auto" else precision
 
-    def pick(name: str, cli_name: str | None = None):
-        v = getattr(args, cli_name or name)
-        return v if v is not None else dflt.get(name)
+    def pick(dotted: str):
+        v = getattr(args, dest(dotted))
+        if v == -1:  # a degree of -1 is inferred, as in a config: the search finds it
+            return None
+        return v if v is not None else dflt.get(attr(dotted))
 
     fixed = open_layout(
-        **{key: pick(key, flag) for key, flag in FIXED_FLAGS.items()},
+        **{attr(k): pick(k) for k in FIXED_KEYS},
         sequence_parallel=not args.no_sequence_parallel,
         async_tp=bool(args.tp_overlap or dflt.get("async_tp")),
         ep_chunks=dflt.get("ep_chunks") or Layout.ep_chunks,

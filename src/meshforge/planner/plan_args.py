@@ -1,40 +1,50 @@
-"""``meshforge plan``'s command line: the flags for the model, the training run, the cluster
-and the fixed layout choices, each parsed into a value in its range (a typo is refused with
-the flag's name and range before any search runs)."""
+"""``meshforge plan``'s command line. A flag that sets a config key (``candidates.KEY_FLAGS``) is
+built from that key's field: its help is the field's docstring, its range the field's ``ranged``
+metadata, its words the field's ``Literal`` type, so `plan` accepts and refuses exactly what a
+train config does (tests/unit/test_one_vocabulary.py walks every shared key). The planner's own flags
+(the cluster, the hardware, what the search prices, the output) keep their help and bounds here.
+A typo is refused with the flag's name and range before any search runs."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+from typing import Any
 
-from meshforge.parallel.rules import OFFLOAD
+from meshforge.config.keys import keys, plain_text
 from meshforge.planner import diloco_costs
+from meshforge.planner.candidates import KEY_FLAGS
 from meshforge.planner.estimate import SCHEDULES, V_SCHEDULES
 from meshforge.planner.hardware import ATTENTION_KERNELS, PRESETS
+from meshforge.ranges import Span
 
 
-def whole(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type=``: a whole number in lo..hi, refused with the range (argparse names the flag)."""
+def whole(lo: int = 1, hi: int | None = None, *also: int) -> Callable[[str], int]:
+    """An argparse ``type=``: a whole number in lo..hi (or one of ``also``), refused with the range
+    (argparse names the flag)."""
 
     def check(raw: str) -> int:
         try:
             v = int(raw)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a whole number, got {raw!r}") from None
-        if v < lo or (hi is not None and v > hi):
+        if v not in also and (v < lo or (hi is not None and v > hi)):
             if lo == 1:
                 want = "a positive integer" + (f" up to {hi:,}" if hi is not None else "")
             else:
                 want = f"an integer in {lo}..{hi:,}" if hi is not None else f"an integer >= {lo}"
-            raise argparse.ArgumentTypeError(f"must be {want}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be {want}{''.join(f' or {a}' for a in also)}, got {v}")
         return v
 
     return check
 
 
-def real(lo: float = 0.0, hi: float | None = None, lo_open: bool = True) -> Callable[[str], float]:
-    """An argparse ``type=``: a finite number above lo (or from lo, lo_open=False) and up to hi."""
+def real(
+    lo: float = 0.0, hi: float | None = None, lo_open: bool = True, hi_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number above lo (or from lo, lo_open=False) and up to hi
+    (or below it, hi_open)."""
 
     def check(raw: str) -> float:
         try:
@@ -42,64 +52,112 @@ def real(lo: float = 0.0, hi: float | None = None, lo_open: bool = True) -> Call
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {raw!r}") from None
         low_bad = v <= lo if lo_open else v < lo
-        if not math.isfinite(v) or low_bad or (hi is not None and v > hi):
-            want = f"in {lo:g}..{hi:g}" if hi is not None else f"{'>' if lo_open else '>='} {lo:g}"
+        high_bad = hi is not None and (v >= hi if hi_open else v > hi)
+        if not math.isfinite(v) or low_bad or high_bad:
+            if hi is None:
+                want = f"{'>' if lo_open else '>='} {lo:g}"
+            elif lo_open or hi_open:
+                want = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            else:
+                want = f"in {lo:g}..{hi:g}"
             raise argparse.ArgumentTypeError(f"must be a number {want}, got {raw}")
         return v
 
     return check
 
 
-# upper bounds of the planner's counts: far above any published run, low enough that a typo
+def bounded(span: Span, kind: type) -> Callable[[str], Any]:
+    """The argparse ``type=`` for a config key's range: the same values the loader accepts."""
+    if kind is int:
+        lo, hi = int(span.lo) + span.lo_open, int(span.hi) - span.hi_open
+        return whole(lo, hi, *(int(a) for a in span.also))
+    return real(span.lo, span.hi, lo_open=span.lo_open, hi_open=span.hi_open)
+
+
+def sizes(each: Span, most: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type=``: comma-separated whole numbers, each in ``each`` (blocks per pipeline
+    chunk, as parallel.pp_layers), at most ``most`` of them and in all."""
+
+    def check(raw: str) -> tuple[int, ...]:
+        try:
+            out = tuple(int(x) for x in raw.split(","))
+        except ValueError:
+            want = "comma-separated whole numbers, e.g. 0,8,8,0"
+            raise argparse.ArgumentTypeError(f"must be {want}; got {raw!r}") from None
+        if not all(each.holds(x) for x in out):
+            raise argparse.ArgumentTypeError(f"must be whole numbers, each in {each.text()}, got {raw!r}")
+        if len(out) > most or sum(out) > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:,} blocks in all, got {raw!r}")
+        return out
+
+    return check
+
+
+# upper bounds of the planner's own counts: far above any published run, low enough that a typo
 # (an extra digit or ten) is refused by name instead of searching for minutes
 MAX_GPUS = 2**20
+MAX_TOKENS = 2**24  # --max-positions, --mean-doc-len
+
+# words a flag takes beside its key's: "auto" leaves the offload to the search
+SEARCHED_WORDS = {"parallel.offload": ("auto",)}
+# the choices of a key the config types as a plain string (the layout rules judge its words)
+OWN_CHOICES = {"parallel.pp_schedule": SCHEDULES + V_SCHEDULES}
+SHAPE_KEYS = ("model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.ffn_hidden", "model.vocab_size")
+SHAPE_FLAGS = (*(KEY_FLAGS[k] for k in SHAPE_KEYS), "--max-positions")  # an explicit shape
+MOE_KEYS = ("model.num_experts", "model.experts_per_token", "model.moe_ffn_hidden", "model.num_shared_experts")
+MOE_KEYS += ("model.capacity_factor",)
+FIXED_KEYS = ("parallel.tp", "parallel.pp", "parallel.dp_shard", "parallel.cp", "train.micro_batch_size")
+FIXED_KEYS += ("parallel.pp_virtual_stages", "parallel.zero_stage", "parallel.ep", "train.activation_checkpoint")
+FIXED_KEYS += ("parallel.pp_schedule", "parallel.offload")
 
 
-MAX_LAYERS = 4096
+def dest(dotted: str) -> str:
+    """The attribute of the parsed arguments that holds config key ``dotted``'s flag."""
+    return KEY_FLAGS[dotted].lstrip("-").replace("-", "_")
 
 
-MAX_WIDTH = 2**22  # hidden, ffn and expert sizes, heads
+def attr(dotted: str) -> str:
+    """The field (of Layout or ModelShape) that holds config key ``dotted``."""
+    return keys()[dotted].attr
 
 
-MAX_TOKENS = 2**24  # vocabulary, positions, sequence length, batch sizes
+def choices(dotted: str) -> tuple[Any, ...]:
+    """The words ``meshforge plan`` takes for a key: the planner's own list or the field's, and
+    the words that leave it to the search."""
+    return (*SEARCHED_WORDS.get(dotted, ()), *(OWN_CHOICES.get(dotted) or keys()[dotted].choices))
 
 
-MAX_EXPERTS = 2**16
-
-
-def sizes(raw: str) -> tuple[int, ...]:
-    """An argparse ``type=``: comma-separated whole numbers (blocks per pipeline chunk)."""
-    try:
-        out = tuple(int(x) for x in raw.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, e.g. 0,8,8,0; got {raw!r}") from None
-    if any(x < 0 for x in out):
-        raise argparse.ArgumentTypeError(f"must be whole numbers >= 0, got {raw!r}")
-    if len(out) > MAX_LAYERS or sum(out) > MAX_LAYERS:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_LAYERS:,} blocks in all, got {raw!r}")
-    return out
-
-
-SHAPE_FLAGS = {  # flag -> help
-    "layers": "transformer blocks (explicit shape)",
-    "hidden": "hidden size (explicit shape)",
-    "heads": "attention heads (explicit shape)",
-    "kv-heads": "key/value heads, grouped-query attention (default: --heads)",
-    "ffn-hidden": "feed-forward hidden size (default for --mlp gelu: 4 x --hidden)",
-    "vocab": "vocabulary size (explicit shape)",
-    "max-positions": "position table size for learned positions (default: none, rotary)",
-}
+def key_flag(group: Any, dotted: str, note: str = "", **kw: Any) -> None:
+    """Add the flag of config key ``dotted``: help, range or words from its field, ``note`` the
+    planner's own word on it (a default, "searched when left out")."""
+    k = keys()[dotted]
+    where = f"{dotted}, {k.range_text()}" if k.range_text() else dotted
+    kw["help"] = f"{plain_text(k.help)} ({where}{'; ' + note if note else ''})".replace("%", "%%")
+    if k.type is bool:
+        kw.setdefault("action", "store_true")
+    elif choices(dotted):
+        kw["choices"] = list(choices(dotted))
+    elif k.each is not None:
+        kw.update(type=sizes(k.each, int(keys()["model.layers"].span.hi)), metavar="N,N,...")
+    elif k.span is not None:
+        kw.update(type=bounded(k.span, k.type), metavar=kw.get("metavar", "N" if k.type is int else "X"))
+    group.add_argument(KEY_FLAGS[dotted], **kw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a preset, explicit shape, or --config)")
     m.add_argument("--model", help="preset name, e.g. llama3.1-405b")
     m.add_argument("--config", help="a meshforge train config (e.g. a run's config.toml): model, batch, degrees")
-    for k, h in SHAPE_FLAGS.items():
-        hi = MAX_LAYERS if k == "layers" else MAX_TOKENS if k in ("vocab", "max-positions") else MAX_WIDTH
-        m.add_argument(f"--{k}", type=whole(1, hi), metavar="N", help=h)
+    for dotted in SHAPE_KEYS:
+        key_flag(m, dotted, "explicit shape")
+    m.add_argument(
+        "--max-positions",
+        type=whole(1, MAX_TOKENS),
+        metavar="N",
+        help="position table size for learned positions (default: none, rotary)",
+    )
     m.add_argument("--mlp", choices=["swiglu", "gelu"], default="swiglu", help="MLP kind (default swiglu)")
-    m.add_argument("--tie-embeddings", action="store_true", help="the output head shares the embedding's weight")
+    key_flag(m, "model.tie_embeddings", "explicit shape")
     m.add_argument(
         "--attention",
         choices=["flash", "materialized"],
@@ -112,11 +170,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the fused attention kernel's published rates (planner/hardware.py; default: the preset's, "
         "on Hopper cuDNN as torch picks it; fa2-h100 for runs on flash-attn 2)",
     )
-    add_moe_arguments(m)
+    for dotted in MOE_KEYS:  # with --model or --config they replace the preset's (docs/moe.md)
+        key_flag(m, dotted, "mixture of experts; replaces the preset's")
     _add_training_arguments(p)
     _add_cluster_arguments(p)
     _add_fixed_arguments(p)
-    diloco_costs.add_arguments(p, whole, real)
+    diloco_costs.add_arguments(p, key_flag, real)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=whole(), default=10, metavar="N", help="rows of the ranking to show (default 10)")
     o.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
@@ -125,21 +184,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
-    t.add_argument(
-        "--seq-len",
-        type=whole(1, MAX_TOKENS),
-        metavar="N",
-        help="tokens per sequence (default: the --config's, else 4096)",
-    )
-    t.add_argument(
-        "--global-batch",
-        type=whole(1, MAX_TOKENS),
-        metavar="N",
-        help="sequences per optimizer step (default: the --config's, else one per GPU, i.e. --gpus)",
-    )
-    t.add_argument(
-        "--precision", choices=["bf16", "fp32", "fp8"], help="training precision (default: bf16; fp32 on cpu)"
-    )
+    key_flag(t, "train.seq_len", "default: the --config's, else 4096")
+    key_flag(t, "train.global_batch_size", "default: the --config's, else one per GPU, i.e. --gpus")
+    key_flag(t, "train.precision", "default: the --config's, else auto")
     t.add_argument(
         "--mean-doc-len",
         type=real(0.0, MAX_TOKENS),
@@ -147,6 +194,17 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="packed documents of this mean length (tokens), attention masked at their boundaries "
         "(data.document_mask): attention priced as it runs (default: none, causal over the sequence)",
     )
+    c = t.add_mutually_exclusive_group()  # (the compile flags: see estimate's eager terms)
+    note = "the default; --config takes the file's"
+    key_flag(c, "train.compile", note, dest="eager", action="store_const", const=False)
+    c.add_argument(
+        "--eager",
+        dest="eager",
+        action="store_const",
+        const=True,
+        help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
+    )
+    key_flag(t, "train.mixed_precision", "--config takes the file's")
 
 
 def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,121 +234,20 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="ZeRO-2/3 gradients are reduce-scattered after every micro-batch, not once per step (a framework "
         "that does not skip the reduction under accumulation, e.g. Composer's FSDP)",
     )
-    c = p.add_mutually_exclusive_group()  # (the compile flags: see estimate's eager terms)
-    c.add_argument(
-        "--eager",
-        dest="eager",
-        action="store_const",
-        const=True,
-        help="the run is not compiled (train.compile = false): element-wise chains and the loss run op by op",
-    )
-    c.add_argument("--compiled", dest="eager", action="store_const", const=False, help="the run is compiled (default)")
-    p.add_argument(
-        "--mixed-precision",
-        choices=("auto", "cast_once", "autocast"),
-        help="how bf16 runs (train.mixed_precision; --config takes the file's): cast_once, FSDP2 casting the "
-        "gathered weights once (bf16 activations), or autocast over fp32 weights (an fp32 residual stream and "
-        "bf16 weight copies); auto (default): cast_once on a GPU, autocast on a CPU",
-    )
 
 
-FIXED_HELP = {
-    "tp": "tensor-parallel degree",
-    "pp": "pipeline-parallel degree",
-    "dp": "data-parallel degree",
-    "cp": "context-parallel degree",
-    "micro-batch": "sequences per forward pass",
-    "virtual-stages": "model chunks per pipeline rank (interleaved schedules)",
+FIXED_NOTES = {
+    "parallel.ep": "searched over the divisors of --experts when left out",
+    "parallel.offload": "auto (default): searched only when nothing runnable fits without it",
+    "parallel.pp_schedule": "with --pp > 1; searched when left out",
 }
 
 
 def _add_fixed_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fixed choices (the rest is searched)")
-    for k, h in FIXED_HELP.items():
-        hi = MAX_TOKENS if k == "micro-batch" else MAX_LAYERS if k == "virtual-stages" else MAX_GPUS
-        f.add_argument(f"--{k}", type=whole(1, hi), metavar="N", help=f"{h} (searched when left out)")
-    f.add_argument(
-        "--pp-layers",
-        type=sizes,
-        metavar="N,N,...",
-        help="blocks per pipeline chunk in pipeline order, pp x virtual stages of them (parallel.pp_layers); the "
-        "first and last may be 0 (embedding-only, head-only chunk); default: balanced",
-    )
-    f.add_argument(
-        "--zero", type=whole(0, 3), metavar="STAGE", help="ZeRO stage 0..3 (0: DDP, 3: FSDP; searched when left out)"
-    )
-    f.add_argument(
-        "--ep",
-        type=whole(1, MAX_EXPERTS),
-        metavar="N",
-        help="expert-parallel degree (MoE): experts split over ep of the dp x cp ranks, FSDP over the rest; "
-        "searched over the divisors of --experts when left out",
-    )
-    f.add_argument(
-        "--recompute", choices=["none", "selective", "full"], help="activation recomputation (searched when left out)"
-    )
-    f.add_argument(
-        "--schedule", choices=SCHEDULES + V_SCHEDULES, help="pipeline schedule with --pp > 1 (searched when left out)"
-    )
-    f.add_argument(
-        "--offload",
-        choices=list(OFFLOAD),
-        help="CPU offload of the sharded model states (FSDP2, ZeRO-2/3; parallel.offload): auto (default) searches "
-        "it only when nothing fits without it, none never, cpu always",
-    )
-    f.add_argument(
-        "--tp-overlap",
-        action="store_true",
-        help="overlap tp collectives with the GEMMs beside them (async TP, Megatron-Core --tp-comm-overlap; "
-        "parallel.async_tp): hidden as far as each chunked GEMM lasts",
-    )
-    f.add_argument(
-        "--no-sequence-parallel",
-        action="store_true",
-        help="tp without sequence parallelism: norms, dropout and residual adds replicated on every tp rank",
-    )
-
-
-# layout key -> the flag that fixes it (the rest of the layout is searched)
-FIXED_FLAGS = {
-    "tp": "tp",
-    "pp": "pp",
-    "dp_shard": "dp",
-    "cp": "cp",
-    "ep": "ep",
-    "zero_stage": "zero",
-    "micro_batch_size": "micro_batch",
-    "activation_checkpoint": "recompute",
-    "pp_virtual_stages": "virtual_stages",
-    "pp_schedule": "schedule",
-    "offload": "offload",
-}
-
-
-MOE_FLAGS = {  # flag -> ModelShape field
-    "experts": "num_experts",
-    "top_k": "experts_per_token",
-    "moe_ffn_hidden": "moe_ffn_hidden",
-    "shared_experts": "num_shared_experts",
-    "capacity_factor": "capacity_factor",
-}
-
-
-def add_moe_arguments(m: argparse._ArgumentGroup) -> None:
-    """The mixture-of-experts shape (docs/moe.md); with --model or --config they replace the preset's."""
-    m.add_argument(
-        "--experts", type=whole(0, MAX_EXPERTS), help="routed experts per MoE block (mixture of experts; 0: dense)"
-    )
-    m.add_argument("--top-k", type=whole(1, MAX_EXPERTS), help="experts each token is sent to (default 2)")
-    m.add_argument(
-        "--moe-ffn-hidden", type=whole(1, MAX_WIDTH), help="hidden size of one expert (default: --ffn-hidden)"
-    )
-    m.add_argument(
-        "--shared-experts", type=whole(0, MAX_EXPERTS), help="always-on experts of --moe-ffn-hidden each (default 0)"
-    )
-    m.add_argument(
-        "--capacity-factor",
-        type=real(0.0, lo_open=False),
-        help="expert capacity (model.capacity_factor): 0 dropless (default), > 0 caps each expert at cf x its mean "
-        "load, which caps the planner's load imbalance",
-    )
+    for dotted in FIXED_KEYS:
+        degree = -1 in (keys()[dotted].span.also if keys()[dotted].span else ())
+        key_flag(f, dotted, FIXED_NOTES.get(dotted, "searched when left out" + (", as is -1" if degree else "")))
+    key_flag(f, "parallel.pp_layers", "default: balanced")
+    key_flag(f, "parallel.async_tp", "priced: hidden as far as each chunked GEMM lasts")
+    key_flag(f, "parallel.sequence_parallel", "this flag sets it false")

@@ -1,14 +1,12 @@
 """Training, as parts: see loop.py for how they fit together.
 
-Only ``preflight`` is imported with the package: the launcher of ``train --nproc N`` needs it
-and nothing else, and loop.py brings in DCP, DTensor and the models (~2 s of CPU per launch).
-The other names load on first use (PEP 562)."""
+Nothing is imported with the package: loop.py brings in DCP, DTensor and the models (~2 s of
+CPU per launch), which the launcher of ``train --nproc N`` never needs. The names load on
+first use (PEP 562)."""
 
-from meshforge.guards.preflight import preflight
+__all__ = ["Trainer", "lr_at", "prepare_run_dir", "train"]
 
-__all__ = ["Trainer", "lr_at", "preflight", "prepare_run_dir", "train"]
-
-_LAZY = {"Trainer": "loop", "train": "loop", "lr_at": "optimizer", "prepare_run_dir": "start"}
+_LAZY = {"Trainer": "loop", "train": "loop", "lr_at": "optimizer", "prepare_run_dir": "run_dir"}
 
 
 def __getattr__(name: str):  # noqa: ANN202

@@ -21,7 +21,7 @@ LAYOUTS = {
     "tp2": "parallel.tp=2",
 }
 PRECISIONS = ("fp32", "bf16")
-WORKER = Path(__file__).with_name("memory_runs_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "memory_runs_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from meshforge.models import llama
 from meshforge.models.llama import RMSNorm, apply_rope, build_model, rope_cos_sin, rope_inv_freq
 from meshforge.models.shape import ModelShape
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_eager_passes import previous_cos_sin, previous_rms_norm, previous_rope  # noqa: E402
 
 SHAPE = ModelShape(64, 2, 4, 2, 128, 256, 64)

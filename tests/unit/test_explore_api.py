@@ -382,3 +382,14 @@ def test_more_connections_than_open_files_are_refused_503_not_left_in_the_backlo
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_config_value_means_here_what_it_means_in_a_config(port):
+    """micro_batch 0 is the whole per-rank batch, a -1 degree is inferred (with dp inferred too,
+    the layout rules refuse the view, as resolving such a config does), precision auto the device's."""
+    a = estimate(port, micro_batch=0, gpus=8, global_batch=32)
+    assert (a["layout"]["micro_batch_size"], a["layout"]["num_microbatches"]) == (4, 1)
+    status, b = api(port, "estimate", tp=-1)
+    assert status == 200 and b["layout"] is None and "only one parallel degree may be -1" in b["verdict"]["text"]
+    assert estimate(port, precision="auto", gpu="cpu")["training"]["precision"] == "fp32"
+    assert estimate(port, precision="auto")["training"]["precision"] == "bf16"

@@ -4,7 +4,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
 from trace_summary import busy_time, classify, short, summarize  # noqa: E402
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # folder (or top-level module) of meshforge -> the folders it may import at run time, bottom up
 ALLOWED: dict[str, set[str]] = {
@@ -15,10 +15,11 @@ ALLOWED: dict[str, set[str]] = {
     "meshforge": set(),
     "errors": set(),
     "compat": set(),  # the one home of torch version differences
+    "ranges": set(),  # a number's range, declared in its field (config keys, the shape, the layout)
     "launch": {"errors"},  # the launcher's environment, the local start of ranks, ranks tied to it
-    "models": {"compat", "errors"},  # the one-device model: nothing of parallelism
+    "models": {"compat", "errors", "ranges"},  # the one-device model: nothing of parallelism
     # the vocabulary: config keys (sections, Layout, ModelShape's fields), RunPlan
-    "config": {"errors", "models"},
+    "config": {"errors", "models", "ranges"},
     "data": {"config", "errors", "models"},
     "parallel": {"compat", "config", "errors", "launch", "models"},
     "resolve": {"compat", "config", "errors", "launch", "parallel"},  # Config + World -> RunPlan, once
@@ -27,9 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     "health": {"config", "data", "errors", "launch", "parallel"},  # detectors, fault injection and its hooks
     "checkpoint": {"compat", "config", "data", "errors", "health", "launch", "metrics", "models", "parallel"},
     # the analysing side: the shared core only (see SHARED_CORE)
-    "planner": {"config", "errors", "metrics", "models", "parallel"},
+    "planner": {"config", "errors", "metrics", "models", "parallel", "ranges"},
     "report": {"errors", "planner"},
-    "explore": {"config", "errors", "models", "parallel", "planner"},
+    "explore": {"config", "errors", "models", "parallel", "planner", "ranges"},
     # what refuses a run before it writes, and what it may not write over (prices through planner/)
     "guards": {
         *("checkpoint", "config", "data", "errors", "health", "launch", "models", "planner", "resolve"),
@@ -54,6 +55,7 @@ RUNNING = ("train", "checkpoint", "health", "calibration", "guards", "cli")
 # what the analysing side may import from outside itself, module by module
 SHARED_CORE = {
     "meshforge.errors",
+    "meshforge.ranges",  # a key's range (the field's metadata), which plan's flags and the explorer check
     "meshforge.config",  # plan --config reads a train config; --emit-config writes one
     # the layout rules: the aggregate, their types, the degrees, partial layouts, and each axis's own
     "meshforge.parallel.rules",

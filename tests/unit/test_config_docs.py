@@ -13,7 +13,7 @@ from meshforge.config import keys
 from meshforge.config.keys import plain_text
 from meshforge.config.reference import markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "meshforge"
 
 
@@ -27,8 +27,10 @@ def test_every_key_has_help_and_appears_in_train_help(capsys):
     out = capsys.readouterr().out
     for k in keys().values():
         assert len(k.help) > 3, f"{k.dotted} has no docstring under its field"
-        line = next(x for x in out.splitlines() if x.strip().startswith(f"--{k.dotted} "))
-        assert plain_text(k.help)[:40] in line
+        lines = out.split("config keys (type, default):", 1)[1].splitlines()
+        at = next(i for i, x in enumerate(lines) if x.strip().startswith(f"--{k.dotted} "))
+        entry = " ".join(" ".join(lines[at : at + 12]).split())  # the key's line and its help under it
+        assert " ".join(plain_text(k.help).split())[:40] in entry
     assert "--dry-run" in out and "default 200" in out and "auto|fp32|bf16|fp8" in out
 
 

@@ -25,7 +25,7 @@ from meshforge.guards import disk, run_lock
 from meshforge.guards.disk import DiskError
 
 HOLDER = (
-    "import sys, time; from meshforge import run_lock; run_lock.acquire(sys.argv[1]); "
+    "import sys, time; from meshforge.guards import run_lock; run_lock.acquire(sys.argv[1]); "
     "print('held', flush=True); time.sleep(600)"
 )
 

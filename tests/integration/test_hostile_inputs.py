@@ -34,7 +34,6 @@ from meshforge.checkpoint import store
 from meshforge.cli.main import main
 from meshforge.config import key_type, load_config
 from meshforge.config.keys import keys
-from meshforge.config.ranges import LIST_RANGES, RANGES, STEP_KEYS
 from meshforge.errors import ConfigError
 from meshforge.guards import disk
 from meshforge.train import train
@@ -240,7 +239,8 @@ def _sha(data: bytes) -> str:
 
 
 def _hold_lock(run: Path):
-    code = "import sys, time; from meshforge import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True)"
+    code = "import sys, time; from meshforge.guards import run_lock; run_lock.acquire(sys.argv[1]); "
+    code += "print('held', flush=True)"
     p = subprocess.Popen(
         [sys.executable, "-c", code + "; time.sleep(600)", str(run)], stdout=subprocess.PIPE, text=True
     )
@@ -400,11 +400,12 @@ def test_the_explorer_answers_head_with_the_length_of_its_get():
 
 
 def test_every_numeric_key_has_a_range():
-    numeric = [k for k in keys() if key_type(k) in (int, float)]
+    numeric = [k for k in keys() if key_type(k) in (int, float, int | str)]
     assert len(numeric) > 60
-    missing = [k for k in numeric if k not in RANGES and k not in STEP_KEYS]
-    assert missing == [], f"give these keys a range in config/ranges.py: {missing}"
-    assert set(RANGES) | set(STEP_KEYS) | set(LIST_RANGES) <= set(keys())  # no row for a key that is gone
+    missing = [k for k in numeric if keys()[k].span is None]
+    assert missing == [], f"declare these keys' fields with ranged(...) (meshforge/ranges.py): {missing}"
+    lists = [k for k in keys() if key_type(k) == tuple[int, ...]]
+    assert lists and all(keys()[k].each is not None for k in lists)
     load_config(None, {})  # the defaults are in range
 
 
@@ -418,10 +419,10 @@ def _outside(span, kind) -> list:
     return [kind(low), kind(high)] if math.isfinite(high) else [kind(low)]
 
 
-@pytest.mark.parametrize("key", sorted(RANGES))
+@pytest.mark.parametrize("key", sorted(k for k, v in keys().items() if v.span is not None))
 def test_a_number_out_of_its_range_is_refused_naming_the_key_and_the_range(key):
-    span = RANGES[key]
-    for bad in _outside(span, key_type(key)):
+    span = keys()[key].span
+    for bad in _outside(span, int if key_type(key) == int | str else key_type(key)):
         with pytest.raises(ConfigError, match=rf"^{key} = .* is out of range: it must be in [\[(]"):
             load_config(None, {key: bad})
 

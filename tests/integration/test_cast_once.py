@@ -1,7 +1,7 @@
 """bf16 with one cast per micro-batch (train.mixed_precision = "cast_once", parallel/rules.py
 casts_once): a world of one and DDP's layout run on FSDP2's mixed-precision policy instead of
 autocast. Checked against the autocast reference within bf16 noise (the tolerances of
-tests/test_zero1_bf16.py), and fp32 runs unchanged by the new rule."""
+tests/integration/test_zero1_bf16.py), and fp32 runs unchanged by the new rule."""
 
 import json
 

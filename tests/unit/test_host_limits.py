@@ -1,7 +1,7 @@
 """The memory limits a CPU run is held against besides the host's RAM (meshforge/guards/host_limits.py):
 cgroup v2 and v1 limits read from a cgroup tree (built here), rlimits through a patched
 ``resource.getrlimit``, and the fit check naming the limit that refuses a run and how to raise
-it. The real limits, in a child process at the edge of the estimate: tests/test_fit_rlimit.py."""
+it. The real limits, in a child process at the edge of the estimate: tests/integration/test_fit_rlimit.py."""
 
 import resource
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
 from kernel_diff import GAPS, OVERLAP, compare, exclusive_pieces, main, normalize  # noqa: E402
 
 from meshforge.models.llama import build_model  # noqa: E402

@@ -28,10 +28,10 @@ BASE = ["--model", "debug", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2
         ("--inter-node-bw", "nan", "--inter-node-bw: must be a number > 0, got nan"),
         ("--comm-overlap", "1.5", "--comm-overlap: must be a number in 0..1, got 1.5"),
         ("--zero", "4", "--zero: must be an integer in 0..3, got 4"),
-        ("--tp", "0", "--tp: must be a positive integer up to 1,048,576, got 0"),
+        ("--tp", "0", "--tp: must be a positive integer up to 1,048,576 or -1, got 0"),  # -1: inferred, as in a config
         ("--top", "0", "--top: must be a positive integer, got 0"),
         ("--layers", "x", "--layers: must be a whole number, got 'x'"),
-        ("--experts", "-1", "--experts: must be an integer in 0..65,536, got -1"),
+        ("--experts", "-1", "--experts: must be an integer in 0..1,048,576, got -1"),
     ],
 )
 def test_bad_number_is_refused_with_flag_and_range(capsys, flag, value, want):
@@ -105,8 +105,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
 
 
-# a huge value of these is a sensible what-if (rows: all of them; links and capacity: unlimited)
-UNBOUNDED = {"--top", "--inter-node-bw", "--inter-island-gbps", "--capacity-factor"}
+# a huge value of these is a sensible what-if (rows: all of them; links: unlimited)
+UNBOUNDED = {"--top", "--inter-node-bw", "--inter-island-gbps"}
 
 
 def test_every_numeric_flag_refuses_negative_nan_inf_and_huge(capsys):
@@ -126,8 +126,8 @@ def test_every_numeric_flag_refuses_negative_nan_inf_and_huge(capsys):
     "flag,value,want",
     [
         ("--gpus", "99999999999", "--gpus: must be a positive integer up to 1,048,576, got 99999999999"),
-        ("--layers", "5000", "--layers: must be a positive integer up to 4,096, got 5000"),
-        ("--experts", "70000", "--experts: must be an integer in 0..65,536, got 70000"),
+        ("--layers", "16385", "--layers: must be a positive integer up to 16,384, got 16385"),  # model.layers's range
+        ("--experts", "1048577", "--experts: must be an integer in 0..1,048,576, got 1048577"),
         ("--gpus-per-node", "2000", "--gpus-per-node: must be a positive integer up to 1,024, got 2000"),
     ],
 )
@@ -159,3 +159,15 @@ def test_parameter_counts_in_sensible_units(capsys):
     assert [output.count(n) for n in (8.03e9, 918_656, 12_345, 500)] == ["8.03B", "0.92M", "12.35K", "500"]
     assert main(["plan", *BASE, "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("debug: 0.92M parameters |")  # was "0.00B"
+
+
+def test_a_config_value_means_in_plan_what_it_means_in_a_config():
+    """The values a config key takes mean the same on plan's flag: a -1 degree is inferred (the
+    search finds it), micro-batch 0 is the whole per-rank batch, precision auto the device's."""
+    base = [*BASE, "--seq-len", "64", "--global-batch", "8"]
+    searched = plan_from_args(parse_plan_args(base))
+    inferred = plan_from_args(parse_plan_args([*base, "--tp", "-1", "--dp", "-1"]))
+    assert [e.layout for e in inferred.results] == [e.layout for e in searched.results]
+    whole = plan_from_args(parse_plan_args([*base, "--micro-batch", "0", "--dp", "2"]))
+    assert {(e.layout.micro_batch_size, e.layout.num_microbatches) for e in whole.results} == {(4, 1)}
+    assert plan_from_args(parse_plan_args([*base, "--precision", "auto"])).precision == "fp32"  # --gpu cpu

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_architecture import import_graph
 
 from meshforge.config import load_config
 from meshforge.config.layout import Layout, open_layout
@@ -18,9 +19,8 @@ from meshforge.planner.candidates import candidates, judge
 from meshforge.planner.estimate import estimate
 from meshforge.planner.hardware import get_hardware
 from meshforge.resolve import resolve
-from test_architecture import import_graph
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 GPUS, PER_NODE, BATCH = 8, 8, 16
 
 
@@ -95,7 +95,7 @@ def test_dims_infers_one_degree_and_names_the_fix():
 def _import_graph() -> dict[str, set[str]]:
     """meshforge module -> the meshforge modules it imports (anywhere in the file, also
     function-local and TYPE_CHECKING imports: a cycle hidden behind them is still a cycle).
-    The walker is the wall test's (tests/test_architecture.py), without its typing-only flags."""
+    The walker is the wall test's (tests/unit/test_architecture.py), without its typing-only flags."""
     return {m: set(targets) for m, targets in import_graph().items()}
 
 
