@@ -144,12 +144,14 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         collectives=fits,
         comm_overlap=res["overlap"],
         source="calibrated",
-        extra={
-            **{"threads_per_rank": threads, "nproc": nproc, "collective_points": points, "time": time.time()},
-            "timing": c.get("timing", {}),  # each figure's spread, what stayed noisy (metrics/compute_profile.py)
-            "timing_one_rank": single.get("timing", {}) if single else {},
-        },
+        extra={"threads_per_rank": threads, "nproc": nproc, "collective_points": points, "time": time.time()}
+        | _timings(c, single),
     )
+
+
+def _timings(c: dict, single: dict | None) -> dict:
+    """Each figure's spread and what stayed noisy (metrics/compute_profile.py), as N and as 1 rank."""
+    return {"timing": c.get("timing", {}), "timing_one_rank": single.get("timing", {}) if single else {}}
 
 
 def _ram_gib() -> float:

@@ -146,7 +146,7 @@ def _tf(kind: str) -> dict[str, float]:
     return {k: v * 1e12 for k, v in PEAK_TFLOPS[kind].items()}
 
 
-AMPERE_GEMM, HOPPER_GEMM = 0.78, 0.55
+AMPERE_GEMM = 0.78  # fitted: MPT's A100 table (docs/planner.md, "What is fitted")
 # Hopper's GEMMs by their smallest dimension (kernel_costs.dense_gemm_rate): the best share 0.66
 # (653 TFLOP/s) and half of it at d = 400 give 2048^3 ~550, 4096^3 ~595, 8192^3 ~620 TFLOP/s, at the
 # low end of the 600-750 that cuBLAS bf16 reaches on H100 SXM for large GEMMs (sustained training
@@ -158,9 +158,15 @@ PRESETS: dict[str, Hardware] = {
     # Ampere reaches a larger share of its (lower) peak than Hopper does of its own
     "a100-40g": Hardware("a100-40g", _tf("a100"), 40, 1.555e12, 230e9, 23e9, gemm_efficiency=AMPERE_GEMM),
     "a100-80g": Hardware("a100-80g", _tf("a100"), 80, 2.039e12, 230e9, 23e9, gemm_efficiency=AMPERE_GEMM),
-    "h100-sxm": Hardware("h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9, gemm_efficiency=HOPPER_GEMM),
-    "h100-pcie": Hardware("h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9, gemm_efficiency=HOPPER_GEMM),
-    "h200": Hardware("h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9, gemm_efficiency=HOPPER_GEMM),
+    "h100-sxm": Hardware(
+        "h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9
+    ),  # GEMMs: HOPPER_GEMM_BEST by their smallest dimension, below
+    "h100-pcie": Hardware(
+        "h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9
+    ),  # GEMMs: HOPPER_GEMM_BEST by their smallest dimension, below
+    "h200": Hardware(
+        "h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9
+    ),  # GEMMs: HOPPER_GEMM_BEST by their smallest dimension, below
     "b200": Hardware("b200", _tf("b200"), 180, 8.0e12, 720e9, 45e9),
     "mi300x": Hardware("mi300x", _tf("mi300x"), 192, 5.3e12, 300e9, 45e9, gemm_efficiency=0.6),
     # a generic server CPU; `meshforge calibrate` replaces every number with measured ones
