@@ -222,6 +222,9 @@ ISSUE28_ROWS = [  # (run, *issue28 arguments): meshforge's own H100 measurements
 ]
 OWN = [(f"meshforge {r[0]}", ISSUE28, *(lambda m, a: (m, "mfu", a))(*issue28(*r[1:]))) for r in ISSUE28_ROWS]
 
+SHORT = {NARAYANAN: "N21", KORTHIKANTI: "K22", LLAMA3: "L3", MPT_H100: "MPT H100", MPT_A100: "MPT A100"}
+SHORT[ISSUE28] = "meshforge H100 (issue 28)"
+
 # What the planner fits to published runs, per GPU generation (docs/planner.md, "What is fitted"):
 # the share of peak a large GEMM reaches. name -> (presets it sets, its current value)
 FITTED = {
@@ -286,9 +289,9 @@ def cross_validate() -> None:
             set_constant(name, FITTED[name][1])
         every += [abs(e) for e in errs]
         consts = ", ".join(f"{k} {v:.3f}" for k, v in fitted.items())
-        print(f"  {src[:60]:<60} ({len(mine):>2} runs; {consts}): errors " + " ".join(f"{e:+.1f}" for e in errs))
+        worst = f"median {statistics.median(abs(e) for e in errs):.1f}, worst {max(map(abs, errs)):.1f}"
         print(
-            f"  {'':<60} |error| median {statistics.median(abs(e) for e in errs):.1f}, worst {max(map(abs, errs)):.1f}"
+            f"  {SHORT[src]:<26} {len(mine):>2} runs, {consts}: |error| {worst}; " + " ".join(f"{e:+.1f}" for e in errs)
         )
     print(f"every source held out in turn: |error| median {statistics.median(every):.1f}, worst {max(every):.1f} "
           f"({len(every)} runs; target: median <= 3, worst <= 8)")  # fmt: skip
