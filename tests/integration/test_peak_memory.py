@@ -30,12 +30,19 @@ OOM = ("can't allocate memory", "MemoryError", "Cannot allocate memory")
 
 
 @pytest.mark.parametrize(
-    ("precision", "ac", "seq"),
-    [("fp32", "none", 1024), ("fp32", "full", 1024), ("bf16", "selective", 768), ("bf16", "full", 512)],
+    ("precision", "ac", "seq", "chunk"),
+    [
+        ("fp32", "none", 1024, 1024),
+        ("fp32", "full", 1024, 1024),
+        ("bf16", "selective", 768, 1024),
+        ("bf16", "full", 512, 1024),
+        ("fp32", "none", 1024, 0),  # the whole logits
+    ],
 )
-def test_planner_peak_equals_memtracker_peak(precision, ac, seq):
+def test_planner_peak_equals_memtracker_peak(precision, ac, seq, chunk):
     """The planner's allocated peak (total less the reserve) against MemTracker's, within 1%."""
     over = {**WIDE, "train.seq_len": seq, "train.precision": precision, "train.activation_checkpoint": ac}
+    over["train.loss_chunk_size"] = chunk
     plan = run_config(over)
     got = measure_step(plan)
     mem = planned_peak(plan)

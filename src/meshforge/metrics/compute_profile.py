@@ -128,14 +128,6 @@ def noise_warning(report: dict[str, Any]) -> str:
     return "; ".join(lines)
 
 
-DEFAULT = Timer()
-
-
-def timed(fn: Callable[[], Any], repeat: int, min_s: float = 0.0, calls: int = 0) -> float:
-    """Seconds per call: the fastest of ``repeat`` rounds (``rounds``), with no figure's record."""
-    return min(rounds(fn, repeat, min_s, calls))
-
-
 def matmul_sweep(
     device: torch.device, dtype: torch.dtype, sizes: list[int], repeat: int, timer: Timer
 ) -> list[tuple[float, float]]:

@@ -223,6 +223,9 @@ def step_tensors(
         recomputed_copies=copies,
         loss_working=loss_working,
         loss_replaces_saved=replaced,
+        # the loss's saved tensors and (the whole logits) the head's saved input, freed by the norm's backward
+        loss_saved=rows * loss_saved_bytes_per_token(shape, hold, loss_chunk_size, eager, tp)
+        + (0.0 if loss_chunk_size > 0 else rows * hold.bpe * shape.hidden / split),
         block_grad_share=shape.hidden * shape.ffn_hidden / tp / stage_params(shape, tp, lay.pp)[0]
         if peak_bytes.swiglu_moment(shape, hold, tp, sp)
         else 0.0,

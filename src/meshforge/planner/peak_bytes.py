@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshforge.models.shape import ModelShape
-from meshforge.planner.activation_bytes import Holding, block_bytes_per_token
+from meshforge.planner.activation_bytes import Holding
 
 # fp32 rows a decomposed RMSNorm's backward (a CPU's eager run) holds beyond the flowing gradient:
 # four temporaries, less its normalised input, freed first
@@ -67,6 +67,7 @@ class StepTensors:
     recomputed_copies: float  # autocast's bf16 weight copies a recomputed block casts again
     loss_working: float  # the loss's own working set beyond what it saves
     loss_replaces_saved: float  # saved bytes the whole loss's working set already counts
+    loss_saved: float = 0.0  # the loss's saved tensors (in last_ends), freed once its backward ran
     block_grad_share: float = 0.0  # share of the gradients a block's backward has allocated at its peak
 
 
@@ -81,7 +82,12 @@ def points(t: StepTensors, grads: float, grad_shares: dict[str, float]) -> list[
         PeakPoint(
             "loss", kept + t.last_ends - t.loss_replaces_saved, t.output + t.loss_working, grads * grad_shares["loss"]
         ),
-        PeakPoint("final norm backward", kept + t.last_ends, t.output + t.norm_working, grads * grad_shares["loss"]),
+        PeakPoint(
+            "final norm backward",
+            kept + t.last_ends - t.loss_saved,
+            t.output + t.dy + t.norm_working,
+            grads * grad_shares["loss"],
+        ),
         PeakPoint("top block backward", kept, top_work, grads * (grad_shares["top"] + t.block_grad_share)),
         PeakPoint(
             "bottom block backward",
@@ -114,14 +120,9 @@ def block_working_per_token(shape: ModelShape, hold: Holding, recompute: str, ea
     return max(mlp, cast) + extra
 
 
-def whole_block_per_token(shape: ModelShape, hold: Holding, eager: bool, tp: int, sp: bool) -> float:
-    """Per token, one block's whole forward set: what it keeps without recomputation."""
-    return block_bytes_per_token(shape, hold, "none", eager, tp, sp)
-
-
 def norm_working_per_token(shape: ModelShape, hold: Holding, fused: bool, tp: int, sp: bool) -> float:
-    """Per token, the final norm's backward beyond what is saved and the flowing gradient (which
-    takes the place of the loss's saved hidden-state gradient): a fused kernel (a GPU) its input
+    """Per token, the final norm's backward beyond what is saved and the flowing gradient (the
+    loss's saved tensors are freed by then): a fused kernel (a GPU) its input
     gradient (r·h); decomposed (a CPU, where F.rms_norm runs op by op, compiled or not: the final
     norm is outside the compiled blocks) ``DECOMPOSED_NORM_ROWS`` fp32 rows."""
     split = tp if sp else 1
