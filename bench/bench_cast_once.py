@@ -30,12 +30,11 @@ CASTS = ("aten::_to_copy", "aten::copy_", "aten::_foreach_copy_")
 
 def trainer(args: argparse.Namespace, mode: str):
     from meshforge.config import load_config
-    from meshforge.guards.preflight import preflight
+    from meshforge.guards.preflight import follower_plan, preflight
     from meshforge.launch.env import rank, world_size
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.resolve import resolve
-    from meshforge.train.loop import Trainer
-    from meshforge.train.run_dir import agree_on_start
+    from meshforge.train.loop import Trainer, agree_on_start
+    from meshforge.train.run_dir import prepare_run_dir
 
     over = {
         **small_model(args.hidden, args.layers, args.seq_len),
@@ -45,7 +44,9 @@ def trainer(args: argparse.Namespace, mode: str):
         "checkpoint.save_final": False, "run.dir": str(Path(args.run_dir) / mode), "health.hang_timeout_s": 0.0,
     }  # fmt: skip
     cfg = load_config(None, over)
-    cfg = preflight(cfg, world_size()) if rank() == 0 else resolve(cfg, world_size())
+    cfg = preflight(cfg, world_size()) if rank() == 0 else follower_plan(cfg, world_size())
+    if rank() == 0:
+        prepare_run_dir(cfg)
     mesh = build_mesh(cfg.layout, "cpu")
     cfg, _ = agree_on_start(cfg, mesh)
     return Trainer(cfg, mesh)

@@ -31,11 +31,13 @@ from torch import nn
 
 from meshforge.config import load_config
 from meshforge.data.corpus import open_data
+from meshforge.guards.preflight import preflight
 from meshforge.models.llama import build_model
 from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import DEFAULT_EXCLUDE, fp8_config, fp8_plan, require_torchao
 from meshforge.parallel.precision import autocast
-from meshforge.train import train
+from meshforge.train.loop import train
+from meshforge.train.run_dir import prepare_run_dir
 
 RUNS = (("bf16", "tensorwise"), ("fp8", "tensorwise"), ("fp8", "rowwise"))
 
@@ -64,7 +66,9 @@ def loss_curves(args: argparse.Namespace, tmp: str) -> dict[str, list[float]]:
     for precision, recipe in RUNS:
         name = precision if precision == "bf16" else f"fp8 {recipe}"
         d = f"{tmp}/{precision}-{recipe}"
-        train(load_config(None, overrides(args, precision, recipe, d)))
+        plan = preflight(load_config(None, overrides(args, precision, recipe, d)), 1)  # as `meshforge train` does
+        prepare_run_dir(plan)
+        train(plan)
         rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
         curves[name] = [r["loss"] for r in rows]
     return curves

@@ -126,9 +126,8 @@ def meshforge_step(a: argparse.Namespace, compiled: bool) -> tuple[Callable[[], 
     """meshforge's own step runner over the shape, cast_once bf16, the default chunked loss."""
     from meshforge.config import load_config
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.parallel.parallelize import build_loss, forward_context
+    from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
     from meshforge.resolve import resolve
-    from meshforge.train.model_setup import build_rank_model
     from meshforge.train.optimizer import build_optimizer, build_scheduler
     from meshforge.train.step import PlainStep
 
@@ -145,7 +144,7 @@ def meshforge_step(a: argparse.Namespace, compiled: bool) -> tuple[Callable[[], 
     opt = build_optimizer(built.model, plan, mesh)
     common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
     common |= {"plan": plan, "mesh": mesh}
-    runner = PlainStep(built.train_model, forward_context(plan, mesh.device), a.micro_batch, 1, False, **common)
+    runner = PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
     batch = torch.randint(0, s.vocab_size, (a.micro_batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
     ran = f"meshforge: cast_once bf16 (FSDP2, 1 rank), chunked loss {plan.train.loss_chunk_size} tokens"
     return (lambda: runner.run(batch, measure=False)), built.model, ran

@@ -30,13 +30,12 @@ from small_model import small_model
 
 def worker(args: argparse.Namespace) -> None:
     from meshforge.config import load_config
-    from meshforge.guards.preflight import preflight
+    from meshforge.guards.preflight import follower_plan, preflight
     from meshforge.health.flight_recorder import ENV
     from meshforge.launch.env import rank, world_size
     from meshforge.parallel.mesh import build_mesh, shutdown
-    from meshforge.resolve import resolve
-    from meshforge.train.loop import Trainer
-    from meshforge.train.run_dir import agree_on_start
+    from meshforge.train.loop import Trainer, agree_on_start
+    from meshforge.train.run_dir import prepare_run_dir
 
     os.environ.setdefault(*ENV)
     steps = args.block_steps * (args.blocks + 1)
@@ -48,7 +47,9 @@ def worker(args: argparse.Namespace) -> None:
         "health.spike_threshold": 6.0, "health.hang_timeout_s": 300.0, "health.straggler_factor": 1.5,
     }  # fmt: skip
     cfg = load_config(None, over)
-    cfg = preflight(cfg, world_size()) if rank() == 0 else resolve(cfg, world_size())
+    cfg = preflight(cfg, world_size()) if rank() == 0 else follower_plan(cfg, world_size())
+    if rank() == 0:
+        prepare_run_dir(cfg)
     mesh = build_mesh(cfg.layout, "cpu")
     cfg, _ = agree_on_start(cfg, mesh)
     tr = Trainer(cfg, mesh)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshforge.config import load_config
-from meshforge.guards import preflight
+from meshforge.guards.preflight import preflight
 from meshforge.models.llama import build_model
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.precision import autocast

@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from meshforge.config import load_config
-    from meshforge.guards import preflight
+    from meshforge.guards.preflight import preflight
     from meshforge.models.flops import num_params
     from meshforge.parallel.mesh import build_mesh
     from meshforge.train import Trainer, prepare_run_dir

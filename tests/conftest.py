@@ -141,6 +141,29 @@ def tiny_config(run_dir: Path, corpus: Path, **extra):
     return load_config(None, tiny_overrides(run_dir, corpus, **extra))
 
 
+def rank_plan(cfg):
+    """This rank's run plan as ``meshforge train`` gives it, without the command line around it
+    (no run lock, no report): rank 0's pre-flight, with run.dir prepared; a plain-torchrun
+    follower's plan on the other ranks (rank 0 tells them run.dir and the checkpoint)."""
+    from meshforge.guards.preflight import follower_plan, preflight
+    from meshforge.launch import env
+    from meshforge.train.run_dir import prepare_run_dir
+
+    if env.rank() != 0:
+        return follower_plan(cfg, env.world_size())
+    plan = preflight(cfg, env.world_size())
+    prepare_run_dir(plan)
+    return plan
+
+
+def train(cfg, stream=None) -> dict:
+    """Train ``cfg`` on this rank as one rank of ``meshforge train`` does (``rank_plan``, then
+    train/loop.py's ``train``, which takes only a plan); returns the summary."""
+    from meshforge.train.loop import train as train_plan
+
+    return train_plan(rank_plan(cfg), stream)
+
+
 def cli_args(overrides: dict) -> list[str]:
     out = []
     for k, v in overrides.items():
@@ -228,8 +251,6 @@ def layout_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict):
 def reference_runner(tmp_path_factory, corpus: Path, layouts: dict, common: dict, **extra):
     """``get(name)``: the single-process run for layout ``name``'s model variant (its model.*
     overrides) on top of ``common`` and ``extra``, trained once per variant per module."""
-    from meshforge.train import train
-
     runs: dict[tuple, Path] = {}
 
     def get(name: str) -> Path:

@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
+from conftest import train
 from meshforge.config import load_config
-from meshforge.train.loop import train
 
 COMMON = {
     "model.preset": "debug",

@@ -21,6 +21,7 @@ from typing import Any
 
 RANGE = "range"  # field metadata: the Span a number must fall in
 EACH = "each"  # field metadata: the Span each element of a list must fall in
+WORDS = "words"  # field metadata: words a number's key takes beside its range (resolved before a run)
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,36 @@
 """A config resolved once against its world into the ``RunPlan`` every part reads.
 
 ``resolve`` fills every automatic value (device, precision, mixed-precision mode, the
-inferred degree, pipeline micro-batches, micro-batch size, expert-parallel chunks, warm-up,
-optimizer kernel, checkpoint cadence), checks the layout with ``parallel/rules.py`` and what only the machine
-decides (a GPU to offload from, torchao for fp8), and takes each layout decision once. A
+vocabulary from the tokenizer, the inferred degree, pipeline micro-batches, micro-batch size,
+expert-parallel chunks, warm-up, optimizer kernel, checkpoint cadence), checks the layout with
+``parallel/rules.py`` and what only the machine decides (a GPU to offload from, torchao for
+fp8), and takes each layout decision once. A
 value it must change (a warm-up longer than the run, a chunked loss a zero-bubble schedule
 cannot take on this torch) is a recorded ``Change`` with its reason, never a silent one.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from meshforge.config import Config
 from meshforge.config.layout import Layout
 from meshforge.config.run_plan import Change, RunPlan, World
 from meshforge.config.sections import CheckpointConfig, OptimConfig, TrainConfig
+from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError
 from meshforge.launch import env as launch_env
 from meshforge.parallel import rules
 from meshforge.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule_name
 from meshforge.parallel.rules import Batch, DiLoCoRules
 
+VOCAB_MULTIPLE = 64  # model.vocab_size = "auto" rounds a tokenizer's vocabulary up to this
 
-def detect_world(cfg: Config, size: int | None = None) -> World:
-    """This machine as a run of ``size`` ranks (default: the launcher's world) sees it."""
+
+def detect_world(cfg: Config, size: int | None = None, ranks_per_node: int | None = None) -> World:
+    """This machine as a run of ``size`` ranks (default: the launcher's world), ``ranks_per_node``
+    of them on each node (default: as the launcher's environment says), sees it."""
     import torch
 
     from meshforge.compat import split_backward_through_custom_functions, symm_mem_available
@@ -34,22 +40,33 @@ def detect_world(cfg: Config, size: int | None = None) -> World:
     cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     fp8 = cuda and cfg.train.precision == "fp8" and torch.cuda.is_available()
     fp8 = fp8 and torch.cuda.get_device_capability(launch_env.local_rank() % torch.cuda.device_count()) >= (8, 9)
+    tok = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
     return World(
         size=size,
         device="cuda" if cuda else "cpu",
-        ranks_per_node=launch_env.local_world_size(),
+        ranks_per_node=launch_env.local_world_size() if ranks_per_node is None else ranks_per_node,
         torch=torch.__version__,
         fp8_native=bool(fp8),
         split_backward_custom_functions=split_backward_through_custom_functions(),
         symm_mem=cuda and cfg.layout.async_tp and symm_mem_available(),
+        tokenizer_vocab=tok.vocab_size if tok is not None else None,
     )
 
 
-def resolve(cfg: Config, world_size: int | None = None, *, world: World | None = None, machine: bool = True) -> RunPlan:
-    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks);
-    ``machine = False`` leaves out what only the machine refuses (``--dry-run`` says it instead)."""
-    world = world or detect_world(cfg, world_size)
+def resolve(
+    cfg: Config,
+    world_size: int | None = None,
+    *,
+    world: World | None = None,
+    machine: bool = True,
+    ranks_per_node: int | None = None,
+) -> RunPlan:
+    """The run plan of ``cfg`` on ``world`` (default: this machine as ``world_size`` ranks,
+    ``ranks_per_node`` per node: ``detect_world``); ``machine = False`` leaves out what only the
+    machine refuses (``--dry-run`` says it instead)."""
+    world = world or detect_world(cfg, world_size, ranks_per_node)
     changes: list[Change] = []
+    cfg = _vocab(cfg, world, changes)
     train = _train(cfg, world, changes)
     layout = _layout(cfg, world, train.precision)
     cfg = dataclasses.replace(cfg, train=train, layout=layout, optim=_optim(cfg, world, changes))
@@ -69,6 +86,21 @@ def resolve(cfg: Config, world_size: int | None = None, *, world: World | None =
         changes=tuple(changes),
         async_tp=rules.async_tp_mode(layout, world.device, train.compile, world.symm_mem),
     )
+
+
+def _vocab(cfg: Config, world: World, changes: list[Change]) -> Config:
+    """``model.vocab_size = "auto"``: a tokenizer.json's vocabulary rounded up to a multiple of 64 (any
+    tp degree up to 64 divides it; the GEMMs keep aligned rows); the preset's with the byte tokenizer, or
+    from ``model.init_from``'s weights (the preset must match them: the pre-flight compares the shapes)."""
+    if "vocab_size" not in cfg.model.auto_shape:
+        return cfg
+    model = dataclasses.replace(cfg.model, auto_shape=tuple(a for a in cfg.model.auto_shape if a != "vocab_size"))
+    shape, vocab = copy.copy(cfg.shape), world.tokenizer_vocab
+    if vocab is not None and not cfg.model.init_from:
+        shape.vocab_size = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        why = f"the vocabulary of data.tokenizer ({vocab:,} tokens) rounded up to a multiple of {VOCAB_MULTIPLE}"
+        changes.append(Change("model.vocab_size", "auto", shape.vocab_size, why))
+    return dataclasses.replace(cfg, model=model, shape=shape)
 
 
 def _train(cfg: Config, world: World, changes: list[Change]) -> TrainConfig:
@@ -102,7 +134,7 @@ def _layout(cfg: Config, world: World, precision: str) -> Layout:
     rules.check(lay, cfg.shape, batch)
     lay = lay.replace(ep_chunks=rules.ep_chunks_of(lay, world.ranks_per_node))
     if lay.pp > 1:  # (train.micro_batch_size = 0 stays: "the whole per-rank batch" is a rule, not a choice)
-        return lay.replace(num_microbatches=lay.microbatches(t.global_batch_size))
+        return lay.replace(num_microbatches=lay.batch_split(t.global_batch_size).count)
     return lay
 
 

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
-from meshforge.train import train
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 
 COMMON = {"train.steps": 4, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.eval_batches": 1}
 BF16 = {**COMMON, "train.precision": "bf16", "train.grad_clip": 0.5, "train.mixed_precision": "cast_once"}

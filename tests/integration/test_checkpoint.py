@@ -9,15 +9,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.checkpoint import store
-from meshforge.checkpoint.saver import resolve_load, young_daly_steps
+from meshforge.checkpoint.saver import checkpoint_to_load, young_daly_steps
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.hf import load_hf_checkpoint
-from meshforge.train import train
 
 STEPS = 12
 COMMON = {
@@ -119,10 +118,10 @@ def test_incomplete_checkpoints_are_never_listed_or_loaded(saved, tmp_path):
     (root / ".tmp-step-00000016").mkdir()
     (root / ".tmp-step-00000016" / "__0_0.distcp").write_bytes(b"partial")
     assert [c.step for c in store.list_complete(root)] == [4, 8]
-    path, meta = resolve_load("latest", root, lambda *a, **k: None)
+    path, meta = checkpoint_to_load("latest", root, lambda *a, **k: None)
     assert path.name == "step-00000008" and meta["step"] == 8
     with pytest.raises(CheckpointError, match=r"step-00000012 has no COMPLETE mark"):
-        resolve_load(str(root / "step-00000012"), root, lambda *a, **k: None)
+        checkpoint_to_load(str(root / "step-00000012"), root, lambda *a, **k: None)
     assert store.clean_incomplete(root) == [root / ".tmp-step-00000016"]
 
 
@@ -140,7 +139,7 @@ def test_damaged_latest_falls_back_with_a_warning(saved, tmp_path, damage):
     with pytest.raises(CheckpointError, match=r"__0_0.distcp (has \d+ bytes|does not match|is missing)"):
         store.verify(shard.parent)
     warned = []
-    path, meta = resolve_load("latest", run / "checkpoints", lambda name, **k: warned.append((name, k)))
+    path, meta = checkpoint_to_load("latest", run / "checkpoints", lambda name, **k: warned.append((name, k)))
     assert meta["step"] == 8 and path.name == "step-00000008"
     assert warned[0][0] == "checkpoint_skipped" and "__0_0.distcp" in warned[0][1]["reason"]
 
@@ -324,4 +323,4 @@ def test_no_loadable_checkpoint_is_an_error_not_a_silent_restart(saved, tmp_path
     for c in store.list_complete(run / "checkpoints"):
         (c.path / "__0_0.distcp").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be loaded: .*step-00000012/__0_0.distcp"):
-        resolve_load("latest", run / "checkpoints", lambda *a, **k: None)
+        checkpoint_to_load("latest", run / "checkpoints", lambda *a, **k: None)

@@ -10,12 +10,11 @@ import shutil
 import pytest
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.checkpoint import sharded, store
 from meshforge.checkpoint.safe_metadata import UnsafeCheckpointError, read_metadata
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.models.llama import ModelShape, build_model
-from meshforge.train import train
 
 COMMON = {"train.steps": 2, "optim.warmup_steps": 1, "checkpoint.interval": 2}
 

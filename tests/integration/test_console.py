@@ -12,13 +12,12 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.cli.main import main
 from meshforge.errors import DataError
 from meshforge.explore import make_server
 from meshforge.health.text_check import non_text_share, refuse_binary
 from meshforge.metrics.logged_steps import SLOW_STEP_S, is_logged, slow_step_line
-from meshforge.train import train
 
 
 def _metrics(run):

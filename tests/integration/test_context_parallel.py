@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides
+from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides, train
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
@@ -20,7 +20,6 @@ from meshforge.parallel.context.kernels import KERNELS
 from meshforge.parallel.context.ring import RingAttention, shard_index
 from meshforge.planner.context_costs import local_tokens, ring_bytes, ring_saved_bytes_per_token
 from meshforge.resolve import resolve
-from meshforge.train import train
 
 CASES = [  # (cp, balance, rotate, heads, kv_heads, head_dim, seq_len)
     (2, "zigzag", "ring", 4, 2, 8, 16),

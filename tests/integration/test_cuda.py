@@ -11,8 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
-from meshforge.train import train
+from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides, train
 
 pytestmark = pytest.mark.cuda
 

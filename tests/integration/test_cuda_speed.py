@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_config
-from meshforge.train import loop, train
+from conftest import tiny_config, train
+from meshforge.train import loop
 
 pytestmark = pytest.mark.cuda
 

@@ -10,11 +10,10 @@ import json
 
 import pytest
 
-from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import assert_same_weights, cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.checkpoint.weights import load_weights
 from meshforge.models.flops import num_params
 from meshforge.parallel.rules import rank_layout
-from meshforge.train import train
 
 pytestmark = pytest.mark.slow
 

@@ -26,6 +26,7 @@ from conftest import (
     run_cli,
     tiny_config,
     tiny_overrides,
+    train,
 )
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
@@ -37,7 +38,6 @@ from meshforge.models.presets import get_preset
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.expert.dispatch import AllToAllDispatch, a2a_bytes_formula
 from meshforge.resolve import resolve
-from meshforge.train import train
 
 
 def _free_port() -> int:

@@ -7,13 +7,12 @@ import shutil
 import pytest
 import torch
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.cli.main import main
 from meshforge.config import load_config
 from meshforge.guards import memory_fit as fit
 from meshforge.guards.memory_fit import AVAILABLE_ENV, FitError, check_fit, device_memory, host_memory
 from meshforge.resolve import resolve
-from meshforge.train import train
 
 FIXES = ("--train.activation_checkpoint=full", "--train.micro_batch_size=", "meshforge plan --model llama3.1-8b")
 

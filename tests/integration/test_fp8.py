@@ -8,13 +8,12 @@ import sys
 import pytest
 import torch
 
-from conftest import cli_args, run_cli, tiny_config
+from conftest import cli_args, run_cli, tiny_config, train
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.models.llama import ModelShape, build_model
 from meshforge.parallel.fp8 import fp8_plan, model_fp8_plan, require_torchao, unmatched_warnings
 from meshforge.resolve import resolve
-from meshforge.train import train
 
 pytest.importorskip("torchao.float8")
 

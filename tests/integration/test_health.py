@@ -9,15 +9,13 @@ import math
 import pytest
 import torch
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, rank_plan, run_cli, tiny_config, tiny_overrides
 from meshforge.checkpoint.weights import load_weights
 from meshforge.errors import ConfigError
-from meshforge.guards.preflight import preflight
 from meshforge.health.faults import parse
 from meshforge.health.spike import SpikeDetector
 from meshforge.parallel.mesh import build_mesh
-from meshforge.train.loop import Trainer
-from meshforge.train.run_dir import agree_on_start
+from meshforge.train.loop import Trainer, agree_on_start
 
 STEPS = 8
 COMMON = {"train.steps": STEPS, "optim.warmup_steps": 0}
@@ -56,10 +54,10 @@ def skip_run(tmp_path_factory, corpus):
 def reference_weights(tmp_path, corpus, skip: int | None):
     """One process, the same weights and data, stepping by hand; step ``skip``'s batch is
     consumed (data order, step count, LR schedule advance) without an update."""
-    cfg = preflight(tiny_config(tmp_path / f"ref-{skip}", corpus, **COMMON), 1)
-    mesh = build_mesh(cfg.layout, "cpu")
-    cfg, _ = agree_on_start(cfg, mesh)
-    tr = Trainer(cfg, mesh)
+    plan = rank_plan(tiny_config(tmp_path / f"ref-{skip}", corpus, **COMMON))
+    mesh = build_mesh(plan.layout, "cpu")
+    plan, _ = agree_on_start(plan, mesh)
+    tr = Trainer(plan, mesh)
     batches = {}  # step -> its global batch's sample indices
     for n in range(1, STEPS + 1):
         batches[n] = tr.state.sampler.indices(tr.state.sampler.consumed, tr.state.sampler.batch).tolist()
@@ -217,9 +215,9 @@ def test_binary_data_is_named_and_skipped_checkpoints_are_said(tmp_path, capsys)
 
 @pytest.mark.parametrize("over", [{"health.on_nonfinite": "stop"}, {"health.max_skipped": 0}], ids=["stop", "max"])
 def test_stop_and_max_skipped_end_the_run_naming_the_step(over, tmp_path, corpus, monkeypatch):
+    from conftest import train
     from meshforge.health import faults
     from meshforge.health.keeper import HealthStop
-    from meshforge.train import train
 
     monkeypatch.setenv("MESHFORGE_FAULT", "nan:rank=0:step=2")
     monkeypatch.setattr(faults, "_fired", set())

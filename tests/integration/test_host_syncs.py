@@ -6,7 +6,7 @@ fp32 and the bf16 cast-once path) and a 2-rank DDP-layout step is covered by the
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, train
 from meshforge.train import loop, packing
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
@@ -53,6 +53,6 @@ def host_reads(monkeypatch):
 def test_unlogged_steps_read_only_the_guards_norm(tmp_path, corpus, host_reads, precision):
     over = {"train.steps": 6, "metrics.log_interval": 6, "train.global_batch_size": 2, "train.precision": precision}
     over["train.mixed_precision"] = "cast_once"  # (bf16: FSDP2's path, the default on CUDA)
-    loop.train(tiny_config(tmp_path / "run", corpus, **over, **{"train.eval_batches": 0}))
+    train(tiny_config(tmp_path / "run", corpus, **over, **{"train.eval_batches": 0}))
     unlogged = 4  # steps 2-5: step 1 (the first progress line) and step 6 are logged
     assert host_reads == {"__float__": unlogged}  # StepGuard.allow_update: float(grad_norm), one per step

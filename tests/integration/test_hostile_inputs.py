@@ -29,14 +29,13 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from conftest import cli_args, tiny_config, tiny_overrides
+from conftest import cli_args, tiny_config, tiny_overrides, train
 from meshforge.checkpoint import store
 from meshforge.cli.main import main
 from meshforge.config import key_type, load_config
 from meshforge.config.keys import keys
 from meshforge.errors import ConfigError
 from meshforge.guards import disk
-from meshforge.train import train
 
 TINY = [
     *("--model.hidden=64", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2", "--model.ffn_hidden=128"),
@@ -168,6 +167,22 @@ CLI_CASES = [
         "not write over",
     ),
     ("explore-port", ["explore", "--port", "70000"], 2, "--port 70000 must be in 0..65535"),
+    # meshforge generate (issue 53); what needs a trained run is in test_generate.py
+    ("generate-missing", ["generate", "{h}/nope", "--prompt", "x"], 2, "does not exist; give a run directory"),
+    ("generate-a-file", ["generate", "/etc/passwd", "--prompt", "x"], 2, "is not a directory"),
+    ("generate-fifo", ["generate", "{h}/fifo", "--prompt", "x"], 2, "is not a directory"),
+    ("generate-user-dir", ["generate", "{h}/user", "--prompt", "x"], 2, "is neither a run directory (config.toml)"),
+    ("generate-temperature-nan", ["generate", "{h}", "--prompt", "x", "--temperature", "nan"], 2, "[0, 100]"),
+    ("generate-max-new-0", ["generate", "{h}", "--prompt", "x", "--max-new-tokens", "0"], 2, "between 1 and"),
+    ("generate-empty-prompt", ["generate", "{h}", "--prompt", ""], 2, "--prompt is empty"),
+    ("generate-tokenizer-fifo", ["generate", "{h}/hf-list", "--prompt", "x", "--tokenizer", "{h}/fifo"], 2, "neither"),
+    (
+        "generate-hf-config-a-list",
+        ["generate", "{h}/hf-list", "--prompt", "x", "--tokenizer", "byte"],
+        2,
+        "not a model config object",
+    ),
+    ("generate-hf-huge", ["generate", "{h}/hf-huge", "--prompt", "x", "--tokenizer", "byte"], 2, "hold 64 bytes"),
 ]
 
 

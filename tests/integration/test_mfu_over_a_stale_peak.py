@@ -3,9 +3,8 @@ so, takes the estimate instead, and never reports MFU or HFU over 100%."""
 
 import json
 
-from conftest import cached_cpu_peak, tiny_config
+from conftest import cached_cpu_peak, tiny_config, train
 from meshforge.metrics import cpu_peak
-from meshforge.train import train
 
 
 def test_a_run_that_beats_its_cached_peak_says_so_and_never_reports_over_100_percent(monkeypatch, tmp_path, corpus):

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, train
 from meshforge.checkpoint.weights import load_weights
-from meshforge.train import train
 
 MOE = {
     "model.preset": "debug-moe",

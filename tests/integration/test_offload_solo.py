@@ -7,14 +7,13 @@ import json
 
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, train
 from meshforge.config.layout import open_layout
 from meshforge.errors import ConfigError
 from meshforge.planner.hardware import get_hardware
 from meshforge.planner.model_flags import from_preset
 from meshforge.planner.search import search
 from meshforge.resolve import resolve
-from meshforge.train import train
 
 COMMON = {"train.steps": 4, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.eval_batches": 1}
 OFFLOAD = {"parallel.zero_stage": 3, "parallel.offload": "cpu", "train.precision": "fp32"}

@@ -15,12 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import assert_run_matches, layout_runner, tiny_config
+from conftest import assert_run_matches, layout_runner, tiny_config, train
 from meshforge.models.document_attention import dense_mask
 from meshforge.models.documents import Documents
 from meshforge.parallel.context.kernels import KERNELS
 from meshforge.parallel.context.ring import RingAttention, shard_index
-from meshforge.train import train
 
 STEPS = 3
 COMMON = {

@@ -19,6 +19,7 @@ from conftest import (
     run_cli,
     tiny_config,
     tiny_overrides,
+    train,
 )
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
@@ -28,7 +29,6 @@ from meshforge.parallel.pipeline.schedules import bubble_fraction
 from meshforge.parallel.pipeline.split import balanced_split, chunk_ranks
 from meshforge.parallel.pipeline.stage_aux import StageAux
 from meshforge.resolve import resolve
-from meshforge.train import train
 
 STEPS = 3
 COMMON = {

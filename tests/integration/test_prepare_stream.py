@@ -238,7 +238,7 @@ def test_progress_line_says_rates_and_time_left():
 @pytest.mark.slow
 def test_training_on_parquet_equals_training_on_jsonl(tmp_path):
     pytest.importorskip("pyarrow")
-    from meshforge.train import train
+    from conftest import train
 
     docs = documents(120, seed=3)
     dirs = {

@@ -75,17 +75,6 @@ def test_a_symlink_in_place_of_the_lock_is_refused_and_nothing_it_points_at_is_t
     assert victim.read_text() == "precious\n" and (d / run_lock.LOCK_NAME).is_symlink()  # not ours: left alone
 
 
-def test_ranks_of_the_launcher_skip_the_lock_it_holds(tmp_path, monkeypatch):
-    monkeypatch.setenv(run_lock.HELD_ENV, str(tmp_path))
-    assert run_lock.held_by_launcher(tmp_path) and run_lock.acquire(tmp_path) is None
-    monkeypatch.delenv(run_lock.HELD_ENV)
-    cfg = tmp_path / "c.toml"
-    cfg.write_text('[run]\ndir = "somewhere"\n')
-    assert run_lock.run_dir_in_argv(["--config", str(cfg)]) == "somewhere"
-    assert run_lock.run_dir_in_argv(["--config", str(cfg), "--run.dir=else"]) == "else"
-    assert run_lock.run_dir_in_argv(["--train.steps", "3"]) is None
-
-
 def test_disk_errors_name_the_path_the_errno_and_the_fix(tmp_path, corpus, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(DiskError, match=r"file: Not a directory \(ENOTDIR\); a part of the path is a file"):

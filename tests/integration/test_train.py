@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
-from meshforge.train import train
 from tb_read import read_scalars
 
 KEYS = {
@@ -46,6 +45,7 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
                 "optim.lr": 1e-2,
                 "train.eval_interval": 10,
                 "metrics.console": True,
+                "metrics.tensorboard": True,
             },
         ),
         stream=out,

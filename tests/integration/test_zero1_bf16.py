@@ -13,9 +13,8 @@ import math
 
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, run_cli, tiny_config, tiny_overrides, train
 from meshforge.models.llama import build_model
-from meshforge.train import train
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors", "models", "ranges"},
     "data": {"config", "errors", "models"},
     "parallel": {"compat", "config", "errors", "launch", "models"},
-    "resolve": {"compat", "config", "errors", "launch", "parallel"},  # Config + World -> RunPlan, once
+    # Config + World -> RunPlan, once (data/: the tokenizer's vocabulary for model.vocab_size = "auto")
+    "resolve": {"compat", "config", "data", "errors", "launch", "parallel"},
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
     "metrics": {"config", "data", "errors", "models", "parallel"},
     "health": {"config", "data", "errors", "launch", "parallel"},  # detectors, fault injection and its hooks

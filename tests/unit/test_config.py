@@ -71,7 +71,7 @@ def test_the_resolved_config_holds_no_automatic_value():
     body = [line for line in text.splitlines() if not line.startswith("#")]
     assert not [line for line in body if '"auto"' in line], text
     assert 'precision = "fp32"' in text and 'mixed_precision = "none"' in text and 'device = "cpu"' in text
-    assert "dp_shard = 1" in text and 'interval = "young_daly"' in text and plan.micro_batch == 16
+    assert "dp_shard = 1" in text and 'interval = "young_daly"' in text and plan.batch.micro == 16
     again = resolve(load_config_text(text))  # rerunning config.toml resolves to the same plan
     assert again.config == plan.config
 

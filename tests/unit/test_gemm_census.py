@@ -12,9 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshforge.config import load_config
 from meshforge.metrics.gemm_census import GemmCensus, ModelDims, expected_flops
 from meshforge.parallel.mesh import build_mesh
-from meshforge.parallel.parallelize import build_loss, forward_context
+from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
 from meshforge.resolve import resolve
-from meshforge.train.model_setup import build_rank_model
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.step import PlainStep
 
@@ -35,7 +34,7 @@ def step_census(**train: object) -> tuple[GemmCensus, dict[str, float]]:
     opt = build_optimizer(built.model, plan, mesh)
     common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
     common |= {"plan": plan, "mesh": mesh}
-    runner = PlainStep(built.train_model, forward_context(plan, mesh.device), BATCH, 1, False, **common)
+    runner = PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
     batch = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     if plan.train.compile:
         runner.run(batch, measure=False)  # compiles; the census sees the compiled code's aten calls

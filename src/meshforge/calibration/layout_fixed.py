@@ -26,9 +26,8 @@ import torch
 
 from meshforge.config import load_config
 from meshforge.parallel.mesh import build_mesh
-from meshforge.parallel.parallelize import build_loss, forward_context
+from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
 from meshforge.resolve import resolve
-from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.step import PlainStep
@@ -64,7 +63,7 @@ def _tiny_runner(kind: str, layers: int, world: int) -> PlainStep:
     install_step_hook(opt, built.model, loss, mesh)
     common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
     common.update(plan=plan, mesh=mesh)
-    return PlainStep(built.train_model, forward_context(plan, mesh.device), 1, 1, False, **common)
+    return PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
 
 
 def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) -> tuple[float, float]:

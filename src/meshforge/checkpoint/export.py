@@ -11,7 +11,7 @@ from meshforge.checkpoint.resume_point import checkpoint_shape
 from meshforge.checkpoint.safe_metadata import read_metadata
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.models.hf import save_hf_checkpoint
-from meshforge.models.llama import build_model
+from meshforge.models.llama import Transformer, build_model
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -26,14 +26,21 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def checkpoint_to_hf(path: Path, out: Path) -> Path:
     """Verify a checkpoint, load its full weights on CPU and write them as a Hugging Face Llama."""
+    model, path = load_checkpoint_model(path)
+    save_hf_checkpoint(model, out)
+    return path
+
+
+def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
+    """A checkpoint's (or a checkpoints/ folder's newest) full weights in one CPU model, verified;
+    and the checkpoint it read (``convert --from-checkpoint``, ``generate``)."""
     path = resolve_checkpoint(path)
     meta = store.verify(path)
     shape = checkpoint_shape(meta, path)
     check_sizes(build_model(shape, device="meta"), path)  # before any memory is taken for what meta.json claims
     model = build_model(shape, device="cpu", seed=None)
     sharded.load_model_only(model, path)
-    save_hf_checkpoint(model, out)
-    return path
+    return model, path
 
 
 def check_sizes(model: nn.Module, path: Path) -> None:

@@ -1,6 +1,6 @@
 """Where a run starts, found and checked before anything is written into run.dir.
 
-Rank 0's pre-flight picks the checkpoint to resume from (``checkpoint.load``), verifies it
+The pre-flight picks the checkpoint to resume from (``checkpoint.load``), verifies it
 (files, hashes, metadata as data), and checks that this run can continue it: the same model
 shape, the same data order (train.seed over the same corpus), and a meta.json whose train
 state agrees with what the shards carry. Any refusal is raised there, so a refused resume
@@ -13,34 +13,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshforge.checkpoint.saver import resolve_load
+from meshforge.checkpoint.saver import checkpoint_to_load
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
 from meshforge.checkpoint.weights import shape_mismatch
 from meshforge.config.run_plan import ResumePoint, RunPlan
 from meshforge.errors import ConfigError
+from meshforge.launch.env import restart_count
 from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ModelShape
 
 
-def find_resume_point(plan: RunPlan, resuming: bool, sequences: int, hashes: bool = True) -> ResumePoint:
-    """The checkpoint ``plan`` starts from (``resuming``: this start continues the run in run.dir),
-    checked against the plan and the corpus's ``sequences``; raises CheckpointError when none can be
-    used. ``hashes = False`` skips reading every shard (a launcher's look before its ranks do it)."""
-    load = plan.checkpoint.load
+def find_resume_point(plan: RunPlan, resuming: bool, sequences: int) -> ResumePoint:
+    """The checkpoint ``plan`` starts from on this elastic attempt (``resuming``: this start continues
+    the run in run.dir), checked against the plan and the corpus's ``sequences``; raises
+    CheckpointError when none can be used."""
+    load, attempt = plan.checkpoint.load, restart_count()
     if not resuming and load in ("latest", "none", ""):
-        return ResumePoint(None)
+        return ResumePoint(None, attempt=attempt)
     skipped: list[tuple[str, str]] = []
 
     def note(event: str, **fields: Any) -> None:
         if event == "checkpoint_skipped":
             skipped.append((str(fields.get("path")), str(fields.get("reason"))))
 
-    path, meta = resolve_load(load, Path(plan.run.dir) / "checkpoints", note, hashes)
+    path, meta = checkpoint_to_load(load, Path(plan.run.dir) / "checkpoints", note)
     if path is None or meta is None:
-        return ResumePoint(None, tuple(skipped))
+        return ResumePoint(None, tuple(skipped), attempt)
     check_resumable(path, meta, plan, sequences)
-    return ResumePoint(str(path), tuple(skipped))
+    return ResumePoint(str(path), tuple(skipped), attempt)
 
 
 def check_resumable(path: Path, meta: dict[str, Any], plan: RunPlan, sequences: int) -> None:

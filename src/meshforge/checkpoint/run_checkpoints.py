@@ -55,6 +55,7 @@ class RunCheckpoints:
         self,
         plan: RunPlan,
         mesh: Mesh,
+        *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         state: TrainState,
@@ -62,7 +63,7 @@ class RunCheckpoints:
         diloco: DiLoCo | None = None,
         hooks: RunHooks | None = None,
     ):
-        self.cfg, self.mesh, self.shape, self.event = plan, mesh, plan.shape, event
+        self.plan, self.mesh, self.shape, self.event = plan, mesh, plan.shape, event
         self.diloco = diloco  # DiLoCo: outer state, and each island's own model and optimizer
         self.model, self.optimizer, self.state = model, optimizer, state
         self.run_dir = Path(plan.run.dir)
@@ -76,7 +77,7 @@ class RunCheckpoints:
         if self.interval == 0:
             return None
         if self.interval == "young_daly":  # (checkpoint.interval = "auto") one save early, then Young/Daly
-            return step + max(1, min(10, self.cfg.train.steps // 10))
+            return step + max(1, min(10, self.plan.train.steps // 10))
         return (step // self.interval + 1) * self.interval
 
     def meta(self) -> dict[str, Any]:
@@ -87,8 +88,8 @@ class RunCheckpoints:
             "model_hash": model_shape_hash(dataclasses.asdict(self.shape)),
             "world_size": self.mesh.world_size,
             "degrees": self.mesh.degrees,
-            "zero_stage": self.cfg.layout.zero_stage,
-            "config": self.cfg.to_toml(),
+            "zero_stage": self.plan.layout.zero_stage,
+            "config": self.plan.to_toml(),
             "time": time.time(),
             "torch": torch.__version__,
         }
@@ -97,7 +98,7 @@ class RunCheckpoints:
         state = {**sharded.training_state(self.model, self.optimizer), "train": self.state.tensors()}
         if self.diloco:
             state = self.diloco.wrap_state(state)
-        self.checkpointer.save(self.state.step, state, self.meta(), background=self.cfg.checkpoint.async_)
+        self.checkpointer.save(self.state.step, state, self.meta(), background=self.plan.checkpoint.async_)
         if self.diloco:
             self.diloco.settle()
 
@@ -110,7 +111,7 @@ class RunCheckpoints:
             self.next_save = self._first_save_step()
             return
         blocking = self.checkpointer.last_blocking_s or 0.0
-        steps, seconds = young_daly_steps(blocking, self.cfg.checkpoint.mtbf_hours, step_time_s)
+        steps, seconds = young_daly_steps(blocking, self.plan.checkpoint.mtbf_hours, step_time_s)
         if self.mesh.distributed:  # every rank must save at the same steps: rank 0 decides
             agreed = torch.tensor([steps], device=self.mesh.device)
             dist.broadcast(agreed, src=0)
@@ -120,7 +121,7 @@ class RunCheckpoints:
             steps=steps,
             seconds=round(seconds, 2),
             blocking_s=round(blocking, 4),
-            mtbf_hours=self.cfg.checkpoint.mtbf_hours,
+            mtbf_hours=self.plan.checkpoint.mtbf_hours,
             step_time_s=round(step_time_s, 4),
         )
         self.next_save = self.state.step + steps
@@ -161,7 +162,7 @@ class RunCheckpoints:
     def export_final(self, pipelined: bool) -> None:
         """Gather the full weights (a collective under sharding: every rank calls) and let
         rank 0 write final/ and final-hf/ as configured."""
-        c = self.cfg.checkpoint
+        c = self.plan.checkpoint
         if not (c.save_final or c.export_hf):
             return
         # gathering TP x FSDP shards takes two all-gathers per tensor, which DTensor warns
@@ -196,7 +197,7 @@ class RunCheckpoints:
         coords = rank_layout(self.mesh.degrees)[self.mesh.rank]
         if any(v for k, v in coords.items() if k not in ("pp", "rank")):
             return None
-        parts: list | None = [None] * self.mesh.layout.pp if self.mesh.is_main else None
+        parts: list | None = [None] * self.plan.layout.pp if self.mesh.is_main else None
         dist.gather_object(local, parts, dst=0, group=self.mesh.group("pp"))
         if not self.mesh.is_main:
             return None

@@ -161,27 +161,26 @@ def _then(written: Future, complete: Callable[[], SaveStats]) -> Future:
 # ----------------------------------------------------------------------------- resuming
 
 
-def resolve_load(load: str, root: Path, event: Event, hashes: bool = True) -> tuple[Path | None, dict[str, Any] | None]:
-    """Rank 0: the checkpoint to resume from and its verified meta.json, or (None, None).
-
-    ``latest`` takes the newest complete checkpoint that verifies, falling back to older
-    ones (each skip is a warning event); ``none`` never resumes; a path must verify
-    (``hashes``: also the files' hashes, see ``store.verify``).
+def checkpoint_to_load(load: str, root: Path, event: Event) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint ``checkpoint.load`` names, verified (files and their hashes: ``store.verify``),
+    and its meta.json; (None, None) to start fresh. ``latest`` takes the newest complete checkpoint
+    in ``root`` that verifies, falling back to older ones (each skip is a warning event); ``none``
+    never resumes; a path (a checkpoint, or a run's checkpoints/ folder: its newest) must verify.
     """
     if load in ("none", ""):
         return None, None
     if load != "latest":
         path = Path(load)
         if (path / store.COMPLETE).exists() or (path / "meta.json").exists() or not path.is_dir():
-            return path, store.verify(path, hashes)
+            return path, store.verify(path)
         complete = store.list_complete(path)  # a run directory's checkpoints/ folder
         if not complete:
             raise CheckpointError(f"checkpoint.load = {load}: no complete checkpoint in {path}")
-        return complete[-1].path, store.verify(complete[-1].path, hashes)
+        return complete[-1].path, store.verify(complete[-1].path)
     reasons = []
     for c in reversed(store.list_complete(root)):
         try:
-            return c.path, store.verify(c.path, hashes)
+            return c.path, store.verify(c.path)
         except CheckpointError as e:
             event("checkpoint_skipped", level="warning", path=str(c.path), reason=str(e))
             reasons.append(str(e))

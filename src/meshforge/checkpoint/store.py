@@ -141,9 +141,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     return read_manifest(path / "meta.json", FORMAT, VERSION, CheckpointError, fix)
 
 
-def verify(path: Path, hashes: bool = True) -> dict[str, Any]:
-    """meta.json of a complete checkpoint whose every file has its recorded size and hash
-    (``hashes = False``: sizes only, for a second look that must not read every shard again)."""
+def verify(path: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint whose every file has its recorded size and hash."""
     meta = read_meta(path)
     files = meta.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(w, dict) for w in files.values()):
@@ -157,7 +156,7 @@ def verify(path: Path, hashes: bool = True) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint file {f} has {size} bytes, {want['bytes']} were written: it is truncated or damaged"
             )
-        if hashes and sha256_file(f) != want.get("sha256"):
+        if sha256_file(f) != want.get("sha256"):
             raise CheckpointError(f"checkpoint file {f} does not match the hash recorded when it was written")
     if ".metadata" not in meta.get("files", {}):
         raise CheckpointError(f"{path / 'meta.json'} lists no .metadata; the checkpoint is damaged")

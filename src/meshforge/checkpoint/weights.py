@@ -130,3 +130,17 @@ def shape_mismatch(a: ModelShape, b: ModelShape) -> list[str]:
         for f in dataclasses.fields(ModelShape)
         if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)
     ]
+
+
+def load_pretrained_into(model: nn.Module, shape: ModelShape, path: str) -> None:
+    """model.init_from: overwrite ``model``'s parameters (this rank's shards, under the whole
+    model's names) with the pretrained weights at ``path``, which must have ``shape``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    pre = load_pretrained(path, device="cpu")
+    diff = shape_mismatch(pre.shape, shape)
+    if diff:
+        raise ConfigError(f"model.init_from = {path} has another shape than [model]: " + "; ".join(diff))
+    mine = dict(model.named_parameters())
+    full = {k: v for k, v in pre.state_dict().items() if k in mine}  # a pipeline rank holds some
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))

@@ -1,4 +1,4 @@
-"""``meshforge`` command line: train, plan, calibrate, report, explore, data prepare, convert.
+"""``meshforge`` command line: train, plan, calibrate, report, explore, data prepare, convert, generate.
 
 Each subcommand imports what it runs inside its own function (the only function-local
 imports in meshforge, on purpose): ``meshforge --help`` or a bad flag answers at once,
@@ -11,6 +11,7 @@ import argparse
 import atexit
 import json
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -25,6 +26,7 @@ from meshforge.launch import startup_gc
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    from meshforge.data.corpus import split_warnings
     from meshforge.data.prepare import prepare
     from meshforge.data.tokenizer import load_tokenizer
     from meshforge.health.text_check import refuse_binary
@@ -52,9 +54,12 @@ def cmd_data(args: argparse.Namespace) -> int:
         f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "
         f"{counts.get('val', 0):,} val tokens ({index['dtype']}, tokenizer {index['tokenizer']})"
     )
+    sys.stdout.flush()  # (the warnings on stderr come after this line, before the next)
+    for line in split_warnings(counts, args.val_fraction):
+        print(f"meshforge: warning: {line}", file=sys.stderr, flush=True)
     print(
-        f"train on it with: meshforge train --data.path {out}"
-        + (f" --data.tokenizer {args.tokenizer}" if args.tokenizer != "byte" else "")
+        f"train on it with: meshforge train --data.path {shlex.quote(str(out))}"
+        + (f" --data.tokenizer {shlex.quote(args.tokenizer)}" if args.tokenizer != "byte" else "")
     )
     return 0
 
@@ -83,8 +88,8 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
         if not Path(args.from_hf).is_dir():
             raise MeshforgeError(
                 f"--from-hf {args.from_hf}: not a directory. meshforge reads local Hugging Face directories only "
-                f"(no hub downloads): fetch it first, e.g. `huggingface-cli download {args.from_hf} --local-dir DIR`, "
-                "then pass --from-hf DIR"
+                f"(no hub downloads): fetch it first, e.g. `hf download {args.from_hf} --local-dir DIR` (the `hf` "
+                "command of huggingface_hub 0.34 or later), then pass --from-hf DIR"
             )
         model = load_hf_checkpoint(args.from_hf)
         save_model_weights(model, out)
@@ -95,6 +100,12 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
         save_hf_checkpoint(model, out)
         print(f"converted {args.to_hf} -> Hugging Face checkpoint {out} (loads with from_pretrained)")
     return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshforge.cli import generate
+
+    return generate.run(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -152,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
     )
     conv.add_argument("--out", required=True, metavar="DIR", help="directory to write the converted weights to")
+    from meshforge.cli.generate import add_parser as add_generate
     from meshforge.planner.plan_args import add_arguments, whole
+
+    add_generate(sub)
 
     plan = sub.add_parser("plan", help="find the layout that fits and runs fastest; predict memory, time and MFU")
     add_arguments(plan)
@@ -184,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_data(args)
         if args.command == "convert":
             return cmd_convert(args)
+        if args.command == "generate":
+            return cmd_generate(args)
         if args.command == "plan":
             from meshforge.planner.plan import run
 

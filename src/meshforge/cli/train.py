@@ -1,20 +1,33 @@
 """``meshforge train``: its arguments (``--section.key=value`` overrides beside --config,
---nproc, --max-restarts, --dry-run), the launch (in this process, or N local ranks through
-torch.distributed.run) and, on rank 0, the run report written whatever the outcome. Imported
-only when the command is ``train`` (cli/main.py keeps ``meshforge --help`` free of torch).
+--nproc, --max-restarts, --dry-run) and the launch, in the order it happens:
+
+1. the config is read once, by the checked loader (config/load.py: no device, FIFO or
+   oversized file is ever opened for reading), before anything else looks at it;
+2. the pre-flight (guards/preflight.py) runs once per launch, in the process that starts the
+   run: this one, ``--nproc N``'s launcher, or under plain torchrun rank 0; its run plan is
+   the verdict every rank trains on (``--nproc``'s ranks get it from the launcher: they
+   neither resolve nor check again);
+3. that process alone holds run.dir's lock, from before it writes anything (it prepares the
+   run directory: train/run_dir.py) until the launch is over;
+4. this process trains (train/loop.py), or N local ranks do, each rank 0 writing the run
+   report whatever the outcome.
+
+Imported only when the command is ``train`` (cli/main.py keeps ``meshforge --help`` free of torch).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from meshforge.config import Config
+from meshforge.config.run_plan import RunPlan
 from meshforge.errors import ConfigError, MeshforgeError, suggest
-from meshforge.guards.disk import check_name_length
 from meshforge.launch import env as launch_env
-from meshforge.launch.tie import tie_to_launcher
+from meshforge.launch.tie import handed_plan, tie_to_launcher
 
 TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
                        [--section.key=value ...]
@@ -37,9 +50,17 @@ _COUNTS = {  # flag -> (lowest, highest, what it counts)
 }
 
 
-def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, Any]]:
-    """Split ``train`` arguments into (config file, nproc, max restarts, {section.key: value});
-    ``--dry-run`` is read by ``cmd_train`` itself."""
+class TrainArgs(NamedTuple):
+    """``meshforge train``'s arguments but --dry-run (``cmd_train`` reads that itself)."""
+
+    config: str | None  # --config
+    nproc: int
+    restarts: int  # --max-restarts
+    overrides: dict[str, Any]  # {section.key: value}
+
+
+def parse_train_args(argv: list[str]) -> TrainArgs:
+    """Split ``train`` arguments into the config file, nproc, max restarts and the overrides."""
     from meshforge.config import key_type, parse_value
 
     config, nproc, restarts = None, 1, 0
@@ -65,17 +86,8 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
         if name == "config":
             config = value
         elif name in ("nproc", "max-restarts"):
-            lo, hi, what = _COUNTS[name]
-            try:
-                n = int(value)
-            except ValueError:
-                raise ConfigError(f"--{name} takes a whole number, got '{value}'") from None
-            if not lo <= n <= hi:
-                raise ConfigError(f"--{name} {n} must be between {lo} and {hi} ({what})")
-            if name == "nproc":
-                nproc = n
-            else:
-                restarts = n
+            n = _count(name, value)
+            nproc, restarts = (n, restarts) if name == "nproc" else (nproc, n)
         elif "." in name:
             parsed = parse_value(value)
             # a text key takes the text as written: --run.dir=1, --run.dir nan, --data.path true
@@ -85,7 +97,18 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, int, int, dict[str, A
                 f"unknown option --{name}; {suggest('--' + name, _TRAIN_FLAGS, cutoff=0.6)} "
                 "(or a --section.key=value config override)"
             )
-    return config, nproc, restarts, overrides
+    return TrainArgs(config, nproc, restarts, overrides)
+
+
+def _count(name: str, value: str) -> int:
+    lo, hi, what = _COUNTS[name]
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"--{name} takes a whole number, got '{value}'") from None
+    if not lo <= n <= hi:
+        raise ConfigError(f"--{name} {n} must be between {lo} and {hi} ({what})")
+    return n
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -97,92 +120,98 @@ def cmd_train(argv: list[str]) -> int:
         print(fit(TRAIN_USAGE, terminal_width()))
         print(describe_keys(terminal_width()))
         return 0
-    from meshforge.guards import run_lock
-
-    early = run_lock.run_dir_in_argv(argv)
-    if early:
-        check_name_length(Path(early))  # (a name too long for the filesystem cannot even be looked up)
-    if early and "--dry-run" not in argv and not launch_env.under_launcher() and Path(early).is_dir():
-        run_lock.hold(Path(early))  # a second run into a busy run.dir is refused here, before torch loads
-    try:
-        return _train(argv)
-    finally:
-        if early:
-            run_lock.release(Path(early))  # (a no-op when the run released it itself)
-
-
-def _train(argv: list[str]) -> int:
-    """``meshforge train`` once run.dir is locked: in this process, or launching the ranks."""
+    handed = handed_plan()
+    if handed is not None:  # a rank of `meshforge train --nproc N`: its launcher's verdict (argv: only its name)
+        return _rank_of_launcher(RunPlan.from_json(handed))
     from meshforge.config import load_config
-    from meshforge.guards import run_lock
 
-    config_file, nproc, restarts, overrides = parse_train_args(argv)
-    cfg = load_config(config_file, overrides)
+    args = parse_train_args(argv)
+    config = load_config(args.config, args.overrides)  # the one read of --config
     if "--dry-run" in argv:
-        return dry_run(cfg, nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
-    if restarts and (cfg.checkpoint.interval == 0 or cfg.checkpoint.load == "none"):
+        return dry_run(config, args.nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
+    if args.restarts and (config.checkpoint.interval == 0 or config.checkpoint.load == "none"):
         raise ConfigError(
-            f"--max-restarts {restarts}: a restarted group resumes from the last complete checkpoint, so it needs "
-            'checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
+            f"--max-restarts {args.restarts}: a restarted group resumes from the last complete checkpoint, so it "
+            'needs checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
         )
+    if not launch_env.under_launcher():
+        from meshforge.launch.local import check_nproc
+
+        check_nproc(args.nproc, config.train.device)
+        return _launch(config, args.nproc, args.restarts)
+    if args.nproc > 1:
+        raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
+    if launch_env.rank() == 0:  # plain torchrun: rank 0 launches (checks, holds run.dir), the others follow
+        return _launch(config, launch_env.world_size(), 0)
+    from meshforge.guards.preflight import follower_plan
+
+    return _train_here(follower_plan(config, launch_env.world_size()))
+
+
+def _launch(config: Config, nproc: int, restarts: int) -> int:
+    """The launch's one pre-flight and its one hold on run.dir, then the training: in this process
+    (a world of one, or a torchrun rank 0) or on ``nproc`` local ranks, handed the plan."""
     from meshforge.guards.preflight import preflight
-    from meshforge.launch.local import check_nproc, launch_local
 
-    if launch_env.under_launcher():
-        if nproc > 1:
-            raise ConfigError("--nproc starts ranks itself; under torchrun leave it out (torchrun sets the ranks)")
-        summary = train_and_report(cfg)
-        return 0 if summary else 1
-    check_nproc(nproc, cfg.train.device)
-    if nproc == 1 and not restarts:
-        train_and_report(cfg)
-        return 0
-    # Check everything (config, run dir, data) once here, before any rank starts.
-    cfg = preflight(cfg, nproc, launcher=True).config
-    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    run_lock.hold(Path(cfg.run.dir))  # the launcher holds it across restarts; its ranks know (HELD_ENV)
-    os.environ[run_lock.HELD_ENV] = str(Path(cfg.run.dir).resolve())
-    child = ["train"]
-    if config_file:
-        child += ["--config", config_file]
-    child += [
-        f"--{k}={v}" if not isinstance(v, (list, bool)) else f"--{k}={str(v).lower()}"
-        for k, v in overrides.items()
-        if k != "run.dir"
-    ]
-    child.append(f"--run.dir={cfg.run.dir}")
+    here = launch_env.under_launcher() or (nproc == 1 and not restarts)
+    plan = preflight(config, nproc, ranks_per_node=None if here else nproc, launcher=not here)
+    with holding_run_dir(plan):
+        if here:
+            return _train_here(plan)
+        from meshforge.launch.local import launch_local
+
+        # the ranks train on the plan; their arguments only name the run (for ps and pgrep)
+        return launch_local(nproc, ["train", f"--run.dir={plan.run.dir}"], restarts, plan=plan.to_json())
+
+
+@contextlib.contextmanager
+def holding_run_dir(plan: RunPlan) -> Iterator[None]:
+    """run.dir locked (the launch's one lock, held across elastic restarts: its ranks never lock)
+    and prepared for the run, before anything is written into it; let go when the launch ends."""
+    from meshforge.guards import run_lock
+    from meshforge.train.run_dir import prepare_run_dir
+
+    run_dir = Path(plan.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_lock.hold(run_dir, quiet=launch_env.restart_count() > 0)  # a torchrun restart takes it over
     try:
-        return launch_local(nproc, child, restarts)
+        prepare_run_dir(plan)
+        yield
     finally:
-        os.environ.pop(run_lock.HELD_ENV, None)
-        run_lock.release(Path(cfg.run.dir))
+        if lock is not None:
+            lock.release()
 
 
-def train_and_report(cfg: Any) -> dict[str, Any]:
-    """Train on this rank, then (rank 0) write run.dir/report.html from whatever the run
-    wrote, also after a failed or stopped run. Written here, above train/, so that training
-    never imports the analysis side (report/ reads the planner). Rank 0 checks the run first
-    (as the multi-rank launch does): a refused run writes nothing, not even into an old run."""
-    from meshforge.guards.preflight import launch_plan
-    from meshforge.train import train
+def _rank_of_launcher(plan: RunPlan) -> int:
+    """A rank of ``--nproc N``: the launcher checked everything but each GPU's own memory."""
+    from meshforge.guards.preflight import check_own_gpu
 
-    plan = launch_plan(cfg, launch_env.world_size())  # a refusal here has written nothing, not even a report
+    check_own_gpu(plan)
+    return _train_here(plan)
+
+
+def _train_here(plan: RunPlan) -> int:
+    """Train on this rank, then (rank 0) write run.dir/report.html from whatever the run wrote,
+    also after a failed or stopped run. Written here, above train/, so that training never
+    imports the analysis side (report/ reads the planner)."""
+    from meshforge.train.loop import train
+
     try:
-        return train(plan)
+        return 0 if train(plan) else 1
     finally:
         if launch_env.rank() == 0:  # under torchrun, rank 0's dir is the run's
             write_run_report(plan)
 
 
-def write_run_report(cfg: Any) -> None:
+def write_run_report(plan: RunPlan) -> None:
     """run.dir/report.html (unless metrics.report = false); a report error is logged as an
     event (``report_failed``), never raised over the run's own outcome."""
     from meshforge.guards.disk import describe
     from meshforge.report import write_report
     from meshforge.train.run_dir import event_writer
 
-    run_dir = Path(cfg.run.dir)
-    if not cfg.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
+    run_dir = Path(plan.run.dir)
+    if not plan.metrics.report or not ((run_dir / "metrics.jsonl").is_file() or (run_dir / "events.jsonl").is_file()):
         return
     try:
         write_report([run_dir], run_dir / "report.html")
@@ -190,22 +219,22 @@ def write_run_report(cfg: Any) -> None:
         why = describe(run_dir / "report.html", e, "write") if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         print(f"meshforge: note: report.html skipped ({why})", file=sys.stderr)
         try:
-            event_writer(cfg.run.dir)("report_failed", error=why[:2000])
+            event_writer(plan.run.dir)("report_failed", error=why[:2000])
         except OSError:
             pass
 
 
-def dry_run(cfg: Any, world: int) -> int:
+def dry_run(config: Config, world: int) -> int:
     """Print the run plan for ``world`` ranks on this machine (the config.toml a run would write),
     the device and its memory, and the planner's estimate of exactly that layout on it (the one
     the pre-flight fit check uses); start nothing and write nothing (run.dir is not touched)."""
     from meshforge.guards.memory_fit import device_memory, estimate_run
     from meshforge.resolve import resolve
 
-    plan = resolve(cfg, world, machine=False)
+    plan = resolve(config, world, machine=False)
     print(f"# meshforge train --dry-run: the run plan for {world} rank(s)\n{plan.to_toml()}")
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
-        resolve(cfg, world)
+        resolve(config, world)
     except MeshforgeError as e:
         print(f"on this machine meshforge train refuses it: {e}")
     cuda = plan.world.device == "cuda"

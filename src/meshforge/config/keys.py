@@ -19,8 +19,9 @@ from typing import Any
 
 from meshforge.config import sections as s
 from meshforge.config.layout import Layout
+from meshforge.config.values import type_name
 from meshforge.models.shape import ModelShape
-from meshforge.ranges import EACH, RANGE, Span
+from meshforge.ranges import EACH, RANGE, WORDS, Span
 
 # (TOML section, Config attribute, declaring class), in the order the sections are written
 OWNERS: tuple[tuple[str, str, type], ...] = (
@@ -56,6 +57,8 @@ class Key:
     """the range a number must fall in (the field's ``ranged`` metadata); None: not a number"""
     each: Span | None = None
     """a list key's range for each element"""
+    words: tuple[str, ...] = ()
+    """words a number's key takes beside its range (``"auto"``), resolved before a run"""
 
     @property
     def dotted(self) -> str:
@@ -65,6 +68,11 @@ class Key:
     def choices(self) -> tuple[Any, ...]:
         """The words a ``Literal`` key takes (() for any other type)."""
         return typing.get_args(self.type) if typing.get_origin(self.type) is typing.Literal else ()
+
+    @property
+    def type_text(self) -> str:
+        """The type as ``--help`` and the reference show it: ``int|auto`` for a number that takes a word."""
+        return "|".join((type_name(self.type), *self.words))
 
     def range_text(self) -> str:
         """The range as the reference shows it ("" for a key without one)."""
@@ -88,7 +96,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _default(f: dataclasses.Field, holder: str) -> Any:
     if holder == "shape":
-        return PRESET_DEFAULT
+        return "auto" if f.name in s.ModelConfig().auto_shape else PRESET_DEFAULT
     if holder == "layout" and f.name == "dp_shard":
         return -1  # the config infers dp_shard; a Layout built in code defaults to 1
     if f.default is not dataclasses.MISSING:
@@ -115,6 +123,7 @@ def keys() -> dict[str, Key]:
                 docs.get(f.name, ""),
                 f.metadata.get(RANGE),
                 f.metadata.get(EACH),
+                tuple(f.metadata.get(WORDS, ())),
             )
             out[k.dotted] = k
     home = {holder: section for section, holder, _ in OWNERS}  # a section's own fields before borrowed ones

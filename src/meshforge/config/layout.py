@@ -35,6 +35,18 @@ SEARCHED += ("pp_schedule", "pp_virtual_stages", "offload")
 
 
 @dataclass(frozen=True)
+class BatchSplit:
+    """One data-parallel rank's share of a global batch (``Layout.batch_split``)."""
+
+    local: int
+    """sequences per optimizer step on one data-parallel rank (DiLoCo islands take their own slices)"""
+    micro: int
+    """sequences per forward pass"""
+    count: int
+    """forward passes per step: gradient accumulation, or a pipeline's micro-batches"""
+
+
+@dataclass(frozen=True)
 class Layout:
     """Degrees and layout settings, each one config key, declared here once: a field's docstring
     is its help and its ``section`` metadata the config section that spells it ([parallel]
@@ -163,19 +175,24 @@ class Layout:
         """Data parallelism on FSDP2: ZeRO-2/3, HSDP, and any dp under tp, pp or ep (DDP takes no DTensors)."""
         return self.dp_cp > 1 and (self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1)
 
-    def local_batch(self, global_batch: int) -> int:
-        return global_batch // self.data_ranks
-
-    def microbatches(self, global_batch: int) -> int:
-        """Pipeline micro-batches per step and dp rank: given, else from the micro-batch size,
-        else the largest divisor of the local batch up to 2 x pp x chunks per rank."""
-        local = self.local_batch(global_batch)
-        if self.num_microbatches:
-            return self.num_microbatches
-        if self.micro_batch_size:
-            return max(1, local // self.micro_batch_size)
-        target = 2 * self.pp * self.pp_virtual_stages
-        return max(d for d in range(1, max(1, min(local, target)) + 1) if local % d == 0)
+    def batch_split(self, global_batch: int) -> BatchSplit:
+        """How one data-parallel rank takes its slice of a global batch: the one place the local
+        batch, the micro-batch and their count are derived. Under a pipeline the count is
+        parallel.num_microbatches, else from train.micro_batch_size, else the largest divisor of
+        the local batch up to 2 x pp x chunks per rank; without one it is the accumulation of
+        micro_batch_size (0: the whole local batch) over the local batch."""
+        local = global_batch // self.data_ranks
+        if self.pp > 1:
+            if self.num_microbatches:
+                count = self.num_microbatches
+            elif self.micro_batch_size:
+                count = max(1, local // self.micro_batch_size)
+            else:
+                target = 2 * self.pp * self.pp_virtual_stages
+                count = max(d for d in range(1, max(1, min(local, target)) + 1) if local % d == 0)
+            return BatchSplit(local, local // count, count)
+        micro = self.micro_batch_size or local
+        return BatchSplit(local, micro, local // micro if micro else 0)
 
     def is_partial(self) -> bool:
         return any(getattr(self, k) is None for k in SEARCHED)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,22 @@ def _lookup(section: str, key: str, where: str) -> Key:
 MAX_CONFIG_BYTES = 16 << 20  # a config is a few KiB
 
 
+def _read_regular(p: Path) -> bytes:
+    """The bytes of ``p``, checked on the open file: a FIFO or device put in the file's place after
+    the checks above is neither waited on (O_NONBLOCK) nor read; at most MAX_CONFIG_BYTES."""
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"--config {p} is not a regular file (a device, FIFO or socket); pass a TOML file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p} is {st.st_size:,} bytes, too large for a config (a TOML file)")
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is over {MAX_CONFIG_BYTES:,} bytes, too large for a config (a TOML file)")
+    return raw
+
+
 def _read_file(p: Path) -> dict[str, Any]:
     if p.is_dir():
         raise ConfigError(f"--config {p} is a directory; pass a TOML file such as configs/debug.toml")
@@ -61,9 +79,8 @@ def _read_file(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass an existing TOML file to --config")
     try:
-        if p.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {p} is {p.stat().st_size:,} bytes, too large for a config (a TOML file)")
-        return tomllib.loads(p.read_text(encoding="utf-8"))
+        text = _read_regular(p).decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
+        return tomllib.loads(text)
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
         raise ConfigError(
@@ -76,26 +93,46 @@ def _read_file(p: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
 
 
+def _section_values(sections: dict[str, Any], where: str) -> dict[str, Any]:
+    """The values of a TOML-shaped document ({section: {key: value}}) by dotted key, each checked
+    against its key's type."""
+    values: dict[str, Any] = {}
+    for section, body in sections.items():
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"{where}: top-level key '{section}' must be a section like [{section}]; "
+                f"put keys under one of: {', '.join(SECTIONS)}"
+            )
+        for key, value in body.items():
+            k = _lookup(section, key, where)
+            values[k.dotted] = _value(k, value)
+    return values
+
+
 def _collect(path: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """Every given value by dotted key (the file's, then the overrides'), each of its key's type."""
     values: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        for section, body in _read_file(p).items():
-            if not isinstance(body, dict):
-                raise ConfigError(
-                    f"{p}: top-level key '{section}' must be a section like [{section}]; "
-                    f"put keys under one of: {', '.join(SECTIONS)}"
-                )
-            for key, value in body.items():
-                k = _lookup(section, key, str(p))
-                values[k.dotted] = coerce(k.dotted, value, k.type)
+        values.update(_section_values(_read_file(Path(path)), str(path)))
     for dotted, value in overrides.items():
         if "." not in dotted:
             raise ConfigError(f"override --{dotted} must name a section and key, like --train.steps=100")
         k = _lookup(*dotted.split(".", 1), f"--{dotted}")
-        values[k.dotted] = coerce(k.dotted, value, k.type)
+        values[k.dotted] = _value(k, value)
     return values
+
+
+def _value(k: Key, value: Any) -> Any:
+    """The value checked against its key's type, or one of the words the key takes beside it."""
+    if isinstance(value, str) and value in k.words:
+        return value
+    try:
+        return coerce(k.dotted, value, k.type)
+    except ConfigError as e:
+        if not k.words:
+            raise
+        words = " or ".join(f'"{w}"' for w in k.words)
+        raise ConfigError(f"{e} (or {words})") from None
 
 
 def build(values: dict[str, Any], base: Config | None = None) -> Config:
@@ -108,8 +145,15 @@ def build(values: dict[str, Any], base: Config | None = None) -> Config:
     shape = copy.copy(base.shape)
     if "preset" in holders["model"]:
         shape = get_preset(holders["model"]["preset"])
+    auto = dict.fromkeys(base.model.auto_shape)
     for attr, value in holders.pop("shape").items():
-        setattr(shape, attr, value)  # (setattr: head_dim = 0 stays "derived", see models/shape.py)
+        if isinstance(value, str) and value in keys()[f"model.{attr}"].words:
+            auto[attr] = None  # the preset's value stands until the resolution fills it
+        else:
+            setattr(shape, attr, value)  # (setattr: head_dim = 0 stays "derived", see models/shape.py)
+            auto.pop(attr, None)
+    if tuple(auto) != base.model.auto_shape:
+        holders["model"]["auto_shape"] = tuple(auto)
     parts = {h: dataclasses.replace(getattr(base, h), **v) for h, v in holders.items() if v}
     return dataclasses.replace(base, shape=shape, **parts)
 
@@ -117,6 +161,14 @@ def build(values: dict[str, Any], base: Config | None = None) -> Config:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """A Config from an optional TOML file and ``{"section.key": value}`` overrides, value-checked."""
     cfg = build(_collect(path, overrides or {}))
+    check_values(cfg)
+    return cfg
+
+
+def config_from_sections(sections: dict[str, Any], where: str) -> Config:
+    """A Config from {section: {key: value}} (``to_dict``'s shape, e.g. a run plan handed over
+    as JSON), read and checked as a config file's are; ``where`` names it in errors."""
+    cfg = build(_section_values(sections, where))
     check_values(cfg)
     return cfg
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 
 from meshforge.config.keys import PRESET_DEFAULT, SECTIONS, keys, plain_text
-from meshforge.config.values import toml_value, type_name
+from meshforge.config.values import toml_value
 
 INTRO = """# Configuration reference
 
@@ -22,7 +22,8 @@ for its world size and machine, into a run plan; the run directory's `config.tom
 written out: every preset field and every automatic value (`auto`, an inferred `-1` degree, the
 pipeline's micro-batches) replaced by what ran, with the decisions taken from them and any value
 the resolution changed (and why) as comments. Rerunning it reproduces the run.
-Model shape fields default to the preset's value (shown as `—`).
+Model shape fields default to the preset's value (shown as `—`), but for `vocab_size`, whose `auto`
+takes the tokenizer's vocabulary (the key's meaning says how).
 
 This page is generated from the fields' docstrings and ranges (`src/meshforge/config/sections.py`,
 `src/meshforge/config/layout.py`, `src/meshforge/models/shape.py`):
@@ -50,7 +51,7 @@ def describe_keys(width: int = 100) -> str:
         if k.section != section:
             section = k.section
             lines.append(f"[{section}]")
-        head = f"{type_name(k.type)}, default {_default_text(k.default)}"
+        head = f"{k.type_text}, default {_default_text(k.default)}"
         bounds = f" ({k.range_text()})" if k.range_text() else ""
         lines += _wrap(head, width, f"  --{k.dotted}  ", " " * 8)
         lines += _wrap(plain_text(k.help) + bounds, width, " " * 6, " " * 6)

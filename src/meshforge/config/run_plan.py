@@ -6,16 +6,21 @@ or DDP, autocast or cast-once, fp8 all-gather, bf16 ZeRO-1) is taken once, in re
 stored here; the trainer, ``parallelize``, the planner's ``--config``, the fit check and the
 report read the plan and derive nothing again. ``to_toml`` is the run directory's config.toml:
 the concrete config, with the decisions and every forced change (and why) as comments, so
-rerunning it reproduces the run.
+rerunning it reproduces the run. ``to_json`` / ``from_json`` carry the whole plan from
+``meshforge train --nproc N``'s launcher to its ranks, which then neither resolve nor check again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import typing
 from dataclasses import dataclass
+from typing import Any
 
-from meshforge.config import Config, to_toml
-from meshforge.config.layout import Layout
+from meshforge.config import Config, to_dict, to_toml
+from meshforge.config.layout import BatchSplit, Layout
+from meshforge.config.load import config_from_sections
 from meshforge.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -28,7 +33,12 @@ from meshforge.config.sections import (
     RunConfig,
     TrainConfig,
 )
+from meshforge.config.values import coerce
+from meshforge.errors import ConfigError
 from meshforge.models.shape import ModelShape
+
+DECIDED = ("fsdp", "autocast", "fp8_all_gather", "flat_zero1", "ddp", "async_tp")  # RunPlan's decisions
+MAX_PLAN_BYTES = 1 << 20  # a plan is a few KiB
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class World:
     fp8_native: bool = False  # the device has fp8 matmuls (CUDA compute capability >= 8.9); else emulated
     split_backward_custom_functions: bool = True  # compat: a zero-bubble weight pass crosses autograd.Functions
     symm_mem: bool = False  # torch's symmetric-memory fused matmul collectives run here (CUDA)
+    tokenizer_vocab: int | None = None  # data.tokenizer's vocabulary when it is a tokenizer.json; None: bytes
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class ResumePoint:
 
     path: str | None  # the checkpoint to resume from; None: a fresh start
     skipped: tuple[tuple[str, str], ...] = ()  # (checkpoint, why) passed over for an older one: said at the start
+    attempt: int = 0  # the elastic attempt it was found for: a later attempt looks again (its run saved since)
 
 
 @dataclass(frozen=True)
@@ -131,23 +143,9 @@ class RunPlan:
         return self.config.diloco
 
     @property
-    def local_batch(self) -> int:
-        """Sequences per optimizer step on one data-parallel rank (DiLoCo islands take their own slices)."""
-        return self.train.global_batch_size // self.layout.data_ranks
-
-    @property
-    def micro_batch(self) -> int:
-        """Sequences per forward pass on one rank (train.micro_batch_size, or what 0 means: the
-        whole per-rank batch; under a pipeline, the per-rank batch over its micro-batches)."""
-        lay = self.layout
-        if lay.pp > 1:
-            return self.local_batch // lay.num_microbatches
-        return lay.micro_batch_size or self.local_batch
-
-    @property
-    def microbatches(self) -> int:
-        """Forward passes per step on one rank: accumulation, or a pipeline's micro-batches."""
-        return self.local_batch // self.micro_batch
+    def batch(self) -> BatchSplit:
+        """This run's split of a global batch over a data-parallel rank (the layout's: ``Layout.batch_split``)."""
+        return self.layout.batch_split(self.train.global_batch_size)
 
     def with_run_dir(self, run_dir: str) -> RunPlan:
         """The same plan writing into ``run_dir`` (picked by rank 0, after resolution)."""
@@ -170,9 +168,63 @@ class RunPlan:
             "async_tp": self.async_tp,
         }
 
+    def to_json(self) -> str:
+        """The whole plan as the launcher hands it to its ranks (``from_json`` reads it back)."""
+        values = {sec: {k: v for k, v in body.items() if v is not None} for sec, body in to_dict(self.config).items()}
+        resume = dataclasses.asdict(self.resume) if self.resume else None
+        changes = [[c.key, c.given, c.used, c.reason] for c in self.changes]
+        decided = {k: getattr(self, k) for k in DECIDED}
+        return json.dumps(
+            {"config": values, "world": dataclasses.asdict(self.world), "decided": decided}
+            | {
+                "changes": changes,
+                "resume": resume,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RunPlan:
+        """A plan ``to_json`` wrote, every value checked against its type (the config's also by
+        value) before it is trusted; ConfigError names what is wrong."""
+        where = "the launcher's run plan"
+        try:
+            if len(text) > MAX_PLAN_BYTES:
+                raise ValueError(f"{len(text):,} characters")
+            doc = json.loads(text)
+            config = config_from_sections(doc["config"], where)
+            world = World(**_typed(World, doc["world"], "world"))
+            decided = _typed(cls, doc["decided"], "plan", DECIDED)
+            changes = tuple(Change(str(k), g, u, str(r)) for k, g, u, r in doc["changes"])
+            resume = _resume(doc["resume"])
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
+            raise ConfigError(f"{where} is not readable ({type(e).__name__}: {e})") from None
+        return cls(config=config, world=world, changes=changes, resume=resume, **decided)
+
     def to_toml(self) -> str:
         """config.toml: the concrete config, headed by the decisions and the changes as comments."""
         said = ", ".join(f"{k} = {v}" for k, v in self.decisions().items())
         head = [f"resolved by meshforge (torch {self.world.torch}): {said}"]
         head += [f"changed: {c.line()}" for c in self.changes]
         return to_toml(self.config, {"model": head})
+
+
+def _typed(cls: type, values: dict[str, Any], what: str, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``values`` for the fields ``names`` (default: every field) of dataclass ``cls``, each checked
+    against its annotation; any other or missing name is refused."""
+    hints = typing.get_type_hints(cls)
+    names = names or tuple(f.name for f in dataclasses.fields(cls))
+    if not isinstance(values, dict) or set(values) != set(names):
+        raise ValueError(f"{what}: expected the fields {', '.join(names)}")
+    return {k: coerce(f"{what}.{k}", values[k], hints[k]) for k in names}
+
+
+def _resume(value: Any) -> ResumePoint | None:
+    if value is None:
+        return None
+    point = _typed(ResumePoint, value, "resume")
+    skipped = point["skipped"]
+    if not all(isinstance(s, (list, tuple)) and len(s) == 2 for s in skipped):
+        raise ValueError("resume.skipped: expected (checkpoint, reason) pairs")
+    return ResumePoint(point["path"], tuple((str(a), str(b)) for a, b in skipped), point["attempt"])

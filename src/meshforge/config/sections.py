@@ -27,6 +27,8 @@ class ModelConfig:
     init_from: str = ""
     """start from these weights: a meshforge weights dir (e.g. a run's `final/`) or a Hugging Face Llama dir;
     the shape must match"""
+    auto_shape: tuple[str, ...] = field(default=("vocab_size",), metadata={"config": False})
+    """the shape fields left to the resolution (given as `"auto"`, or by default): resolve.py fills them"""
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,9 @@ class CheckpointConfig:
 
     interval: int | str = ranged(whole(0, MAX_STEPS), 0)
     """steps between sharded training checkpoints in `run.dir/checkpoints` (also one at the end); 0: none;
-    `"auto"`: the Young/Daly optimum √(2 × blocking cost × MTBF), re-measured as the run goes.
-    See [checkpointing.md](checkpointing.md)"""
+    `"auto"`: the Young/Daly optimum √(2 × blocking cost × MTBF), re-measured as the run goes (one save early to
+    measure its cost, then that interval); the run plan and config.toml name this cadence `"young_daly"`, which a
+    config may also give. See [checkpointing.md](checkpointing.md)"""
     keep: int = ranged(whole(1, 10**6), 3)
     """complete checkpoints to keep; older ones are deleted"""
     async_: bool = field(default=False, metadata={"key": "async"})
@@ -163,9 +166,10 @@ class MetricsConfig:
     """progress lines and the summary on stdout"""
     jsonl: bool = True
     """write `metrics.jsonl`"""
-    tensorboard: bool = True
+    tensorboard: bool = False
     """write TensorBoard event files under `run.dir/tensorboard` (through `torch.utils.tensorboard`; needs
-    `pip install 'meshforge[tensorboard]'`, else a one-line note)"""
+    `pip install 'meshforge[tensorboard]'`, else a one-line note). Off by default: the default install leaves
+    the tensorboard package out, and `metrics.jsonl` and `report.html` carry the same curves"""
     report: bool = True
     """write the HTML run report `run.dir/report.html` when the run stops (finished, interrupted or failed);
     see [report.md](report.md)"""

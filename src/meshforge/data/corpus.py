@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshforge.config.run_plan import RunPlan
+from meshforge.config.sections import TrainConfig
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.eos_boundaries import single_document_fraction
 from meshforge.data.prepare import prepared_dir_for
@@ -16,35 +17,35 @@ from meshforge.models.shape import ModelShape
 WARN_FRACTION = 1.0  # warn when this share of the sampled sequences (all of them) holds a single document
 
 
-def dataset_root(cfg: RunPlan) -> Path:
-    """Where the token shards for cfg.data live (prepared once, cached by content)."""
-    tok = load_tokenizer(cfg.data.tokenizer)
-    return prepared_dir_for(cfg.data.path, tok, cfg.data.val_fraction, cfg.data.cache_dir)
+def dataset_root(plan: RunPlan) -> Path:
+    """Where the token shards for plan.data live (prepared once, cached by content)."""
+    tok = load_tokenizer(plan.data.tokenizer)
+    return prepared_dir_for(plan.data.path, tok, plan.data.val_fraction, plan.data.cache_dir)
 
 
-def open_data(cfg: RunPlan, shape: ModelShape) -> TokenDataset:
-    """Prepare (or reuse) the token shards for cfg.data and check they fit the model and batch."""
-    tok = load_tokenizer(cfg.data.tokenizer)
-    root = dataset_root(cfg)
-    ds = TokenDataset(root, cfg.train.seq_len)
+def open_data(plan: RunPlan, shape: ModelShape) -> TokenDataset:
+    """Prepare (or reuse) the token shards for plan.data and check they fit the model and batch."""
+    tok = load_tokenizer(plan.data.tokenizer)
+    root = dataset_root(plan)
+    ds = TokenDataset(root, plan.train.seq_len)
     if ds.tokenizer != tok.name:
         raise DataError(
-            f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{cfg.data.tokenizer}' "
+            f"data at {root} was tokenized with '{ds.tokenizer}', but data.tokenizer = '{plan.data.tokenizer}' "
             f"('{tok.name}'); set data.tokenizer to the tokenizer the data was prepared with"
         )
     vocab = shape.vocab_size
     if ds.vocab_size > vocab:
         raise ConfigError(
             f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
-            f"set --model.vocab_size={ds.vocab_size} (or larger)"
+            f"set --model.vocab_size={ds.vocab_size} (or larger), or leave it out: `auto` takes a tokenizer.json's"
         )
-    if len(ds.train) < cfg.train.global_batch_size:
+    if len(ds.train) < plan.train.global_batch_size:
         raise DataError(
-            f"the corpus at {cfg.data.path or 'the default corpus'} has {len(ds.train)} training sequences of "
-            f"{cfg.train.seq_len + 1} tokens ({ds.train.tokens} tokens), fewer than one global batch of "
-            f"{cfg.train.global_batch_size}; add data or lower train.global_batch_size / train.seq_len"
+            f"the corpus at {plan.data.path or 'the default corpus'} has {len(ds.train)} training sequences of "
+            f"{plan.train.seq_len + 1} tokens ({ds.train.tokens} tokens), fewer than one global batch of "
+            f"{plan.train.global_batch_size}; add data or lower train.global_batch_size / train.seq_len"
         )
-    check_separator(cfg, ds)
+    check_separator(plan, ds)
     return ds
 
 
@@ -71,3 +72,27 @@ def separator_warning(plan: RunPlan, data: TokenDataset) -> str | None:
         "attention is plain causal; prepare it with one document per file or JSONL line, or set "
         "data.document_mask = false to silence this"
     )
+
+
+def split_warnings(tokens: dict[str, int], val_fraction: float) -> list[str]:
+    """What ``data prepare`` warns of: a split too small for one global batch of the default
+    ``train.seq_len`` and ``train.global_batch_size`` (the printed train command's), so training
+    would be refused or evaluation skipped. A val fraction of 0 asked for no validation."""
+    t = TrainConfig()
+    need = (t.seq_len + 1) * t.global_batch_size
+    total = sum(tokens.values())
+    batch = f"{t.global_batch_size} sequences of {t.seq_len + 1} tokens, {need:,} tokens"
+    out = []
+    if tokens.get("train", 0) < need:
+        out.append(
+            f"the train split holds {tokens.get('train', 0):,} tokens, fewer than one global batch ({batch}, with "
+            "the default train.seq_len and train.global_batch_size): add data, or lower those two when you train"
+        )
+    if val_fraction > 0 and tokens.get("val", 0) < need:
+        every = total // (need * 5 // 4)  # every k-th block: a quarter more than one batch, as blocks are whole
+        fix = f"raise --val-fraction to {1 / every:.3g} or add data" if every >= 2 else "add data"
+        out.append(
+            f"the validation split holds {tokens.get('val', 0):,} tokens, fewer than one evaluation batch ({batch}): "
+            f"training will report no validation loss; {fix}"
+        )
+    return out

@@ -108,19 +108,20 @@ def probe_run_dir(run_dir: Path, key: str = "run.dir") -> Path:
     return where
 
 
-def check_disk(cfg: Any) -> None:
-    """Before training: run.dir is writable and has room for one checkpoint and the final weights."""
-    probe_run_dir(Path(cfg.run.dir))
+def check_disk(plan: Any) -> None:
+    """Before training: run.dir is writable and has room for one checkpoint and the final weights
+    (``plan``: the run plan, or a config: the same sections)."""
+    probe_run_dir(Path(plan.run.dir))
     need, parts = 0, []
-    if cfg.checkpoint.interval != 0:
-        need += checkpoint_bytes(cfg.shape, cfg.train.precision)
+    if plan.checkpoint.interval != 0:
+        need += checkpoint_bytes(plan.shape, plan.train.precision)
         parts.append("one checkpoint")
-    finals = int(cfg.checkpoint.save_final) + int(cfg.checkpoint.export_hf)
+    finals = int(plan.checkpoint.save_final) + int(plan.checkpoint.export_hf)
     if finals:
-        need += finals * 4 * cfg.shape.num_params()
+        need += finals * 4 * plan.shape.num_params()
         parts.append("the final weights")
     if need:
-        check_free_space(Path(cfg.run.dir), need, " and ".join(parts) + " of this model")
+        check_free_space(Path(plan.run.dir), need, " and ".join(parts) + " of this model")
 
 
 def checkpoint_bytes(shape: Any, precision: str) -> int:

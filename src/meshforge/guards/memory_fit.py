@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshforge.config.run_plan import RunPlan
 from meshforge.errors import MeshforgeError
 from meshforge.guards.host_limits import Limit, cgroup_limits, rlimits
 
@@ -142,24 +143,24 @@ class RunEstimate:
     error: str = ""
 
 
-def estimate_run(cfg: Any, mem: DeviceMemory) -> RunEstimate:
+def estimate_run(plan: RunPlan, mem: DeviceMemory) -> RunEstimate:
     """The planner's estimate of exactly this run plan on its world, on a profile of this machine
     (its memory replaced by ``mem``'s per-rank figure; a GPU's host RAM too)."""
     from meshforge.config import to_toml
     from meshforge.planner.hardware import get_hardware, preset_for_device, to_json
     from meshforge.planner.plan import parse_plan_args, plan_from_args
 
-    world = cfg.world.size
-    m = cfg.layout.islands
+    world = plan.world.size
+    m = plan.layout.islands
     hw = get_hardware(preset_for_device("cpu" if mem.kind == "cpu" else mem.name))
     hw.hbm_gib = mem.per_rank_gib
-    if mem.kind == "cuda" and cfg.layout.offload == "cpu":
+    if mem.kind == "cuda" and plan.layout.offload == "cpu":
         hw.host_mem_gib = host_memory()[0]  # the node's ranks keep their offloaded state here
     # DiLoCo: the planner estimates one island's layout, on its share of the global batch
-    island = dataclasses.replace(cfg.train, global_batch_size=cfg.train.global_batch_size // m)
+    island = dataclasses.replace(plan.train, global_batch_size=plan.train.global_batch_size // m)
     with tempfile.TemporaryDirectory() as d:
         path, profile = Path(d) / "config.toml", Path(d) / "hardware.json"
-        path.write_text(to_toml(cfg.config if m == 1 else dataclasses.replace(cfg.config, train=island)))
+        path.write_text(to_toml(plan.config if m == 1 else dataclasses.replace(plan.config, train=island)))
         profile.write_text(to_json(hw))
         args = ["--config", str(path), "--gpus", str(world // m), "--hardware", str(profile)]
         try:
@@ -170,15 +171,15 @@ def estimate_run(cfg: Any, mem: DeviceMemory) -> RunEstimate:
     return RunEstimate(e, hw.name, world // m, m, "" if e else "no estimate for this layout")
 
 
-def check_fit(cfg: Any, local_rank: int = 0, local_ranks: int = 1) -> RunEstimate | None:
+def check_fit(plan: RunPlan, local_rank: int = 0, local_ranks: int = 1) -> RunEstimate | None:
     """Refuse (FitError) a run plan whose estimate exceeds this rank's memory; warn where it is
     within the planner's uncertainty. ``train.skip_memory_check = true`` skips it."""
-    if cfg.train.skip_memory_check:
+    if plan.train.skip_memory_check:
         return None
-    world = cfg.world.size
-    mem = device_memory(cfg.world.device == "cuda", local_rank, local_ranks)
+    world = plan.world.size
+    mem = device_memory(plan.world.device == "cuda", local_rank, local_ranks)
     try:
-        est = estimate_run(cfg, mem)
+        est = estimate_run(plan, mem)
     except Exception as err:  # noqa: BLE001 - a planner bug must not stop a run it cannot price
         print(f"meshforge: warning: memory check skipped (the planner failed: {err!r})", file=sys.stderr)
         return None
@@ -187,7 +188,7 @@ def check_fit(cfg: Any, local_rank: int = 0, local_ranks: int = 1) -> RunEstimat
         return est  # the planner cannot price this layout: nothing to hold it against
     need = e.memory["total"]
     if not e.fits:
-        raise FitError(refusal(cfg, world, mem, est))
+        raise FitError(refusal(plan, world, mem, est))
     if need > WARN_SHARE * mem.per_rank_gib:
         why = (
             "its estimate can be 10-20% low"
@@ -203,7 +204,7 @@ def check_fit(cfg: Any, local_rank: int = 0, local_ranks: int = 1) -> RunEstimat
     return est
 
 
-def refusal(cfg: Any, world: int, mem: DeviceMemory, est: RunEstimate) -> str:
+def refusal(plan: RunPlan, world: int, mem: DeviceMemory, est: RunEstimate) -> str:
     """The paragraph a refused run prints: the estimate, the free memory, and the fixes."""
     e = est.estimate
     need = e.memory["total"]
@@ -216,26 +217,26 @@ def refusal(cfg: Any, world: int, mem: DeviceMemory, est: RunEstimate) -> str:
         f"this run cannot fit: the planner estimates {need:.2f} GiB per rank, more than the {room}{shared} "
         f"({e.overflow}); it would be killed or run out of memory later. To make it fit:"
     )
-    return "\n".join([head, *(f"  - {f}" for f in fixes(cfg, world, mem, e)), SKIP_LINE])
+    return "\n".join([head, *(f"  - {f}" for f in fixes(plan, world, mem, e)), SKIP_LINE])
 
 
 SKIP_LINE = "or set train.skip_memory_check = true (--train.skip_memory_check) to start it anyway"
 
 
-def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
+def fixes(plan: RunPlan, world: int, mem: DeviceMemory, e: Any) -> list[str]:
     """What would shrink this run's memory, for the settings it does not already use."""
-    t, out = cfg.train, []
+    t, out = plan.train, []
     lay = e.layout
     if mem.limit:  # the limit raised by what the estimate lacks (a shared one: for every rank)
         short = (e.memory["total"] - mem.limit_gib) * (mem.ranks if mem.limit.shared else 1)
         out.append(mem.limit.raise_to(mem.limit.limit + short * GIB))
-    if cfg.layout.activation_checkpoint != "full":
+    if plan.layout.activation_checkpoint != "full":
         out.append("activation checkpointing: --train.activation_checkpoint=full (recompute each block's activations)")
     if lay.micro_batch_size > 1:
         mb = lay.micro_batch_size
         smaller = next(d for d in range(max(1, mb // 4), 0, -1) if mb % d == 0)  # still divides the batch
         out.append(f"a smaller micro-batch: --train.micro_batch_size={smaller} (is {mb})")
-    if mem.kind == "cuda" and cfg.layout.offload != "cpu":
+    if mem.kind == "cuda" and plan.layout.offload != "cpu":
         out.append("CPU offload: --parallel.offload=cpu (parameters, gradients and optimizer state in host RAM)")
     if mem.kind == "cpu" and t.precision == "fp32":
         out.append("bf16 weights: --train.precision=bf16 (half of fp32's parameter and activation bytes)")
@@ -243,18 +244,18 @@ def fixes(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> list[str]:
         out.append(f"fewer ranks on this host (--nproc): {mem.ranks} ranks each hold their share in one RAM")
     more = "more GPUs" if mem.kind == "cuda" else "more machines, or GPUs"
     out.append(f"{more}, with the state sharded (--parallel.zero_stage=3, tp, pp)")
-    out.append(f"a layout from the planner: {plan_command(cfg, world, mem, e)}")
+    out.append(f"a layout from the planner: {plan_command(plan, world, mem, e)}")
     return out
 
 
-def plan_command(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> str:
+def plan_command(plan: RunPlan, world: int, mem: DeviceMemory, e: Any) -> str:
     """The exact ``meshforge plan`` command for this model, batch and precision."""
     from meshforge.models.presets import PRESETS
     from meshforge.planner.hardware import preset_for_device
 
-    a = cfg.shape
-    if cfg.model.preset in PRESETS and a == PRESETS[cfg.model.preset]:
-        model = f"--model {cfg.model.preset}"
+    a = plan.shape
+    if plan.model.preset in PRESETS and a == PRESETS[plan.model.preset]:
+        model = f"--model {plan.model.preset}"
     else:  # a shape of its own: the plan flags that give it
         model = (
             f"--layers {a.layers} --hidden {a.hidden} --heads {a.heads} --kv-heads {a.kv_heads} "
@@ -267,8 +268,8 @@ def plan_command(cfg: Any, world: int, mem: DeviceMemory, e: Any) -> str:
     while need_gpus < 8 * 1024 and e.memory["total"] / need_gpus > 0.9 * (mem.total_gib if mem.kind == "cuda" else 80):
         need_gpus *= 2
     gpus = max(need_gpus, world * 2 if mem.kind == "cuda" else need_gpus)
-    precision = cfg.train.precision if mem.kind == "cuda" and cfg.train.precision in ("fp32", "fp8") else "bf16"
+    precision = plan.train.precision if mem.kind == "cuda" and plan.train.precision in ("fp32", "fp8") else "bf16"
     return (
-        f"meshforge plan {model} --seq-len {cfg.train.seq_len} --global-batch {cfg.train.global_batch_size} "
+        f"meshforge plan {model} --seq-len {plan.train.seq_len} --global-batch {plan.train.global_batch_size} "
         f"--precision {precision} --gpu {gpu} --gpus {gpus}"
     )

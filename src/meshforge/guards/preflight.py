@@ -1,13 +1,19 @@
 """The checks that can refuse a run, all made before anything is written and before any rank
-starts: the config resolved into the run plan, the run directory, the data, the disk and the
-memory fit. ``launch_plan`` is each rank's entry: rank 0 runs the checks, the others resolve
-the same plan (and hold the fit against their own GPU).
+starts: the config resolved into the run plan (resolve.py), the weights it starts from, the run
+directory (not busy, ours to write), the memory fit, the data, the disk and the checkpoint it
+resumes from.
+
+``preflight`` runs once per launch, in the process that starts the run (cli/train.py: this
+process, ``--nproc N``'s launcher, or under plain torchrun rank 0); the plan it returns is the
+verdict the ranks train on. What it cannot check there is each rank's own: a GPU's memory
+(``check_own_gpu``: the launcher holds no CUDA context) and, under plain torchrun, the plan of a
+rank other than 0 (``follower_plan``: the same resolution; rank 0 tells it run.dir and the
+checkpoint once the process group is up).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from pathlib import Path
 
@@ -21,39 +27,39 @@ from meshforge.errors import ConfigError
 from meshforge.guards.disk import check_disk, check_name_length
 from meshforge.guards.foreign_files import foreign_entries, is_meshforge_run
 from meshforge.guards.memory_fit import check_fit
-from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
+from meshforge.guards.run_lock import refuse_if_held
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch import env as launch_env
 from meshforge.launch.env import restart_count
 from meshforge.resolve import resolve
 
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
-
-def default_run_dir(cfg: Config) -> str:
+def default_run_dir(plan: RunPlan) -> str:
     """runs/<preset>-<time>: a new directory per run unless run.dir names one."""
-    return str(Path("runs") / f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return str(Path("runs") / f"{plan.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def resuming(cfg: Config) -> bool:
+def resuming(plan: RunPlan) -> bool:
     """Whether this start continues the run in run.dir (rather than starting a new one):
     an elastic restart always does; otherwise checkpoint.load = latest with a complete
     checkpoint there, unless run.overwrite asks for a fresh run."""
     if restart_count() > 0:
         return True
-    if cfg.run.overwrite or cfg.checkpoint.load != "latest":
+    if plan.run.overwrite or plan.checkpoint.load != "latest":
         return False
-    return bool(store.list_complete(Path(cfg.run.dir) / "checkpoints"))
+    return bool(store.list_complete(Path(plan.run.dir) / "checkpoints"))
 
 
-def check_run_dir(cfg: Config) -> Path:
-    """Refuse a run.dir meshforge cannot or must not write: a file, a name too long, a folder of
-    files meshforge did not write, or an old run (unless resuming it or run.overwrite is set)."""
-    run_dir = Path(cfg.run.dir)
+def check_run_dir(plan: RunPlan) -> Path:
+    """Refuse a run.dir meshforge cannot or must not write: a file, a name too long, one another
+    live run holds, a folder of files meshforge did not write, or an old run (unless resuming it
+    or run.overwrite is set)."""
+    run_dir = Path(plan.run.dir)
     check_name_length(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
-    foreign = [] if cfg.run.overwrite or is_meshforge_run(run_dir) else foreign_entries(run_dir)
+    refuse_if_held(run_dir)  # a look only: the launch takes the lock itself once this verdict is in
+    foreign = [] if plan.run.overwrite or is_meshforge_run(run_dir) else foreign_entries(run_dir)
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise ConfigError(
@@ -61,18 +67,18 @@ def check_run_dir(cfg: Config) -> Path:
             "new or empty directory or one of its own runs: choose another run.dir, or pass --run.overwrite=true "
             "to write the run there anyway (your files are left alone, a config.toml is replaced)"
         )
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite and not resuming(cfg):
+    if (run_dir / "metrics.jsonl").exists() and not plan.run.overwrite and not resuming(plan):
         why = (
             "and no complete checkpoint to resume from (checkpoint.load = latest)"
-            if cfg.checkpoint.load == "latest"
-            else f"and checkpoint.load = {cfg.checkpoint.load!r} starts another run (only latest continues it)"
+            if plan.checkpoint.load == "latest"
+            else f"and checkpoint.load = {plan.checkpoint.load!r} starts another run (only latest continues it)"
         )
         raise ConfigError(
             f"run.dir = {run_dir} already holds a run (metrics.jsonl) {why}; choose another run.dir or pass "
             "--run.overwrite=true to replace it"
         )
-    load = cfg.checkpoint.load
-    if cfg.run.overwrite and restart_count() == 0 and load not in ("latest", "none", ""):
+    load = plan.checkpoint.load
+    if plan.run.overwrite and restart_count() == 0 and load not in ("latest", "none", ""):
         if _inside(Path(load), run_dir / "checkpoints"):
             raise ConfigError(
                 f"checkpoint.load = {load} is inside run.dir = {run_dir}, whose checkpoints run.overwrite = true "
@@ -86,28 +92,25 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def preflight(cfg: Config, world_size: int, launcher: bool = False) -> RunPlan:
-    """Resolve the config into the run plan, check that it fits the device's memory, pick the run
-    dir, make sure the data is usable, and find (and check) the checkpoint it resumes from: every
-    refusal comes here, before anything is written. ``launcher``: run by `--nproc N`'s launcher,
-    not a rank (it leaves reading every checkpoint shard to rank 0)."""
-    plan = resolve(cfg, world_size)
+def preflight(config: Config, world_size: int, *, ranks_per_node: int | None = None, launcher: bool = False) -> RunPlan:
+    """Resolve the config into the run plan for ``world_size`` ranks (``ranks_per_node`` of them
+    per node; default: the launcher's environment says), pick the run dir, and make every check
+    that can refuse the run, before anything is written; returns the plan the run trains on, with
+    the checkpoint it resumes from. ``launcher``: run by ``--nproc N``'s launcher, which leaves
+    each GPU's memory to its rank (it opens no CUDA context)."""
+    plan = resolve(config, world_size, ranks_per_node=ranks_per_node)
     check_init_from(plan)
     if not plan.run.dir:
         plan = plan.with_run_dir(default_run_dir(plan))
     check_run_dir(plan)
-    # A run that cannot fit its device hears that first, before any disk or data check. A
-    # launcher on CUDA leaves the GPUs to the ranks (no CUDA context here): rank 0 then checks
-    # the memory and after it the disk; the launcher still prepares the data once.
-    ranks_check_fit = launcher and plan.world.device == "cuda"
-    if not ranks_check_fit:
+    # A run that cannot fit its device hears that first, before any disk or data check.
+    if not (launcher and plan.world.device == "cuda"):
         check_fit(plan, launch_env.local_rank(), launch_env.local_world_size() or world_size)
     refuse_binary(plan.data.path, plan.data.allow_binary)
-    if not ranks_check_fit:
-        check_disk(plan)  # writable, and room for a checkpoint: refused here rather than mid-run
+    check_disk(plan)  # writable, and room for a checkpoint: refused here rather than mid-run
     data = open_data(plan, plan.shape)
     check_extras(plan)
-    return plan.with_resume(find_resume_point(plan, resuming(plan), len(data.train), hashes=not launcher))
+    return plan.with_resume(find_resume_point(plan, resuming(plan), len(data.train)))
 
 
 def check_init_from(plan: RunPlan) -> None:
@@ -131,16 +134,17 @@ def check_extras(plan: RunPlan) -> None:
         )
 
 
-def launch_plan(cfg: Config, world: int) -> RunPlan:
-    """This rank's run plan (rank 0 also runs ``preflight``), with the environment that must be
-    set before the process group starts."""
-    for k, v in DETERMINISTIC_ENV.items():
-        if cfg.train.deterministic:
-            os.environ.setdefault(k, v)
-    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it (before the process group starts)
-    if world == 1 or launch_env.rank() == 0:
-        return preflight(cfg, world)
-    plan = resolve(cfg, world)
-    if plan.world.device == "cuda":  # each rank holds the estimate against its own GPU (rank 0 did in preflight)
+def check_own_gpu(plan: RunPlan) -> None:
+    """On CUDA, each rank holds the fit estimate against its own GPU (the launcher's pre-flight
+    could not: it opens no CUDA context)."""
+    if plan.world.device == "cuda":
         check_fit(plan, launch_env.local_rank())
+
+
+def follower_plan(config: Config, world_size: int) -> RunPlan:
+    """A plain-torchrun rank other than 0: the plan resolved as rank 0's pre-flight resolves it,
+    and its own GPU's fit; rank 0 alone checks the rest and tells it run.dir and the checkpoint
+    once the process group is up (train/loop.py)."""
+    plan = resolve(config, world_size)
+    check_own_gpu(plan)
     return plan

@@ -2,10 +2,12 @@
 
 The lock file holds the holder's PID, host and start time. The kernel drops a ``flock`` when
 its holder dies however it dies (SIGKILL included), so a lock file that can be locked again is
-stale: it is named in a warning and taken over. ``meshforge train --nproc N`` takes the lock in
-the launcher, before any rank starts, and holds it across elastic restarts; it tells its ranks
-so through ``HELD_ENV`` (rank 0 would otherwise lock itself out). Under torchrun, rank 0 takes
-it when it prepares run.dir; a restarted rank 0 takes it over from its dead predecessor.
+stale: it is named in a warning and taken over. One process per launch holds it
+(cli/train.py's ``holding_run_dir``): ``meshforge train`` itself, or ``--nproc N``'s launcher
+before any rank starts and across elastic restarts (its ranks never lock), or under plain
+torchrun rank 0 (a restarted rank 0 takes it over from its dead predecessor). The pre-flight
+only looks (``refuse_if_held``), so that a busy run.dir is refused before anything else is said
+of it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,6 @@ from typing import Any
 from meshforge.errors import MeshforgeError
 
 LOCK_NAME = "run.lock"
-HELD_ENV = "MESHFORGE_RUN_LOCK"  # the run.dir the launcher holds the lock of
 
 
 class RunDirLocked(MeshforgeError):
@@ -51,12 +53,6 @@ class RunLock:
 
 
 _HELD: dict[str, RunLock] = {}
-
-
-def held_by_launcher(run_dir: Path) -> bool:
-    """Whether meshforge's launcher holds this run.dir's lock for us (we are one of its ranks)."""
-    held = os.environ.get(HELD_ENV)
-    return bool(held) and Path(held).resolve() == Path(run_dir).resolve()
 
 
 def _describe(info: dict[str, Any] | None) -> str:
@@ -94,10 +90,10 @@ def _open(path: Path) -> int:
 
 
 def acquire(run_dir: Path) -> RunLock | None:
-    """Lock ``run_dir`` (which must exist) for this process. None when this process (or, for a
-    rank, its launcher) holds it already. Raises RunDirLocked naming the holder."""
+    """Lock ``run_dir`` (which must exist) for this process. None when this process holds it
+    already. Raises RunDirLocked naming the holder."""
     path = lock_path(run_dir)
-    if str(path) in _HELD or held_by_launcher(run_dir):
+    if str(path) in _HELD:
         return None
     while True:
         fd = _open(path)
@@ -108,10 +104,7 @@ def acquire(run_dir: Path) -> RunLock | None:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise RunDirLocked(
-                f"run.dir = {run_dir} is in use by another meshforge run: {_describe(info)} holds {path}. "
-                "Wait for it to finish (or stop it), or choose another run.dir"
-            ) from None
+            raise _in_use(run_dir, path, info) from None
         try:
             same = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
@@ -135,6 +128,34 @@ def acquire(run_dir: Path) -> RunLock | None:
     return lock
 
 
+def _in_use(run_dir: Path, path: Path, info: dict[str, Any] | None) -> RunDirLocked:
+    return RunDirLocked(
+        f"run.dir = {run_dir} is in use by another meshforge run: {_describe(info)} holds {path}. "
+        "Wait for it to finish (or stop it), or choose another run.dir"
+    )
+
+
+def refuse_if_held(run_dir: Path) -> None:
+    """Raise RunDirLocked when a live process holds ``run_dir``'s lock. A look only: nothing is
+    created or written (no lock file, no link followed); a missing run.dir or lock file is free."""
+    path = lock_path(run_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return  # none there (or a link, or unreadable: taking the lock says what is wrong with it)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # dropped when fd closes
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise _in_use(run_dir, path, _read(fd)) from None
+    finally:
+        os.close(fd)
+
+
 def stale_note(lock: RunLock | None) -> str | None:
     """The warning for a lock taken over from a process that died holding it, else None."""
     if lock is None or not lock.stale or lock.stale.get("pid") == os.getpid():
@@ -143,13 +164,6 @@ def stale_note(lock: RunLock | None) -> str | None:
         f"run.dir {lock.path.parent}: took over a stale lock left by {_describe(lock.stale)}, which is no longer "
         "running (it ended without releasing it: killed or crashed)"
     )
-
-
-def release(run_dir: Path) -> None:
-    """Let go of this process's lock on ``run_dir`` (if it holds one)."""
-    lock = _HELD.get(str(lock_path(run_dir)))
-    if lock is not None:
-        lock.release()
 
 
 def hold(run_dir: Path, quiet: bool = False) -> RunLock | None:
@@ -164,26 +178,3 @@ def hold(run_dir: Path, quiet: bool = False) -> RunLock | None:
     if note and not quiet:
         print(f"meshforge: warning: {note}", file=sys.stderr)
     return lock
-
-
-def run_dir_in_argv(argv: list[str]) -> str | None:
-    """run.dir as ``meshforge train``'s arguments give it (--run.dir, else [run] dir of --config),
-    read without loading the config (and torch): a busy run.dir is refused at once."""
-    found: dict[str, str] = {}
-    for i, arg in enumerate(argv):
-        for flag in ("--run.dir", "--config"):
-            if arg.startswith(flag + "="):
-                found[flag] = arg.split("=", 1)[1]
-            elif arg == flag and i + 1 < len(argv):
-                found[flag] = argv[i + 1]
-    if "--run.dir" in found:
-        return found["--run.dir"] or None
-    if "--config" in found:
-        import tomllib
-
-        try:
-            with open(found["--config"], "rb") as f:
-                return str(tomllib.load(f).get("run", {}).get("dir", "")) or None
-        except (OSError, ValueError):
-            return None  # load_config says what is wrong with it
-    return None

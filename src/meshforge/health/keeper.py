@@ -21,7 +21,13 @@ from meshforge.health.guard import StepGuard
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
+from meshforge.launch import env as launch_env
 from meshforge.parallel.mesh import Mesh
+
+OVERSUBSCRIBED = (
+    "the straggler check is off: this node's CPU ranks outnumber its {} cores, so they take turns on them and a "
+    "rank's compute time measures the sharing, not the rank"
+)
 
 
 class HealthStop(MeshforgeError):
@@ -56,19 +62,21 @@ class HealthKeeper:
         self,
         plan: RunPlan,
         mesh: Mesh,
+        *,
         runner: Any,
         model: nn.Module,
         called: list[nn.Module],
-        report: tuple[Callable[..., None], Callable[[str], None]],
+        event: Callable[..., None],
+        say: Callable[[str], None],
         hooks: RunHooks,
         samples: Callable[[int], list[int]],
     ):
         """``runner``: the step runner (its guard slot and loss reduction); ``model``: this rank's
         parameters (the non-finite diagnosis names one); ``called``: the modules
-        a forward calls (under pp the stages' parts); ``report``: the run log's event and say;
+        a forward calls (under pp the stages' parts); ``event``, ``say``: the run log's;
         ``samples(lag)``: the sample indices of the batch ``lag`` steps before the last one."""
         self.mesh, self.runner, self.called, self.samples = mesh, runner, called, samples
-        self.event, self.say = report
+        self.event, self.say = event, say
         self.run_dir, h = Path(plan.run.dir), plan.health
         self.guard = StepGuard(h, model, mesh.rank, mesh.distributed, runner.reduce_loss, hooks)
         self.watchdog = None
@@ -77,7 +85,9 @@ class HealthKeeper:
             self.watchdog = HangWatchdog(h.hang_timeout_s, mesh.rank, mesh.world_size, axes, self.run_dir)
             self.watchdog.start()
         self.stragglers = None
-        if mesh.distributed and h.straggler_factor > 0:
+        if mesh.distributed and h.straggler_factor > 0 and launch_env.oversubscribed(mesh.device.type):
+            self.event("warning", key="health.straggler_factor", message=OVERSUBSCRIBED.format(launch_env.cpu_cores()))
+        elif mesh.distributed and h.straggler_factor > 0:
             self.stragglers = StragglerCheck(h.straggler_factor, mesh.rank, mesh.world_size, mesh.device)
         self.logged, self.compute_s, self._t0 = False, 0.0, 0.0
         self.first_logged = 1 if plan.metrics.log_interval == 1 else 2  # step 1 is warm-up unless it is all

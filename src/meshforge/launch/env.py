@@ -33,6 +33,21 @@ def local_world_size() -> int | None:
     return v or None
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share), else
+    the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (no affinity call on this OS)
+        return os.cpu_count() or 1
+
+
+def oversubscribed(device_type: str, ranks: int | None = None) -> bool:
+    """More CPU ranks on this node (``ranks``, default the launcher's count) than cores: they take
+    turns on the cores, so a rank's step time measures the sharing, not the rank."""
+    return device_type == "cpu" and (ranks or local_world_size() or 1) > cpu_cores()
+
+
 def restart_count() -> int:
     """How many times the elastic agent has restarted this group (0 on the first attempt)."""
     return max(0, _int("TORCHELASTIC_RESTART_COUNT", 0))

@@ -13,12 +13,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from meshforge.errors import ConfigError
+from meshforge.launch import env as launch_env
 from meshforge.launch import startup_gc
-from meshforge.launch.tie import LAUNCHER_ENV
+from meshforge.launch.tie import LAUNCHER_ENV, PLAN_ENV
 
 
 def check_nproc(nproc: int, device: str) -> None:
-    """Refuse process counts this machine cannot reasonably run."""
+    """Refuse process counts this machine cannot reasonably run; warn of CPU ranks that outnumber the cores."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -32,17 +33,26 @@ def check_nproc(nproc: int, device: str) -> None:
         if nproc > n:
             raise ConfigError(f"--nproc {nproc} is more than the {n} visible GPUs; use --nproc {n} or fewer")
     else:
-        cores = os.cpu_count() or 1
+        cores = launch_env.cpu_cores()
         limit = max(8, 4 * cores)
         if nproc > limit:
             raise ConfigError(
                 f"--nproc {nproc} CPU ranks on {cores} cores would thrash this machine; use at most {limit} "
                 "(CPU ranks are for development and tests; use GPUs or torchrun across nodes for more)"
             )
+        if launch_env.oversubscribed("cpu", nproc):
+            print(
+                f"meshforge: warning: --nproc {nproc} CPU ranks on {cores} cores: the ranks take turns on the cores, "
+                f"so expect no speed-up over --nproc {cores}, and the straggler check is off (it would time the "
+                "sharing, not a slow rank)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
-def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code."""
+def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0, plan: str | None = None) -> int:
+    """Run ``python -m meshforge <child_argv>`` on ``nproc`` local ranks; returns an exit code.
+    ``plan``: the run plan (JSON) the ranks train on (launch/tie.py's ``handed_plan``)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     parser = get_args_parser()
     forward = Path("/proc/self/stat").exists() and "--signals-to-handle" in parser._option_string_actions
@@ -59,6 +69,8 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
         ]
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launch/tie.py)
+    if plan is not None:
+        os.environ[PLAN_ENV] = plan
     stop = StopForwarding(forward)
     startup_gc.resume()  # the launcher now waits on its ranks, for as long as they train
     try:
@@ -74,6 +86,7 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0) -> in
         return code
     finally:
         os.environ.pop(LAUNCHER_ENV, None)
+        os.environ.pop(PLAN_ENV, None)
     return 0
 
 

@@ -8,6 +8,10 @@ it started asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG`
 keeps a watchdog thread that polls its parent PID (other systems, and a parent that died
 before the request). Ranks that torchrun started (no ``LAUNCHER_ENV``) are left alone: their
 agent supervises them, across nodes.
+
+The launcher also hands its ranks the run plan its pre-flight accepted (``PLAN_ENV``, the
+plan as JSON): they train on that verdict instead of resolving and checking again. A rank
+takes it only from its own launcher (``handed_plan``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import signal
 import sys
 import threading
 
+from meshforge.errors import ConfigError
+
 LAUNCHER_ENV = "MESHFORGE_LAUNCHER_PID"
+PLAN_ENV = "MESHFORGE_RUN_PLAN"  # the launcher's run plan (RunPlan.to_json), for its ranks
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
 
@@ -65,3 +72,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def handed_plan() -> str | None:
+    """The run plan (JSON) that ``meshforge train --nproc N``'s launcher handed this rank, or None
+    when none was. One in the environment of a process that launcher did not start (its PID is
+    not our parent's) is refused, never trusted: it would skip every pre-flight check."""
+    text = os.environ.get(PLAN_ENV)
+    if text is None:
+        return None
+    if "LOCAL_RANK" not in os.environ or os.environ.get(LAUNCHER_ENV, "") != str(os.getppid()):
+        raise ConfigError(
+            f"{PLAN_ENV} is set, but this process is not a rank started by `meshforge train --nproc N`; "
+            f"unset {PLAN_ENV} (it is the launcher's hand-over to its ranks)"
+        )
+    return text

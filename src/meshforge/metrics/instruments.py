@@ -27,15 +27,18 @@ class StepInstruments:
         self,
         plan: RunPlan,
         mesh: Mesh,
+        *,
         first_forward: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         comm: CommCounter | None,
-        report: tuple[MetricsLogger | None, StepMetrics, Callable[..., None], Callable[[str], None]],
+        logger: MetricsLogger | None,
+        metrics: StepMetrics,
+        event: Callable[..., None],
+        say: Callable[[str], None],
     ):
-        """``first_forward``: where a step's data time ends; ``report``: the run log's logger,
-        step metrics, event and say."""
-        self.mesh = mesh
-        logger, metrics, self.event, self.say = report
+        """``first_forward``: where a step's data time ends; ``comm``: the step measures' counter;
+        ``logger``, ``metrics``, ``event``, ``say``: the run log's."""
+        self.mesh, self.event, self.say = mesh, event, say
         run_dir = Path(plan.run.dir)
         self.profiler = StepProfiler(plan.profile, mesh.rank, mesh.device, run_dir, plan.train.steps)
         self.clock = StepClock(first_forward, optimizer, comm, mesh.device)

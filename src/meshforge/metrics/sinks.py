@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshforge.metrics.pace import Pace
 from meshforge.metrics.tb_tags import grouped, health_scalar
 
 
@@ -98,6 +99,8 @@ class MetricsLogger:
         self.events = JsonlWriter(run_dir / "events.jsonl")
         self.tb = TensorBoardWriter.open(run_dir / "tensorboard", self.stream) if tensorboard else None
         self.t0 = time.perf_counter()
+        self.pace = Pace()  # wall-clock seconds per step between console lines, for the ETA
+        self.last = (0, self.t0)  # (step, time) of the last console line
         self.sinks: list[Any] = []  # more scalar sinks (log(step, scalars), close()): W&B
 
     def add_sink(self, sink: Any) -> None:
@@ -111,9 +114,10 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(rec["step"], grouped(rec))
         if self.console:
-            step = rec["step"]
-            elapsed = time.perf_counter() - self.t0
-            eta = elapsed / step * (self.total - step) if step else float("nan")
+            step, now = rec["step"], time.perf_counter()
+            self.pace.add(step - self.last[0], now - self.last[1])
+            self.last = (step, now)
+            eta = self.pace.eta(self.total - step)  # at the recent pace, not the average since the start
             width = 20
             done = int(width * step / self.total)
             bar = "#" * done + "." * (width - done)

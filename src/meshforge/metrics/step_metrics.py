@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from meshforge.config.run_plan import RunPlan as Config
+from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.memory import GIB, peak_mem_gib
 from meshforge.metrics.mfu import utilization
+from meshforge.metrics.pace import Pace
 from meshforge.metrics.step_result import StepResult
 from meshforge.models.flops import hardware_flops_per_token, model_flops_per_token
 from meshforge.models.shape import ModelShape
@@ -32,15 +33,16 @@ SUMMARY_TAIL = 10  # final_loss: the mean of the last this-many steps' losses
 class StepMetrics:
     """Turns measured steps into records; keeps step times and loss handles in between."""
 
-    def __init__(self, cfg: Config, shape: ModelShape, world_size: int, peak: float, device: torch.device):
-        t = cfg.train
+    def __init__(self, plan: RunPlan, shape: ModelShape, world_size: int, peak: float, device: torch.device):
+        t = plan.train
         self.tokens_per_step, self.world_size = t.global_batch_size * t.seq_len, world_size
-        self.shape, self.seq_len, self.recompute = shape, t.seq_len, cfg.layout.activation_checkpoint
+        self.shape, self.seq_len, self.recompute = shape, t.seq_len, plan.layout.activation_checkpoint
         self.flops_per_token = model_flops_per_token(shape, t.seq_len)
-        self.hw_flops_per_token = hardware_flops_per_token(shape, t.seq_len, cfg.layout.activation_checkpoint)
+        self.hw_flops_per_token = hardware_flops_per_token(shape, t.seq_len, plan.layout.activation_checkpoint)
         self.spans: list[float] = []  # packed documents masked: the logged windows' attention spans
         self.peak, self.device = peak, device
         self.times: list[float] = []  # every step's wall time (host clock, no sync)
+        self.pace = Pace()  # the step time recently (a moving average) and on average, for the summary
         self.window: list[float] = []  # since the last logged step
         self.first_loss: torch.Tensor | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=SUMMARY_TAIL)
@@ -50,6 +52,7 @@ class StepMetrics:
     def add(self, dt: float, result: StepResult) -> None:
         """Book one step: its time, and its loss tensor (a reference, no copy, no sync)."""
         self.times.append(dt)
+        self.pace.add(1, dt)
         self.window.append(dt)
         if self.first_loss is None:
             self.first_loss = result.loss
@@ -128,6 +131,8 @@ class StepMetrics:
             "final_loss_steps": len(kept[1:]),
             "val_loss": fields["val_loss"],
             "tokens_per_s": tps,
+            "step_time_mean_s": self.pace.average,
+            "step_time_recent_s": self.pace.recent,
             "mfu": utilization(flops, per_device, self.peak),
             "hfu": utilization(hw_flops, per_device, self.peak),
             "peak_mem_gib": peak_mem_gib(self.device),
@@ -136,29 +141,27 @@ class StepMetrics:
 
 
 def start_line(
-    cfg: Config,
+    plan: RunPlan,
     params: int,
     world: int,
     device: torch.device,
     precision: str,
-    accum: int,
-    micro: int,
     data: TokenDataset,
 ) -> str:
     """The console's first line: what is trained, where, on what."""
-    t = cfg.train
+    t, b = plan.train, plan.batch
     return (
-        f"meshforge: training {cfg.model.preset} ({params / 1e6:.2f}M params) for {t.steps} "
+        f"meshforge: training {plan.model.preset} ({params / 1e6:.2f}M params) for {t.steps} "
         f"steps on {world} x {device.type} ({precision}) | batch "
-        f"{t.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es) of {micro} per rank "
-        f"| data {data.root} ({len(data.train)} sequences) | run dir {cfg.run.dir}"
-        + (f" | {fp8_note(cfg, device)}" if precision == "fp8" else "")
+        f"{t.global_batch_size} x {t.seq_len} tokens, {b.count} micro-batch(es) of {b.micro} per rank "
+        f"| data {data.root} ({len(data.train)} sequences) | run dir {plan.run.dir}"
+        + (f" | {fp8_note(plan, device)}" if precision == "fp8" else "")
     )
 
 
-def fp8_note(cfg: Config, device: torch.device) -> str:
+def fp8_note(plan: RunPlan, device: torch.device) -> str:
     """Says whether fp8 is real or emulated (numerics only) on this device."""
-    recipe = cfg.train.fp8_recipe
+    recipe = plan.train.fp8_recipe
     if device.type != "cuda":
         return f"fp8 ({recipe}) emulated on CPU: numerics only, no speedup"
     if fp8_emulated(device):
@@ -174,21 +177,29 @@ def end_line(summary: dict[str, Any], run_dir: str) -> str:
     loss = f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} (mean of the last {tail} steps)"
     return (
         f"{'stopped early' if summary['interrupted'] else 'done'}: {summary['steps']} steps in "
-        f"{summary['wall_time_s']:.1f}s | {summary['tokens'] / 1e6:.2f}M tokens | {loss}{vl} | "
+        f"{summary['wall_time_s']:.1f}s{_pace(summary)} | {summary['tokens'] / 1e6:.2f}M tokens | {loss}{vl} | "
         f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
         f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
     )
 
 
-def resume_hint(cfg: Config, world: int, finished: bool) -> str:
+def _pace(summary: dict[str, Any]) -> str:
+    """A step's time on average and recently (what the ETA used), when the summary has them."""
+    mean, recent = summary.get("step_time_mean_s"), summary.get("step_time_recent_s")
+    if mean is None or recent is None or not math.isfinite(mean) or not math.isfinite(recent):
+        return ""
+    return f" ({mean:.3g} s/step on average, {recent:.3g} s/step recently)"
+
+
+def resume_hint(plan: RunPlan, world: int, finished: bool) -> str:
     """The command that goes on from this run: resume or extend it from its checkpoints, or
     (with none) start a new run from its final weights. Printed whenever a run stops."""
-    run = Path(cfg.run.dir)
+    run = Path(plan.run.dir)
     base = f"meshforge train --config {run / 'config.toml'}" + (f" --nproc {world}" if world > 1 else "")
     ckpts = run / "checkpoints"
     if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
         if finished:
-            return f"to train further (resumes from its newest checkpoint): {base} --train.steps={2 * cfg.train.steps}"
+            return f"to train further (resumes from its newest checkpoint): {base} --train.steps={2 * plan.train.steps}"
         return f"to resume from its newest checkpoint: {base}"
     how = "no checkpoints (checkpoint.interval = 0), so it cannot resume exactly"
     if (run / "final").is_dir():

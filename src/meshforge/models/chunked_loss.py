@@ -7,11 +7,11 @@ chunk's logits are alive. Like Liger-Kernel's fused linear cross-entropy the gra
 computed in the forward (the backward only scales them by the incoming gradient), which
 costs no extra matmul: three per chunk, the same as the plain forward + backward.
 
-Under tensor parallelism the head weight is a vocab-sharded DTensor: each rank computes
-its vocabulary's logits and the log-sum-exp and the target's logit are completed with
-three small all-reduces over the weight's mesh per chunk (max, sum of exponentials,
-target logit); the hidden states' gradient is a partial sum that DTensor reduces (a
-reduce-scatter under sequence parallelism). The loop has no data-dependent control flow.
+Written for one device. Its seam is ``VocabSlice``: the head rows this device holds and how a
+per-token statistic over them (the max, the sum of exponentials, the target's logit) is
+completed over every slice. On one device that is the whole vocabulary and nothing to
+complete; under tensor parallelism parallel/tensor/vocab_loss.py gives the vocab-sharded
+head's slice, which all-reduces over the tp group. The loop has no data-dependent control flow.
 """
 
 from __future__ import annotations
@@ -19,31 +19,39 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
 from meshforge.models.eager import eager_only
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it count for nothing
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+class VocabSlice:
+    """The head rows a device holds, from vocabulary id ``start`` on, and ``complete``: a per-token
+    statistic over them (``op`` "sum" or "max", in place) made the one over the whole vocabulary.
+    This base is a device holding it all: nothing to complete."""
+
+    start = 0
+
+    def complete(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return t
 
 
-def _chunk_loss(x, wc, t, cdt, group, vocab_start: int, need_grad: bool):
+def _complete(t: torch.Tensor, op: str, vocab: VocabSlice | None) -> torch.Tensor:
+    return t if vocab is None else vocab.complete(t, op)
+
+
+def _chunk_loss(x, wc, t, cdt, vocab: VocabSlice | None, need_grad: bool):
     """Summed loss of one chunk, and (need_grad) d loss / d logits in ``cdt`` (None otherwise)."""
     logits = (x.to(cdt) @ wc.T).float()  # (c, local vocab): the only logits alive
     n_local = logits.shape[1]
-    local_t = t - vocab_start
+    local_t = t - (vocab.start if vocab is not None else 0)
     valid = t != IGNORE_INDEX
-    mine = (local_t >= 0) & (local_t < n_local) & valid  # the target's logit lives on this rank
+    mine = (local_t >= 0) & (local_t < n_local) & valid  # the target's logit lives on this slice
     safe = local_t.clamp(0, n_local - 1).unsqueeze(1)
-    target_logit = _all_reduce(logits.gather(1, safe).squeeze(1) * mine, dist.ReduceOp.SUM, group)
-    m = _all_reduce(logits.amax(1), dist.ReduceOp.MAX, group)
+    target_logit = _complete(logits.gather(1, safe).squeeze(1) * mine, "sum", vocab)
+    m = _complete(logits.amax(1), "max", vocab)
     e = logits.sub_(m.unsqueeze(1)).exp_()  # in place: still one chunk
-    s = _all_reduce(e.sum(1), dist.ReduceOp.SUM, group)
+    s = _complete(e.sum(1), "sum", vocab)
     loss = ((m + s.log() - target_logit) * valid).sum()
     if not need_grad:
         return loss, None
@@ -56,15 +64,15 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``x @ w.T`` against ``targets``; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, chunk, cdt, group, vocab_start, need_grad, fused):  # noqa: ANN001, ANN205
-        chunk_loss = _fused_chunk_loss() if fused and group is None else _chunk_loss
+    def forward(ctx, x, w, targets, chunk, cdt, vocab, need_grad, fused):  # noqa: ANN001, ANN205
+        chunk_loss = _fused_chunk_loss() if fused and vocab is None else _chunk_loss
         wc = w.to(cdt)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         for start in range(0, x.shape[0], chunk):
             xs, ts = x[start : start + chunk], targets[start : start + chunk]
-            part, g = chunk_loss(xs, wc, ts, cdt, group, vocab_start, need_grad)
+            part, g = chunk_loss(xs, wc, ts, cdt, vocab, need_grad)
             loss = loss + part
             if need_grad:
                 grad_x[start : start + chunk] = g @ wc
@@ -83,7 +91,6 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         return (
             grad_x * grad_out.to(grad_x.dtype),
             (grad_w * grad_out).to(ctx.w_dtype),
-            None,
             None,
             None,
             None,
@@ -110,33 +117,6 @@ def _apply_outside_graphs(*args):  # noqa: ANN002, ANN202
     return _ChunkedHeadCrossEntropy.apply(*args)
 
 
-def _local_head(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup | None, int]:
-    """Plain tensors pass through; a vocab-sharded DTensor head gives its local rows, its
-    mesh's group and its first vocabulary id (the hidden states' gradient is a partial sum).
-    DTensor is imported here, not with the module: the planner (every launcher's pre-flight)
-    imports the models, and DTensor costs ~1.2 s of CPU to import."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(w, DTensor):
-        return x, w, None, 0
-    if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
-        raise ValueError(f"chunked loss: the head weight must be vocab-sharded on one mesh dim, got {w.placements}")
-    if isinstance(x, DTensor) and x.device_mesh == w.device_mesh and tuple(x.placements) == (Shard(1),):
-        x = x.redistribute(placements=[Replicate()])  # async TP's head leaves its input sequence-sharded
-    if not isinstance(x, DTensor) or tuple(x.placements) != (Replicate(),):  # e.g. an ungathered FSDP shard
-        raise ValueError(
-            f"chunked loss: the head weight is a DTensor ({w.placements}) but the hidden states are not replicated "
-            "DTensors (the head's tp plan makes them so): the head was called outside its hooks; set "
-            "train.loss_chunk_size = 0"
-        )
-    start = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)[1][0]
-    # the gradient is a partial sum over the vocab shards; the head's input plan reduces it (a
-    # reduce-scatter under sequence parallelism), so no redistribute here, which would all-reduce it
-    x = x.to_local(grad_placements=[Partial()])
-    return x, w.to_local(), w.device_mesh.get_group(), int(start)
-
-
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -145,20 +125,21 @@ def chunked_cross_entropy(
     reduction: str = "mean",
     compute_dtype: torch.dtype | None = None,
     fused: bool = False,
+    vocab: VocabSlice | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T).float(), targets, reduction=reduction)`` (mean over
     the targets that are not IGNORE_INDEX, or their sum), ``chunk`` tokens at a time.
 
     ``hidden`` (..., H) and ``targets`` (...) are flattened; the logits' matmul runs in
     ``compute_dtype`` (default: ``hidden``'s dtype), the softmax in fp32. ``fused``: each chunk's
-    math compiled (a compiled step's loss; the loop itself always runs outside compiled graphs)."""
+    math compiled (a compiled step's loss; the loop itself always runs outside compiled graphs).
+    ``vocab``: ``weight`` holds that slice of the vocabulary's rows (None: all of them)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-    x, w, group, start = _local_head(hidden, weight)
-    x, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    need_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    x, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     cdt = compute_dtype or x.dtype
-    total = _apply_outside_graphs(x, w, t, int(chunk), cdt, group, start, need_grad, fused)
+    total = _apply_outside_graphs(x, weight, t, int(chunk), cdt, vocab, need_grad, fused)
     if reduction == "sum":
         return total
     return total / (t != IGNORE_INDEX).sum()

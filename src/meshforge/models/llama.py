@@ -33,6 +33,7 @@ from torch import nn
 from meshforge.models.document_attention import document_attention, prepare_block_mask
 from meshforge.models.documents import Documents
 from meshforge.models.init import draw_normal
+from meshforge.models.kv_cache import KVCache, LayerCache
 from meshforge.models.moe import build_moe, is_moe_layer
 from meshforge.models.shape import ModelShape
 
@@ -158,8 +159,15 @@ class Attention(nn.Module):
         self.project_out: nn.Module = Projection()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """``cache`` (decoding): this block's cached keys and values, which the new positions'
+        join and are attended over in place of the core (models/kv_cache.py)."""
         q, k, v = self.project_in(x, (self.wq, self.wk, self.wv))
         b, s = q.shape[:2]  # (the projections' sequence: the whole one under tp's gathering seam)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -168,7 +176,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        else:
+            out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
         return self.project_out(out.transpose(1, 2).reshape(b, s, -1), self.wo)
 
 
@@ -206,9 +217,14 @@ class Block(nn.Module):
         self.feed_forward = build_feed_forward(shape, layer_id)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents=documents, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -252,7 +268,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: Documents | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: Documents | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab).
 
@@ -263,9 +283,12 @@ class Transformer(nn.Module):
         such a slice must be given ``positions`` when its input may be a sequence shard.
         With ``hidden_out`` set the head is left to the loss (LanguageModelLoss with a chunk size).
         ``documents`` (packed sequences, models/documents.py) keeps attention inside each
-        document; ``positions`` may then be per sequence (batch, seq), restarting at each one."""
+        document; ``positions`` may then be per sequence (batch, seq), restarting at each one.
+        ``cache`` (decoding, a whole model): ``tokens`` are the positions after the cached ones,
+        which every block attends over; the cache then holds these too (models/kv_cache.py)."""
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions.reshape(-1))
         if positions.dim() == 2:  # per sequence: (batch, 1, seq, head_dim), broadcast over heads
             cos, sin = (t.view(*positions.shape, -1).unsqueeze(1) for t in (cos, sin))
@@ -274,7 +297,12 @@ class Transformer(nn.Module):
             prepare_block_mask(documents, self.rope_inv_freq.device)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
+            if cache is not None:
+                h = layer(h, cos, sin, cache=cache.layer(layer.layer_id))
+            else:
+                h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None or self.hidden_out else self.output(h)

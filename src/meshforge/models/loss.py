@@ -7,11 +7,12 @@ during its forward (``value`` already weighted by its coefficient); the next cal
 loss on that model drains the terms, adds them to the language-model loss and keeps their
 values for logging. The loss knows nothing of parallelism: whoever parallelizes the model
 passes a ``context`` (tensor parallelism's loss-parallel cross-entropy) that wraps the
-loss and its backward.
+loss and its backward, and the chunked head loss to use (``head_loss``).
 
 With ``loss_chunk_size > 0`` the model hands over its final hidden states instead of logits
 (``Transformer.hidden_out``) and the loss applies the head chunk by chunk through the head
-module's call (models/chunked_loss.py), so the full fp32 logits never exist.
+module's call (models/chunked_loss.py on one device; under tensor parallelism
+parallel/tensor/vocab_loss.py), so the full fp32 logits never exist.
 """
 
 from __future__ import annotations
@@ -53,15 +54,17 @@ class LanguageModelLoss:
 
     ``loss_chunk_size > 0``: the model's output is its final hidden states ``(batch, seq, hidden)``
     (the model must have ``hidden_out`` set) and the head runs here, ``loss_chunk_size`` tokens at a
-    time, its matmul in ``compute_dtype`` (None: the hidden states' dtype)."""
+    time, its matmul in ``compute_dtype`` (None: the hidden states' dtype), through ``head_loss``
+    (``chunked_cross_entropy``'s signature: the one-device one unless the parallelizer passes another)."""
 
     def __init__(
         self,
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         loss_chunk_size: int = 0,
         compute_dtype: torch.dtype | None = None,
+        head_loss: Callable[..., torch.Tensor] = chunked_cross_entropy,
     ):
-        self.context = context
+        self.context, self.head_loss = context, head_loss
         self.loss_chunk_size, self.compute_dtype = loss_chunk_size, compute_dtype
         self.fused_chunks = False  # each chunk's math compiled (parallel/compile.py: compile_loss sets it)
         self.terms: dict[str, torch.Tensor] = {}  # the last training call's parts, detached
@@ -126,7 +129,7 @@ class LanguageModelLoss:
                 "set and its plain head (an fp8 head cannot be chunked: keep 'output' in train.fp8_exclude)"
             )
         fn = functools.partial(
-            chunked_cross_entropy,
+            self.head_loss,
             targets=targets,
             chunk=self.loss_chunk_size,
             reduction=red,

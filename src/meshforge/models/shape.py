@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from meshforge.ranges import BLOCKS, TOKENS, WIDTH, Span, ranged, unit, whole
+from meshforge.ranges import BLOCKS, TOKENS, WIDTH, WORDS, Span, ranged, unit, whole
 
 # train.loss_chunk_size's default (models/chunked_loss.py): tokens per chunk, 0.5 GiB of fp32 logits at
 # 128K vocab. Here, beside the shape, so that the config and the planner read it without importing torch.
@@ -34,8 +34,10 @@ class ModelShape:
     """key/value heads for grouped-query attention (must divide `heads`)"""
     ffn_hidden: int = ranged(whole(1, WIDTH))
     """SwiGLU inner width"""
-    vocab_size: int = ranged(whole(1, 2**25))
-    """embedding rows; must be ≥ the tokenizer's vocabulary"""
+    vocab_size: int = ranged(whole(1, 2**25), **{WORDS: ("auto",)})
+    """embedding rows; must be ≥ the tokenizer's vocabulary. `auto` (the default; `meshforge train` only): a
+    `tokenizer.json`'s vocabulary rounded up to a multiple of 64; the preset's with the byte tokenizer or
+    `model.init_from` (whose weights it must match)"""
     max_seq_len: int = ranged(whole(1, TOKENS), 0)
     """longest sequence the model accepts (`train.seq_len` must not exceed it)"""
     norm_eps: float = ranged(unit(lo_open=True), 1e-5)

@@ -27,11 +27,15 @@ from meshforge.launch import env as launch_env
 
 @dataclass
 class Mesh:
+    """This rank's process groups. The ``Layout`` it was built from (``_layout``) is its own: it
+    answers with groups, coordinates and degrees; every layout setting is read from the run
+    plan (``plan.layout``), never through the mesh."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    layout: Layout = field(default_factory=Layout)
+    _layout: Layout = field(default_factory=Layout)
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = (
@@ -43,7 +47,7 @@ class Mesh:
     @property
     def degrees(self) -> dict[str, int]:
         """The whole mesh's degrees (with the island dimension first under DiLoCo)."""
-        return self.layout.mesh_degrees()
+        return self._layout.mesh_degrees()
 
     @property
     def is_main(self) -> bool:
@@ -54,18 +58,25 @@ class Mesh:
         return self.world_size > 1
 
     @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
     def dp_rank(self) -> int:
         return self.coordinate("dp")
 
     @property
     def data_rank(self) -> int:
-        """This rank's slice of a global batch among ``dims.data_ranks`` (islands take their own slices)."""
-        island = self.coordinate(ISLAND) if self.layout.islands > 1 else 0
-        return island * self.layout.dp + self.dp_rank
+        """This rank's slice of a global batch among ``Layout.data_ranks`` (islands take their own slices)."""
+        island = self.coordinate(ISLAND) if self._layout.islands > 1 else 0
+        return island * self._layout.dp + self.dp_rank
+
+    @property
+    def loss_name(self) -> str:
+        """The sub-mesh of the ranks that hold the same parameters and see other tokens: ``dp_cp``,
+        or under cp = 1 ``dp`` (the same ranks, whose name keeps the traffic counted as dp's)."""
+        return "dp_cp" if self._layout.cp > 1 else "dp"
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The group the loss and the gradients average over (``loss_name``); None in a world of one."""
+        return self.group(self.loss_name)
 
     def submesh(self, name: str) -> DeviceMesh:
         """A named dimension or flattened sub-mesh (see module docstring)."""
@@ -81,7 +92,7 @@ class Mesh:
             # PyTorch warns that slicing a flattened dimension from the root may go away; it is
             # the only public way to combine one with another dimension, so keep it in one place.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return self.device_mesh[mesh_slice_names(dims, self.layout.flattened(), self.degrees)]
+            return self.device_mesh[mesh_slice_names(dims, self._layout.flattened(), self.degrees)]
 
     def solo_mesh(self) -> DeviceMesh:
         """A world of one's one-rank FSDP2 mesh (for its bf16 cast once per step and CPU offload),
@@ -104,7 +115,7 @@ class Mesh:
         out: dict[dist.ProcessGroup, str] = {}
         if self.device_mesh is None:
             return out
-        for name in (*self.layout.mesh_degrees(), *self.layout.flattened()):
+        for name in (*self._layout.mesh_degrees(), *self._layout.flattened()):
             sub = self.submesh(name)
             if sub.size() > 1:
                 out.setdefault(sub.get_group(), name)

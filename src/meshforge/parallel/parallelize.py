@@ -1,6 +1,13 @@
-"""The one place that composes parallelism, in a fixed order:
+"""This rank's model, built for the run plan's layout: the one place that composes
+parallelism, in a fixed order:
 
 PP split -> fp8 -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/DDP.
+
+``build_rank_model`` is the trainer's entry: the model on the meta device, parallelized,
+materialised and initialised from train.seed (model.init_from is loaded over it by the
+trainer: checkpoint/weights.py). ``build_loss`` is the run's one loss object, with the
+vocab-parallel head loss (parallel/tensor/vocab_loss.py) installed under tp, and
+``forward_context`` what wraps a forward pass.
 
 The order matters: fp8 swaps linears for torchao's Float8Linear before TP shards their
 weights (as torchtitan converts before parallelizing; converted after TP, its casts meet
@@ -32,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshforge.config.run_plan import RunPlan
-from meshforge.models.llama import Transformer, init_weights
+from meshforge.models.chunked_loss import chunked_cross_entropy
+from meshforge.models.llama import Transformer, build_model, init_weights
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshforge.parallel.compile import compile_blocks
@@ -53,16 +62,39 @@ from meshforge.parallel.pipeline.split import balanced_split, chunk_ranks, give_
 from meshforge.parallel.precision import autocast
 from meshforge.parallel.tensor.apply import apply_tp, loss_context
 from meshforge.parallel.tensor.moe import split_over_tp
+from meshforge.parallel.tensor.vocab_loss import vocab_parallel_cross_entropy
+
+
+@dataclass
+class RankModel:
+    """What ``build_rank_model`` gives the trainer."""
+
+    model: nn.Module  # the parameters this rank holds, under the whole model's names
+    train_model: nn.Module  # what the step calls (model itself, or its DDP wrapper)
+    pipeline: Pipeline | None  # pp > 1: the schedule over this rank's chunks
+
+
+def build_rank_model(plan: RunPlan, mesh: Mesh, loss: LanguageModelLoss) -> RankModel:
+    """This rank's part of the plan's model: built on the meta device, parallelized (a pipeline's
+    last stage computes ``loss``), materialised and initialised from train.seed."""
+    model = build_model(plan.shape, device="meta")
+    if plan.layout.pp > 1:  # model: this rank's chunks, under the whole model's names
+        model, pipeline = parallelize_pipeline(model, plan, mesh, seed=plan.train.seed, loss=loss)
+        return RankModel(model, model, pipeline)
+    return RankModel(model, parallelize(model, plan, mesh, seed=plan.train.seed), None)
 
 
 def build_loss(plan: RunPlan) -> LanguageModelLoss:
     """The one loss object of a run (plain step, pipeline's last stage, evaluation); under
-    tensor parallelism its context is loss_parallel, over vocab-sharded logits. With
-    train.loss_chunk_size the head runs in the loss, in bf16 where the layout autocasts."""
+    tensor parallelism its context is loss_parallel, over vocab-sharded logits, and its chunked
+    head loss the vocab-parallel one. With train.loss_chunk_size the head runs in the loss, in
+    bf16 where the layout autocasts."""
+    tp = plan.layout.tp > 1
     return LanguageModelLoss(
-        context=functools.partial(loss_context, plan.layout.tp > 1),
+        context=functools.partial(loss_context, tp),
         loss_chunk_size=plan.train.loss_chunk_size,
         compute_dtype=torch.bfloat16 if plan.autocast else None,  # else: the hidden states' dtype
+        head_loss=vocab_parallel_cross_entropy if tp else chunked_cross_entropy,
     )
 
 
@@ -84,11 +116,11 @@ def _apply(model: Transformer, plan: RunPlan, mesh: Mesh, seed: int | None) -> N
     if lay.tp > 1:
         apply_tp(model, mesh.submesh("tp"), lay.sequence_parallel, plan.async_tp)
     if lay.ep > 1:
-        apply_ep(model, mesh)
+        apply_ep(model, mesh, lay)
         if lay.tp > 1:  # each tp rank dispatches its share of the slots
             split_over_tp(model, mesh.group("tp"))
     if lay.cp > 1:
-        apply_cp(model, mesh)
+        apply_cp(model, mesh, lay)
         apply_moe_cp(model, mesh.group("cp"))
     apply_activation_checkpoint(blocks, lay.activation_checkpoint)
     if t.compile:  # whole blocks (fullgraph) where they hold (parallel/compile.py)
@@ -96,8 +128,8 @@ def _apply(model: Transformer, plan: RunPlan, mesh: Mesh, seed: int | None) -> N
     if plan.fsdp:
         param_dtype = torch.bfloat16 if t.precision in ("bf16", "fp8") else None
         if lay.ep > 1:  # the experts' own units (over edp) first, then the blocks around them
-            shard_experts(model, mesh, lay.zero_stage, param_dtype)
-        apply_fsdp(model, mesh, lay.zero_stage, param_dtype, offload=lay.offload == "cpu")
+            shard_experts(model, mesh, lay, param_dtype)
+        apply_fsdp(model, mesh, lay, param_dtype)
     offload = plan.fsdp and lay.offload == "cpu"  # sharded state in host memory, buffers on the device
     model.to_empty(device="cpu" if offload else mesh.device)
     if not plan.fsdp:
@@ -138,5 +170,5 @@ def parallelize_pipeline(
     for part, c in zip(parts, mine, strict=True):
         give_positions(part, lambda: pipe.stage_args(), None if c == 0 else plan.train.seq_len)
         _apply(part, plan, mesh, seed)
-    pipe = Pipeline(parts, mine, mesh, loss)
+    pipe = Pipeline(parts, mine, mesh, lay, loss)
     return model_view(parts), pipe

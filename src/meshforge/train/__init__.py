@@ -1,8 +1,7 @@
 """Training, as parts: see loop.py for how they fit together.
 
 Nothing is imported with the package: loop.py brings in DCP, DTensor and the models (~2 s of
-CPU per launch), which the launcher of ``train --nproc N`` never needs. The names load on
-first use (PEP 562)."""
+CPU). The names load on first use (PEP 562)."""
 
 __all__ = ["Trainer", "lr_at", "prepare_run_dir", "train"]
 

@@ -20,7 +20,6 @@ from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenSplit
 from meshforge.models.documents import Documents
 from meshforge.models.loss import LanguageModelLoss
-from meshforge.parallel.context.ring import cp_index
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.runtime import Pipeline
 from meshforge.parallel.tensor.apply import local_value
@@ -33,22 +32,20 @@ class Evaluator:
     def __init__(
         self,
         val: TokenSplit,
-        cfg: RunPlan,
+        plan: RunPlan,
         mesh: Mesh,
+        *,
         model: nn.Module,
         loss: LanguageModelLoss,
         forward_context: Callable[[], contextlib.AbstractContextManager],
         pipeline: Pipeline | None,
-        batch_sizes: tuple[int, int],
-        packing: Packing | None = None,
+        packing: Packing,
     ):
-        """``packing``: the step runner's (positions and packed documents as in training); None: off."""
-        self.val, self.cfg, self.mesh, self.model, self.loss = val, cfg, mesh, model, loss
-        self.forward_context, self.pipeline = forward_context, pipeline
-        self.local_batch, self.micro = batch_sizes  # per dp rank: the whole slice, one micro-batch
-        self.cp_index = cp_index(cfg.train.seq_len, mesh)  # under cp: this rank's tokens of each sequence
-        # positions and packed documents as the step runner gives them (the trainer passes its own)
-        self.packing = packing or Packing(cfg, None, mesh.device, self.cp_index)
+        """``model``, ``loss``, ``forward_context``, ``pipeline`` (None without one) and ``packing``
+        (positions and packed documents) are the step runner's, so evaluation computes as training does."""
+        self.val, self.plan, self.mesh, self.model, self.loss = val, plan, mesh, model, loss
+        self.forward_context, self.pipeline, self.packing = forward_context, pipeline, packing
+        self.cp_index = packing.cp_index  # under cp: this rank's tokens of each sequence
 
     def _batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
         """Inputs and targets of these validation sequences (under cp, this rank's tokens) and their documents."""
@@ -62,12 +59,12 @@ class Evaluator:
 
     def _mine(self) -> tuple[np.ndarray, int]:
         """This dp rank's sequence indices, and the number of sequences over all ranks."""
-        B = self.cfg.train.global_batch_size
-        n = min(self.cfg.train.eval_batches * B, len(self.val) // B * B)
+        B = self.plan.train.global_batch_size
+        n = min(self.plan.train.eval_batches * B, len(self.val) // B * B)
         if n == 0:
             return np.zeros(0, dtype=np.int64), 0
         chosen = np.arange(n, dtype=np.int64) * len(self.val) // n
-        per = n // self.mesh.dp_size
+        per = n // self.plan.layout.dp
         return chosen[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per], n
 
     @torch.no_grad()
@@ -78,15 +75,16 @@ class Evaluator:
         if n == 0:
             return None
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
+        batch = self.plan.batch  # per dp rank: the whole slice (a pipeline's), one micro-batch (else)
         if self.pipeline:  # whole per-rank batches through the schedule, forward only
-            for s in range(0, len(mine), self.local_batch):
-                inputs, targets, docs = self._batch(mine[s : s + self.local_batch])
+            for s in range(0, len(mine), batch.local):
+                inputs, targets, docs = self._batch(mine[s : s + batch.local])
                 self.pipeline.forward_args = lambda a, b, d=docs: self.packing.forward_args(d, a, b)
                 total += self.pipeline.eval_loss(inputs, targets)
             dist.all_reduce(total, group=self.mesh.group("pp"))
         else:
-            for s in range(0, len(mine), self.micro):
-                inputs, targets, docs = self._batch(mine[s : s + self.micro])
+            for s in range(0, len(mine), batch.micro):
+                inputs, targets, docs = self._batch(mine[s : s + batch.micro])
                 with self.forward_context():
                     logits = self.model(inputs, **self.packing.forward_args(docs, 0, inputs.shape[0]))
                 with self.loss.context():
@@ -94,5 +92,5 @@ class Evaluator:
                 total += local_value(loss).double()
         if self.mesh.distributed:
             # token sums: over dp x cp every token of the n sequences is counted once
-            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.layout.cp > 1 else "dp"))
-        return float(total) / (n * self.cfg.train.seq_len)
+            dist.all_reduce(total, group=self.mesh.loss_group)
+        return float(total) / (n * self.plan.train.seq_len)

@@ -1,17 +1,21 @@
-"""The training loop: one rank's Trainer holds the run's parts, ``train`` runs it.
+"""One rank's run, from the plan its launch accepted to the last step: ``train(plan)`` joins
+the process group, agrees with the other ranks where the run starts, and runs the ``Trainer``.
 
-Parts, each given only what it needs: the train state (checkpoint/train_state.py), the
-optimizer and LR schedule (optimizer.py), the step runner (step.py), the evaluator
-(evaluate.py), checkpoints (checkpoint/run_checkpoints.py), the run log (run_log.py: events,
-console, records, summary), what a measured step gathers (measure.py), the health keeper
-(health/keeper.py), the profiler and step clock (metrics/instruments.py), and the run's
-hooks, where fault injection attaches (health/fault_hooks.py, health/faults.py). A step is *measured* (syncs,
-collectives, comm counting) only when logged, last, or drawn as a Gantt chart; see
-docs/metrics.md.
+The Trainer holds the run's parts and gives each, by name, only what it needs: the model
+(parallel/parallelize.py's ``build_rank_model``; model.init_from loaded over it), the loss
+and what wraps a forward (built once, shared by the step runner and the evaluator), the
+optimizer and LR schedule (optimizer.py), the train state (checkpoint/train_state.py), the
+step runner (step.py), the evaluator (evaluate.py), checkpoints
+(checkpoint/run_checkpoints.py), the run log (run_log.py: events, console, records, summary),
+what a measured step gathers (step_stats.py), the health keeper (health/keeper.py), the
+profiler and step clock (metrics/instruments.py), and the run's hooks, where fault injection
+attaches (health/fault_hooks.py, health/faults.py). A step is *measured* (syncs, collectives,
+comm counting) only when logged, last, or drawn as a Gantt chart; see docs/metrics.md.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,17 +23,19 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from meshforge.checkpoint import store
+from meshforge.checkpoint.resume_point import find_resume_point
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints, read_resume_point
 from meshforge.checkpoint.train_state import TrainState
-from meshforge.config import Config
+from meshforge.checkpoint.weights import load_pretrained_into
 from meshforge.config.run_plan import RunPlan
 from meshforge.data.corpus import open_data, separator_warning
 from meshforge.data.dataset import TokenDataset
 from meshforge.data.sampler import GlobalBatchSampler
-from meshforge.guards import run_lock
-from meshforge.guards.preflight import launch_plan
+from meshforge.guards.preflight import resuming
 from meshforge.health import faults
 from meshforge.health.fault_hooks import RunHooks
+from meshforge.health.flight_recorder import ENV as FLIGHT_RECORDER_ENV
 from meshforge.health.keeper import HealthKeeper
 from meshforge.launch import env as launch_env
 from meshforge.launch import startup_gc
@@ -38,18 +44,71 @@ from meshforge.metrics.logged_steps import is_logged
 from meshforge.metrics.step_result import StepResult
 from meshforge.parallel.diloco.outer import build_diloco
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
-from meshforge.parallel.parallelize import build_loss, forward_context
+from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
 from meshforge.train.evaluate import Evaluator
 from meshforge.train.failure import on_failure
-from meshforge.train.model_setup import build_rank_model
 from meshforge.train.moe_stats import install_step_hook
 from meshforge.train.optimizer import build_optimizer, build_scheduler
 from meshforge.train.rollback import roll_back
-from meshforge.train.run_dir import agree_on_start
+from meshforge.train.run_dir import event_writer
 from meshforge.train.run_log import RunLog
 from meshforge.train.step import PipelineStep, PlainStep
 from meshforge.train.step_stats import StepMeasures
 from meshforge.train.stop import StopRequest
+
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def train(plan: RunPlan, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run training on this rank; ``plan`` is the launch's verdict (guards/preflight.py), never
+    resolved or checked again here. Returns the run's summary."""
+    if not isinstance(plan, RunPlan):
+        raise TypeError(
+            f"train takes the run plan the pre-flight accepted (guards/preflight.py), not {type(plan).__name__}"
+        )
+    if plan.train.deterministic:  # (before the process group starts, as the flight recorder's)
+        for k, v in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(k, v)
+    os.environ.setdefault(*FLIGHT_RECORDER_ENV)  # the hang watchdog reads it
+    was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
+    clean = False
+    mesh = build_mesh(plan.layout, plan.train.device, cpu_backend=plan.layout.offload == "cpu")
+    try:
+        plan, resume = agree_on_start(plan, mesh)
+        try:
+            result = Trainer(plan, mesh, stream, resume=Path(resume) if resume else None).fit()
+            clean = True
+            return result
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            instead = on_failure(plan, mesh.rank, mesh.world_size, e)
+            if instead is not None:
+                raise instead from None
+            raise
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        shutdown(clean)
+
+
+def agree_on_start(plan: RunPlan, mesh: Mesh) -> tuple[RunPlan, str | None]:
+    """Rank 0 knows where the run starts: run.dir and the checkpoint its pre-flight picked for this
+    elastic attempt (a later attempt looks again: the failed one may have saved since); it clears
+    what a save cut short left, names the checkpoints passed over, and every rank gets both."""
+    resume = None
+    if mesh.is_main:
+        store.clean_incomplete(Path(plan.run.dir) / "checkpoints")
+        point = plan.resume
+        if point is None or point.attempt != launch_env.restart_count():
+            point = find_resume_point(plan, resuming(plan), len(open_data(plan, plan.shape).train))
+        for path, why in point.skipped:
+            event_writer(plan.run.dir)("checkpoint_skipped", level="warning", path=path, reason=why)
+        resume = point.path
+    if not mesh.distributed:
+        return plan, resume
+    obj = [plan.run.dir, resume]  # (under plain torchrun only rank 0's pre-flight picked run.dir)
+    dist.broadcast_object_list(obj, src=0)
+    return plan.with_run_dir(obj[0]), obj[1]
 
 
 def open_data_in_turn(plan: RunPlan, mesh: Mesh) -> TokenDataset:
@@ -66,7 +125,7 @@ class Trainer:
     """One rank's training run: the parts, and the loop over them."""
 
     def __init__(self, plan: RunPlan, mesh: Mesh, stream: TextIO | None = None, resume: Path | None = None):
-        """``plan`` is the run resolved once per launch by ``train``; ``mesh`` is built from its layout."""
+        """``plan``: the launch's verdict, with the run.dir the ranks agreed on; ``mesh``: its layout's groups."""
         self.plan, self.mesh = plan, mesh
         t = plan.train
         if t.deterministic:
@@ -74,11 +133,16 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.data = open_data_in_turn(plan, mesh)
         self.loss = build_loss(plan)
+        self.forward = forward_context(plan, mesh.device)  # what wraps a forward: the step's and evaluation's
         built = build_rank_model(plan, mesh, self.loss)
         self.model, self.pipeline = built.model, built.pipeline
+        if plan.model.init_from:
+            load_pretrained_into(self.model, plan.shape, plan.model.init_from)
         self.optimizer = build_optimizer(self.model, plan, mesh)
         install_step_hook(self.optimizer, self.model, self.loss, mesh)  # MoE balance bias, the step's loss parts
-        self.diloco = build_diloco(plan.diloco, plan.shape.layers, mesh, self.model, self.optimizer)  # islands > 1
+        self.diloco = build_diloco(
+            plan.diloco, plan.layout.islands, plan.shape.layers, mesh, self.model, self.optimizer
+        )
         sampler = GlobalBatchSampler(len(self.data.train), t.global_batch_size, t.seed)
         self.state = TrainState(sampler, t.global_batch_size * t.seq_len)
         self.log = RunLog(plan, mesh, stream)
@@ -86,8 +150,16 @@ class Trainer:
             self.log.event("warning", key="data.document_mask", message=line)
             self.log.say(f"warning: {line}")
         self.hooks = RunHooks()
-        parts = (self.model, self.optimizer, self.state)
-        self.checkpoints = RunCheckpoints(plan, mesh, *parts, self.log.event, self.diloco, self.hooks)
+        self.checkpoints = RunCheckpoints(
+            plan,
+            mesh,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=self.state,
+            event=self.log.event,
+            diloco=self.diloco,
+            hooks=self.hooks,
+        )
         self._resume(resume)
         self.scheduler = build_scheduler(self.optimizer, plan, self.state.step)
         self.runner = self._runner(built.train_model)
@@ -95,19 +167,44 @@ class Trainer:
 
     def _watch(self) -> None:
         """The evaluator and what watches the steps: measures, health, instruments, fault hooks."""
-        plan, mesh, report = self.plan, self.mesh, (self.log.event, self.log.say)
-        forward = forward_context(plan, mesh.device)
-        batches = (plan.local_batch, plan.micro_batch)
-        parts = (self.model, self.loss, forward, self.pipeline, batches, self.runner.packing)
-        self.evaluate = Evaluator(self.data.val, plan, mesh, *parts)
-        parts = (self.model, self.loss, self.pipeline)
-        self.measures = StepMeasures(plan, mesh, parts, self.runner.reduce_loss, self.log.event)
+        plan, mesh, log = self.plan, self.mesh, self.log
+        self.evaluate = Evaluator(
+            self.data.val,
+            plan,
+            mesh,
+            model=self.model,
+            loss=self.loss,
+            forward_context=self.forward,
+            pipeline=self.pipeline,
+            packing=self.runner.packing,
+        )
+        model, loss, pipeline, reduce_loss = self.model, self.loss, self.pipeline, self.runner.reduce_loss
+        self.measures = StepMeasures(
+            plan, mesh, model=model, loss=loss, pipeline=pipeline, reduce_loss=reduce_loss, event=log.event
+        )
         called = list(self.pipeline.parts) if self.pipeline else [self.model]  # the modules a forward calls
-        keeper = (self.runner, self.model, called, report, self.hooks, self._samples_before)
-        self.health = HealthKeeper(plan, mesh, *keeper)
-        logs = (self.log.logger, self.log.metrics, *report)
-        first = _first_forward(self.model, self.pipeline)
-        self.instruments = StepInstruments(plan, mesh, first, self.optimizer, self.measures.comm, logs)
+        self.health = HealthKeeper(
+            plan,
+            mesh,
+            runner=self.runner,
+            model=self.model,
+            called=called,
+            event=log.event,
+            say=log.say,
+            hooks=self.hooks,
+            samples=self._samples_before,
+        )
+        self.instruments = StepInstruments(
+            plan,
+            mesh,
+            first_forward=_first_forward(self.model, self.pipeline),
+            optimizer=self.optimizer,
+            comm=self.measures.comm,
+            logger=log.logger,
+            metrics=log.metrics,
+            event=log.event,
+            say=log.say,
+        )
         faults.attach(self.hooks, mesh.rank, called)
 
     def _resume(self, resume: Path | None) -> None:
@@ -122,12 +219,10 @@ class Trainer:
 
     def _runner(self, train_model: torch.nn.Module) -> PlainStep | PipelineStep:
         common = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "loss": self.loss}
-        common.update(plan=self.plan, mesh=self.mesh, eos_id=self.data.eos_id)
+        common["eos_id"] = self.data.eos_id
         if self.pipeline:
-            return PipelineStep(self.pipeline, **common)
-        lay, forward = self.plan.layout, forward_context(self.plan, self.mesh.device)
-        micro = (self.plan.micro_batch, self.plan.microbatches)
-        return PlainStep(train_model, forward, *micro, lay.sync_every_microbatch, **common)
+            return PipelineStep(self.plan, self.mesh, pipeline=self.pipeline, **common)
+        return PlainStep(self.plan, self.mesh, train_model=train_model, forward_context=self.forward, **common)
 
     def _samples_before(self, lag: int) -> list[int]:
         """The sample indices of the batch ``lag`` steps before the last one taken (for spike events)."""
@@ -137,7 +232,7 @@ class Trainer:
     def step_once(self, measure: bool = True) -> StepResult:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
-        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.mesh.layout.data_ranks)
+        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.plan.layout.data_ranks)
         host = self.data.train.get(idx)
         documents = self.runner.packing.documents(host)  # read from the host tokens: no device sync
         batch = host.to(self.mesh.device, non_blocking=True)
@@ -175,7 +270,7 @@ class Trainer:
             self.log.event("nothing_to_do", step=st.step, steps=t.steps)
             self.log.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
             return {"steps": st.step, "interrupted": False, "tokens": st.tokens_seen, "already_done": True}
-        self.log.announce(self.model, self.data, self.plan.micro_batch, self.runner_accum())
+        self.log.announce(self.model, self.data)
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
             n = st.step + 1
@@ -196,9 +291,6 @@ class Trainer:
         val_loss = self._evaluate_and_log() if t.eval_batches else None
         return self._finish(interrupted, time.perf_counter() - t_start, val_loss)
 
-    def runner_accum(self) -> int:
-        return 1 if self.pipeline else self.plan.microbatches  # a pipeline's schedule runs its micro-batches
-
     def _one_step(self, n: int, logged: bool, last: bool) -> bool:
         """Step ``n`` with its watchers, record and checkpoint; False when it rolled back instead."""
         self.health.before_step(n, logged)
@@ -209,7 +301,7 @@ class Trainer:
         self.instruments.after_step(n)
         if self.health.after_step(n):
             self.health.guard.pending = []  # steps about to be undone
-            roll_back(n, self.checkpoints, self.state, self.mesh, (self.log.event, self.log.say))
+            roll_back(n, self.checkpoints, self.state, self.mesh, event=self.log.event, say=self.log.say)
             self.reposition_schedule()
             return False
         self.hooks.run_after(self.state.step)
@@ -248,30 +340,3 @@ def _first_forward(model: torch.nn.Module, pipe: Any) -> list[torch.nn.Module]:
     if pipe is None:
         return [model]
     return [pipe.parts[pipe.chunks.index(0)]] if pipe.has_first else []
-
-
-def train(cfg: Config | RunPlan, stream: TextIO | None = None) -> dict[str, Any]:
-    """Run training on this rank: ``cfg`` is resolved here, once, for the process group's world
-    (or is that plan already: ``launch_plan``'s, whose checks refuse before anything is written)."""
-    plan = cfg if isinstance(cfg, RunPlan) else launch_plan(cfg, launch_env.world_size())
-    was_deterministic = torch.are_deterministic_algorithms_enabled()  # process-wide: put back at the end
-    clean = False
-    mesh = build_mesh(plan.layout, plan.train.device, cpu_backend=plan.layout.offload == "cpu")
-    try:
-        plan, resume = agree_on_start(plan, mesh)
-        try:
-            result = Trainer(plan, mesh, stream, resume=Path(resume) if resume else None).fit()
-            clean = True
-            return result
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            instead = on_failure(plan, mesh.rank, mesh.world_size, e)
-            if instead is not None:
-                raise instead from None
-            raise
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-        shutdown(clean)
-        if launch_env.rank() == 0:
-            run_lock.release(Path(plan.run.dir))

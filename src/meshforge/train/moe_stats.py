@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.config.layout import Layout
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.models.moe import end_step, is_moe_layer, moe_layers
 from meshforge.parallel.expert.dispatch import a2a_bytes_formula
@@ -23,10 +24,10 @@ from meshforge.parallel.mesh import Mesh
 
 
 def data_group(mesh: Mesh) -> dist.ProcessGroup | None:
-    """The ranks that hold the same layers and see other tokens (whose loads add up)."""
-    if not mesh.distributed or mesh.layout.dp_cp == 1:
-        return None
-    return mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
+    """The ranks that hold the same layers and see other tokens (whose loads add up): the loss
+    group, None where it is this rank alone."""
+    group = mesh.loss_group
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def install_step_hook(optimizer: torch.optim.Optimizer, model: nn.Module, loss: LanguageModelLoss, mesh: Mesh) -> None:
@@ -47,7 +48,13 @@ def install_step_hook(optimizer: torch.optim.Optimizer, model: nn.Module, loss: 
 
 
 def moe_record(
-    model: nn.Module, loss: LanguageModelLoss, mesh: Mesh, reduce_loss: Any, args: Any, tokens_per_rank: int
+    model: nn.Module,
+    loss: LanguageModelLoss,
+    mesh: Mesh,
+    lay: Layout,
+    reduce_loss: Any,
+    args: Any,
+    tokens_per_rank: int,
 ) -> dict[str, Any]:
     """A logged step's MoE figures (a collective over the data-parallel ranks: every rank calls it).
 
@@ -58,22 +65,22 @@ def moe_record(
     names = ["lm_loss", "aux_loss", "z_loss"]
     parts = torch.stack([loss.step_terms.get(n, torch.zeros((), device=mesh.device)).float() for n in names])
     out: dict[str, Any] = dict(zip(names, reduce_loss(parts).tolist(), strict=True))
-    out.update(expert_load(model, mesh))
+    out.update(expert_load(model, mesh, lay.pp))
     elem = next((m.dispatcher.elem_bytes for m in moe_layers(model).values() if hasattr(m.dispatcher, "elem_bytes")), 0)
-    if mesh.layout.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
-        tokens = tokens_per_rank // mesh.layout.tp  # under tp each tp rank dispatches its share of the slots
+    if lay.ep > 1 and elem:  # compare with comm_bytes["ep"] (this rank's; their mean over ep ranks matches)
+        tokens = tokens_per_rank // lay.tp  # under tp each tp rank dispatches its share of the slots
         every = sum(1 for i in range(args.layers) if is_moe_layer(args, i))
         mine = len(moe_layers(model))  # a pipeline stage holds some of the layers
-        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens, elem, mesh.layout.ep) * mine / every
+        out["ep_a2a_bytes_formula"] = a2a_bytes_formula(args, tokens, elem, lay.ep) * mine / every
     return out
 
 
-def expert_load(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
+def expert_load(model: nn.Module, mesh: Mesh, pp: int) -> dict[str, Any]:
     """Per MoE layer: max/mean tokens per expert, their coefficient of variation and the
     dropped fraction, over the whole global batch of the last step. Under pp each stage
     computes its own layers' and rank 0 gathers them (the others return their own)."""
     rows, drops = _stage_load(model, mesh)
-    if mesh.layout.pp > 1:
+    if pp > 1:
         rows, drops = _gather_stages(rows, drops, mesh)
     if not rows:
         return {}
@@ -112,7 +119,7 @@ def _gather_stages(
     """Every pipeline stage's layer figures on pp rank 0 (a collective over the pp group)."""
     group = mesh.group("pp")
     first = mesh.coordinate("pp") == 0
-    every: list[Any] | None = [None] * mesh.layout.pp if first else None
+    every: list[Any] | None = [None] * dist.get_world_size(group) if first else None
     dist.gather_object((rows, drops), every, dst=dist.get_global_rank(group, 0), group=group)
     if not first or every is None:
         return rows, drops

@@ -3,7 +3,7 @@
 The schedule is linear warmup, then cosine / linear decay (or constant) to a floor of
 optim.lr x optim.min_lr_ratio, reached at optim.decay_steps (default train.steps).
 ``lr_at`` is the formula; the scheduler applies it with base LR 1.0, so the LR an
-optimizer step uses is exactly ``lr_at(cfg, step)``. After a checkpoint load the scheduler
+optimizer step uses is exactly ``lr_at(plan, step)``. After a checkpoint load the scheduler
 is built at the resumed step (the schedule is a pure function of the step, so nothing
 else needs saving).
 """
@@ -21,15 +21,15 @@ from meshforge.parallel.data.apply import make_optimizer
 from meshforge.parallel.mesh import Mesh
 
 
-def lr_at(cfg: RunPlan, step: int) -> float:
+def lr_at(plan: RunPlan, step: int) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to a floor."""
-    o = cfg.optim
+    o = plan.optim
     peak, floor = o.lr, o.lr * o.min_lr_ratio
     if step < o.warmup_steps:
         return peak * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
         return peak
-    end = o.decay_steps or cfg.train.steps
+    end = o.decay_steps or plan.train.steps
     progress = min(1.0, (step - o.warmup_steps) / max(1, end - o.warmup_steps))
     if o.schedule == "linear":
         return peak - (peak - floor) * progress
@@ -49,17 +49,14 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, mesh: Mesh) -> torch.
     kw: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw.update(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    p = plan.layout
-    return make_optimizer(
-        groups, torch.optim.AdamW, kw, mesh, p.zero_stage, plan.flat_zero1, p.grad_reduce_dtype, plan.microbatches
-    )
+    return make_optimizer(groups, torch.optim.AdamW, kw, mesh, plan.layout, plan.flat_zero1, plan.batch.count)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunPlan, step: int = 0) -> LambdaLR:
-    """The schedule, positioned so the next optimizer step (``step``, 0-based) uses ``lr_at(cfg, step)``."""
+def build_scheduler(optimizer: torch.optim.Optimizer, plan: RunPlan, step: int = 0) -> LambdaLR:
+    """The schedule, positioned so the next optimizer step (``step``, 0-based) uses ``lr_at(plan, step)``."""
     for g in optimizer.param_groups:
         g["initial_lr"] = 1.0  # the lambda returns the LR itself
-    return LambdaLR(optimizer, lambda s: lr_at(cfg, s), last_epoch=step - 1)
+    return LambdaLR(optimizer, lambda s: lr_at(plan, s), last_epoch=step - 1)
 
 
 def current_lr(scheduler: LambdaLR) -> float:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from meshforge.checkpoint import store
 from meshforge.checkpoint.run_checkpoints import RunCheckpoints
-from meshforge.checkpoint.saver import resolve_load
+from meshforge.checkpoint.saver import checkpoint_to_load
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.health.keeper import HealthStop
 from meshforge.metrics.sinks import trim_metrics
@@ -24,16 +24,17 @@ def roll_back(
     checkpoints: RunCheckpoints,
     state: TrainState,
     mesh: Mesh,
-    report: tuple[Callable[..., Any], Callable[[str], None]],
+    *,
+    event: Callable[..., Any],
+    say: Callable[[str], None],
 ) -> None:
     """Load the newest complete checkpoint into the model, optimizer and ``state``, keeping the
-    sampler just past the bad batch; ``report``: the run log's event and say."""
-    event, say = report
+    sampler just past the bad batch; ``event``, ``say``: the run log's."""
     checkpoints.checkpointer.wait()
     consumed = state.sampler.consumed  # just past the bad batch
     run_dir = checkpoints.run_dir
     root = run_dir / "checkpoints"
-    found = [str(resolve_load("latest", root, event)[0] or "")] if mesh.is_main else [""]
+    found = [str(checkpoint_to_load("latest", root, event)[0] or "")] if mesh.is_main else [""]
     if mesh.distributed:
         dist.broadcast_object_list(found, src=0)
     if not found[0]:

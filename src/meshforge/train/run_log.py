@@ -51,7 +51,7 @@ class RunLog:
         if self.logger:
             self.logger.print(text)
 
-    def announce(self, model: nn.Module, data: TokenDataset, micro: int, accum: int) -> None:
+    def announce(self, model: nn.Module, data: TokenDataset) -> None:
         """The run_start event and line; what resolution changed, the fp8 boundary and the compile plan."""
         plan, device = self.plan, self.mesh.device
         params = num_params(plan.shape)
@@ -60,7 +60,7 @@ class RunLog:
         world = self.mesh.world_size
         start = {"world_size": world, "device": str(device), "device_name": name, "precision": precision}
         self.event("run_start", **start, params=params, peak_flops=self.peak, plan=plan.decisions())
-        self.say(start_line(plan, params, world, device, precision, accum, micro, data))
+        self.say(start_line(plan, params, world, device, precision, data))
         for change in plan.changes:  # what the resolution set differently from the config, and why
             self.event("config_changed", key=change.key, given=change.given, used=change.used, reason=change.reason)
             self.say(f"note: {change.line()}")

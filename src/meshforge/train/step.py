@@ -46,28 +46,30 @@ class StepRunner:
 
     def __init__(
         self,
+        plan: RunPlan,
+        mesh: Mesh,
+        *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: LambdaLR,
         loss: LanguageModelLoss,
-        plan: RunPlan,
-        mesh: Mesh,
         eos_id: int | None = None,
     ):
-        """``eos_id``: the corpus's end-of-text token, where packed documents end (train/packing.py)."""
+        """``model``: this rank's parameters; ``eos_id``: the corpus's end-of-text token, where
+        packed documents end (train/packing.py)."""
         self.model, self.optimizer, self.scheduler, self.loss = model, optimizer, scheduler, loss
-        self.mesh, self.sharded = mesh, plan.fsdp
+        lay = plan.layout
+        self.mesh, self.sharded, self.dp_cp = mesh, plan.fsdp, lay.dp_cp
         self.pre_update: Callable[[], None] | None = None
         self.max_norm = plan.train.grad_clip or float("inf")
-        self.offload = plan.layout.offload == "cpu"
-        self.match_layouts = plan.layout.tp > 1 and not plan.fsdp
+        self.offload = lay.offload == "cpu"
+        self.match_layouts = lay.tp > 1 and not plan.fsdp
         self.fp8_scales = plan.fp8_all_gather  # fp8 all-gather: weight scales precomputed per step
         # once per run; under cp, this rank's token index (its slice of inputs, targets, positions)
-        seq = plan.train.seq_len
-        self.cp_index = cp_index(seq, mesh)
+        self.cp_index = cp_index(plan.train.seq_len, mesh, lay)
         self.packing = Packing(plan, eos_id, mesh.device, self.cp_index)  # positions, and documents per batch
         # the loss as one compiled call (parallel/compile.py); under tp its loss-parallel DTensors stay eager
-        self.loss_fn = compile_loss(loss) if plan.train.compile and plan.layout.tp == 1 else loss
+        self.loss_fn = compile_loss(loss) if plan.train.compile and lay.tp == 1 else loss
 
     def run(self, batch: torch.Tensor, measure: bool, documents: Documents | None = None) -> StepResult:
         """Forward/backward over this rank's slice ``batch`` (sequences of seq_len + 1 tokens), then one
@@ -120,10 +122,9 @@ class StepRunner:
         total = loss.detach().clone()
         for group in self.loss_groups:
             dist.all_reduce(total, group=group)
-        n = self.mesh.layout.dp_cp  # cp ranks hold equal token counts: their mean losses average like dp's
-        if n > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp_cp" if self.mesh.layout.cp > 1 else "dp"))
-            total /= n
+        if self.dp_cp > 1:  # cp ranks hold equal token counts: their mean losses average like dp's
+            dist.all_reduce(total, group=self.mesh.loss_group)
+            total /= self.dp_cp
         return total
 
 
@@ -133,16 +134,19 @@ class PlainStep(StepRunner):
 
     def __init__(
         self,
+        plan: RunPlan,
+        mesh: Mesh,
+        *,
         train_model: nn.Module,
         forward_context: Callable[[], contextlib.AbstractContextManager],
-        micro: int,
-        accum: int,
-        sync_every_microbatch: bool,
         **common: Any,
     ):
-        super().__init__(**common)
+        """``train_model``: what the forward calls (the model, or its DDP wrapper); ``forward_context``:
+        what wraps it (parallelize.forward_context); ``common``: the StepRunner's."""
+        super().__init__(plan, mesh, **common)
         self.train_model, self.forward_context = train_model, forward_context
-        self.micro, self.accum, self.sync_all = micro, accum, sync_every_microbatch
+        self.micro, self.accum = plan.batch.micro, plan.batch.count  # the plan's one split of the batch
+        self.sync_all = plan.layout.sync_every_microbatch
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, measure: bool, documents: Documents | None
@@ -168,8 +172,8 @@ class PipelineStep(StepRunner):
     """The schedule runs the micro-batches; the loss is known on the last stage (summed over
     the pp group to share it), the gradient norm adds up over the stages."""
 
-    def __init__(self, pipeline: Pipeline, **common: Any):
-        super().__init__(**common)
+    def __init__(self, plan: RunPlan, mesh: Mesh, *, pipeline: Pipeline, **common: Any):
+        super().__init__(plan, mesh, **common)
         self.pipeline = pipeline
         self.loss_groups = (self.mesh.group("pp"),)
         self.stage_group = self.mesh.group("pp")

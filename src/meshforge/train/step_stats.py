@@ -29,16 +29,20 @@ class StepMeasures:
         self,
         plan: RunPlan,
         mesh: Mesh,
-        parts: tuple[nn.Module, LanguageModelLoss, Pipeline | None],
+        *,
+        model: nn.Module,
+        loss: LanguageModelLoss,
+        pipeline: Pipeline | None,
         reduce_loss: Callable[[torch.Tensor], torch.Tensor],
         event: Callable[..., None],
     ):
-        """``parts``: this rank's model, the loss and the pipeline (None without one)."""
+        """``model``: this rank's parameters; ``pipeline``: None without one; ``reduce_loss``: the
+        step runner's; ``event``: the run log's."""
         self.plan, self.mesh, self.reduce_loss, self.event = plan, mesh, reduce_loss, event
-        self.model, self.loss, self.pipeline = parts
+        self.model, self.loss, self.pipeline = model, loss, pipeline
         self.comm = CommCounter(mesh.groups_by_axis()) if mesh.distributed else None
         self.gantt_step = min(3, plan.train.steps) if self.pipeline else 0  # past the first steps' warm-up
-        self.tokens_per_rank = plan.local_batch * plan.train.seq_len // plan.layout.cp
+        self.tokens_per_rank = plan.batch.local * plan.train.seq_len // plan.layout.cp
         self.extra: dict[str, Any] = {}
         self.spans: list[float] = []  # packed documents: each step's attention span since the last measured step
 
@@ -73,7 +77,10 @@ class StepMeasures:
         """The measured step's figures (collectives: every rank calls it)."""
         span = self._span()
         pp_stats = gather_pipeline_stats(self.pipeline, self.mesh) if self.pipeline else {}
-        moe = moe_record(self.model, self.loss, self.mesh, self.reduce_loss, self.plan.shape, self.tokens_per_rank)
+        plan = self.plan
+        moe = moe_record(
+            self.model, self.loss, self.mesh, plan.layout, self.reduce_loss, plan.shape, self.tokens_per_rank
+        )
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
         comm = self.comm.snapshot() if self.comm else {}

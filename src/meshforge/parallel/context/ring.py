@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.config.layout import Layout
 from meshforge.models.documents import Documents
 from meshforge.parallel import comm_stats
 from meshforge.parallel.context.document_ring import BlockWork, RingPlan, plan_ring
@@ -282,17 +283,16 @@ class RingAttention(nn.Module):
         return documents.cached(("ring", r.cp, r.rank, r.balance), lambda: plan_ring(documents, r.ids, r.rank, r.cp, n))
 
 
-def apply_cp(model: nn.Module, mesh: Mesh) -> None:
+def apply_cp(model: nn.Module, mesh: Mesh, lay: Layout) -> None:
     """Swap every block's attention core for ring attention over the ``cp`` mesh dimension."""
-    p = mesh.layout
     for block in model.layers.values():
         block.attention.core = RingAttention(
-            mesh.group("cp"), mesh.coordinate("cp"), mesh.layout.cp, p.cp_balance, p.cp_rotate
+            mesh.group("cp"), mesh.coordinate("cp"), lay.cp, lay.cp_balance, lay.cp_rotate
         )
 
 
-def cp_index(seq_len: int, mesh: Mesh) -> torch.Tensor | None:
+def cp_index(seq_len: int, mesh: Mesh, lay: Layout) -> torch.Tensor | None:
     """This rank's token index into each sequence (None without context parallelism)."""
-    if mesh.layout.cp == 1:
+    if lay.cp == 1:
         return None
-    return shard_index(seq_len, mesh.layout.cp, mesh.coordinate("cp"), mesh.layout.cp_balance, mesh.device)
+    return shard_index(seq_len, lay.cp, mesh.coordinate("cp"), lay.cp_balance, mesh.device)

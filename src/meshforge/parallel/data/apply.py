@@ -33,9 +33,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # private: used here only
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: here and chunked_loss
+from torch.distributed.tensor._utils import (
+    compute_local_shape_and_global_offset,
+)  # private: here and tensor/vocab_loss.py
 from torch.nn.parallel import DistributedDataParallel
 
+from meshforge.config.layout import Layout
 from meshforge.parallel.data.zero1 import FlatZero1
 from meshforge.parallel.mesh import Mesh
 
@@ -48,7 +51,7 @@ def apply_ddp(model: nn.Module, mesh: Mesh, bucket_cap_mb: int = 25) -> nn.Modul
     built in, but through torch.distributed's Python API, so the communication counter
     (comm_stats.py) sees the bytes.
     """
-    group = mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
+    group = mesh.loss_group
     ddp = DistributedDataParallel(
         model,
         process_group=group,
@@ -78,22 +81,20 @@ class AllReduceScatter(ReduceScatter):
         return None
 
 
-def _fsdp_mesh(mesh: Mesh, zero_stage: int) -> DeviceMesh:
+def _fsdp_mesh(mesh: Mesh, lay: Layout) -> DeviceMesh:
     """The mesh FSDP2 shards over: (dp, cp) replicated for stage 0, (dp_replicate, dp_shard x cp)
     for HSDP, dp_shard x cp otherwise; a world of one's one-rank mesh."""
     if mesh.device_mesh is None:
         return mesh.solo_mesh()
-    if zero_stage < 2:
+    if lay.zero_stage < 2:
         return mesh.slice(("dp", "cp"))
-    shard = "dp_shard_cp" if mesh.layout.cp > 1 else "dp_shard"
-    if mesh.layout.dp_replicate > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
+    shard = "dp_shard_cp" if lay.cp > 1 else "dp_shard"
+    if lay.dp_replicate > 1:  # HSDP: shard within a group (its cp ranks too), replicate across
         return mesh.slice(("dp_replicate", shard))
     return mesh.slice((shard,))
 
 
-def apply_fsdp(
-    model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None, offload: bool = False
-) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: Mesh, lay: Layout, param_dtype: torch.dtype | None) -> nn.Module:
     """Stages 2 and 3 (and HSDP): FSDP2 ``fully_shard`` per block, then the rest.
 
     The embedding and the final norm + head get units of their own (unless tied), so the
@@ -105,21 +106,21 @@ def apply_fsdp(
     rank, which is DDP's all-reduce of gradients.
 
     A world of one runs on a one-rank mesh (Mesh.solo_mesh): FSDP2 then only casts (bf16
-    parameters once per micro-batch, fp32 gradients) and, with ``offload``, keeps the state on
+    parameters once per micro-batch, fp32 gradients) and, with CPU offload, keeps the state on
     the host. DDP's layouts in bf16 (stage 0) are the (dp, cp) replicate case above.
 
-    ``offload``: FSDP2's CPUOffloadPolicy keeps the sharded parameters and gradients in
+    ``parallel.offload = "cpu"``: FSDP2's CPUOffloadPolicy keeps the sharded parameters and gradients in
     (pinned) host memory and the optimizer steps there; each unit's parameters are copied to
     the device for its all-gather (ZeRO-Infinity's idea, host memory only).
     """
-    fsdp_mesh = _fsdp_mesh(mesh, zero_stage)
+    fsdp_mesh = _fsdp_mesh(mesh, lay)
     # Under TP the embedding unit returns a view; the model never changes it in place, which
     # is what FSDP2's warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard = zero_stage == 3  # (stage 0 on a one-rank shard has nothing to reshard)
+    reshard = lay.zero_stage == 3  # (stage 0 on a one-rank shard has nothing to reshard)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    if offload:  # (pinning needs a GPU; a CPU run only offloads in tests)
+    if lay.offload == "cpu":  # (pinning needs a GPU; a CPU run only offloads in tests)
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
     blocks = list(model.layers.values())
     units: list[FSDPModule] = []
@@ -148,21 +149,20 @@ def make_optimizer(
     cls: type[torch.optim.Optimizer],
     kwargs: dict,
     mesh: Mesh,
-    zero_stage: int,
+    lay: Layout,
     flat_zero1: bool = False,
-    grad_reduce_dtype: str = "fp32",
     microbatches: int = 1,
 ) -> torch.optim.Optimizer:
-    """Stage 1 shards the optimizer over the ``dp`` group (``dp_cp`` under cp > 1: cp ranks hold
+    """Stage 1 shards the optimizer over the mesh's loss group (dp, or dp x cp: cp ranks hold
     the same parameters and gradients, so they share the state like dp ranks); sharded stages
     shard it through their params. ``flat_zero1`` (the run plan's bf16 stage 1) holds bf16
     working state and shards fp32 master + Adam (parallel/data/zero1.py), reducing its gradients
-    bucket by bucket during the last of ``microbatches`` backward passes."""
-    group = mesh.group("dp_cp" if mesh.layout.cp > 1 else "dp")
+    (in parallel.grad_reduce_dtype) bucket by bucket during the last of ``microbatches`` backward passes."""
+    group = mesh.loss_group
     if flat_zero1:
-        bucket_mb = mesh.layout.ddp_bucket_mb
-        return FlatZero1(groups, cls, kwargs, group, grad_reduce_dtype, bucket_mb=bucket_mb, microbatches=microbatches)
-    if zero_stage == 1 and mesh.layout.dp_cp > 1:
+        dtype, bucket_mb = lay.grad_reduce_dtype, lay.ddp_bucket_mb
+        return FlatZero1(groups, cls, kwargs, group, dtype, bucket_mb=bucket_mb, microbatches=microbatches)
+    if lay.zero_stage == 1 and lay.dp_cp > 1:
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],
             optimizer_class=cls,

@@ -254,10 +254,12 @@ class DiLoCo:
                     frag.result = torch.full_like(frag.outer[0].new_empty(frag.numel), float("nan"))
 
 
-def build_diloco(d: Any, layers: int, mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> DiLoCo | None:
+def build_diloco(
+    d: Any, islands: int, layers: int, mesh: Any, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> DiLoCo | None:
     """The run's DiLoCo (None when diloco.islands = 1), over the mesh's island dimension; ``d``
     is the [diloco] section, ``layers`` the model's blocks (fragments split them)."""
-    if mesh.layout.islands == 1:
+    if islands == 1:
         return None
     if hasattr(optimizer, "full_training_state"):
         from meshforge.errors import ConfigError
@@ -269,7 +271,7 @@ def build_diloco(d: Any, layers: int, mesh: Any, model: nn.Module, optimizer: to
     return DiLoCo(
         model,
         mesh.group("island"),
-        mesh.layout.islands,
+        islands,
         mesh.coordinate("island"),
         d.inner_steps,
         layers,

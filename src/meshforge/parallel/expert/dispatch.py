@@ -40,6 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from meshforge.compat import all_gather_flat
+from meshforge.config.layout import Layout
 from meshforge.models.eager import eager_only
 from meshforge.models.moe import GroupedExperts, is_moe_layer, moe_layers
 from meshforge.parallel.data.apply import AllReduceScatter
@@ -146,7 +147,7 @@ def _by_local_expert(arrived: list[list[int]], device: torch.device) -> tuple[to
     return order, table.sum(0)
 
 
-def apply_ep(model: nn.Module, mesh: Mesh) -> None:
+def apply_ep(model: nn.Module, mesh: Mesh, lay: Layout) -> None:
     """Split every MoE layer's experts over the ep ranks (the model is still on the meta
     device: only the shapes change) and swap its dispatcher for the all-to-all one."""
     assert mesh.expert_mesh is not None, "ep > 1 builds the expert mesh (parallel/mesh.py)"
@@ -154,26 +155,26 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> None:
     for moe in moe_layers(model).values():
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             setattr(moe.experts, name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)])))
-        moe.dispatcher = AllToAllDispatch(mesh.ep_group, mesh.layout.ep, mesh.layout.ep_chunks)
+        moe.dispatcher = AllToAllDispatch(mesh.ep_group, lay.ep, lay.ep_chunks)
 
 
-def shard_experts(model: nn.Module, mesh: Mesh, zero_stage: int, param_dtype: torch.dtype | None) -> None:
+def shard_experts(model: nn.Module, mesh: Mesh, lay: Layout, param_dtype: torch.dtype | None) -> None:
     """FSDP over edp for every MoE layer's experts (before the blocks are wrapped, so the
     blocks leave them alone); it averages their gradients over edp (the dispatcher adds the 1/ep).
     HSDP (dp_replicate > 1): sharded over edp, replicated and averaged over dp_replicate too.
     tp > 1: the tp ranks ran the experts on other slots, so their gradients are summed over tp."""
-    hsdp = mesh.layout.dp_replicate > 1
+    hsdp = lay.dp_replicate > 1
     fsdp_mesh = mesh.expert_mesh[("dp_replicate", "edp")] if hsdp else mesh.expert_mesh["edp"]
     # the MoE layer never changes the experts' output in place, which is what FSDP2's warning is about
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for moe in moe_layers(model).values():
-        unit = fully_shard(moe.experts, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=zero_stage == 3)
+        unit = fully_shard(moe.experts, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=lay.zero_stage == 3)
         if dist.get_backend(fsdp_mesh.get_group("edp")) == "gloo":
             unit.set_custom_reduce_scatter(AllReduceScatter())
-        if mesh.layout.tp > 1:
+        if lay.tp > 1:
             unit.set_all_reduce_hook(sum_over_tp(mesh.group("tp")))
-        if mesh.layout.ep_chunks > 1:
+        if lay.ep_chunks > 1:
             overlap.register(moe.experts)
 
 

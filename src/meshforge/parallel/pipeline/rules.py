@@ -89,7 +89,8 @@ def sizes_ok(sizes: tuple[int, ...]) -> bool:
 def _pipeline_microbatches(d: Layout, t: Batch, name: str) -> Iterator[Problem]:
     if t.global_batch % d.data_ranks:
         return  # _batch says so
-    local, m = d.local_batch(t.global_batch), d.microbatches(t.global_batch)
+    split = d.batch_split(t.global_batch)
+    local, m = split.local, split.count
     if local % m:
         yield Problem(
             "parallel.num_microbatches",

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.compat import pipeline_stage_fixups
+from meshforge.config.layout import Layout
 from meshforge.models.loss import LanguageModelLoss
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.pipeline.schedules import SCHEDULES, V_SHAPED, bubble_fraction, schedule_name
@@ -78,11 +79,10 @@ class Timeline:
 class Pipeline:
     """This rank's pipeline: its chunks as stages, the schedule, and the step timeline."""
 
-    def __init__(self, parts: list[nn.Module], chunks: list[int], mesh: Mesh, loss: LanguageModelLoss):
-        p = mesh.layout
-        self.name = schedule_name(p.pp_schedule)
-        self.pp = mesh.layout.pp
-        self.v = p.pp_virtual_stages
+    def __init__(self, parts: list[nn.Module], chunks: list[int], mesh: Mesh, lay: Layout, loss: LanguageModelLoss):
+        self.name = schedule_name(lay.pp_schedule)
+        self.pp = lay.pp
+        self.v = lay.pp_virtual_stages
         self.num_chunks = self.pp * self.v if self.name not in V_SHAPED else 2 * self.pp
         self.group = mesh.group("pp")
         self.pp_rank = mesh.coordinate("pp")
@@ -96,7 +96,7 @@ class Pipeline:
         for part, c in zip(parts, chunks, strict=True):
             if c != self.num_chunks - 1:
                 self.stage_aux.attach(part)
-        self.m = p.num_microbatches  # resolved (meshforge/resolve.py) before any rank starts
+        self.m = lay.num_microbatches  # resolved (meshforge/resolve.py) before any rank starts
         self.stages = [
             _pipelining().PipelineStage(part, c, self.num_chunks, mesh.device, group=self.group)
             for part, c in zip(parts, chunks, strict=True)
