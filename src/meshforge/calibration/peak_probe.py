@@ -47,8 +47,7 @@ def _runner(plan: Any) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
     """train/step.py's plain step runner over ``plan``'s model on a world of one, built from the
     parts ``meshforge train`` builds it from."""
     from meshforge.parallel.mesh import Mesh
-    from meshforge.parallel.parallelize import build_loss, forward_context
-    from meshforge.train.model_setup import build_rank_model
+    from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
     from meshforge.train.optimizer import build_optimizer, build_scheduler
     from meshforge.train.step import PlainStep
 
@@ -58,8 +57,7 @@ def _runner(plan: Any) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
     opt = build_optimizer(built.model, plan, mesh)
     common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
     common.update(plan=plan, mesh=mesh)
-    mb = plan.layout.micro_batch_size
-    runner = PlainStep(built.train_model, forward_context(plan, mesh.device), mb, 1, False, **common)
+    runner = PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
     return runner, built.model, opt
 
 
