@@ -164,7 +164,8 @@ def _ram_gib() -> float:
 def run(args: argparse.Namespace) -> int:
     hw = calibrate(args.nproc, args.quick)
     Path(args.out).write_text(json.dumps(asdict(hw), indent=1))
-    warning = "; ".join(w for w in (noise_warning(hw.extra.get(k, {})) for k in ("timing", "timing_one_rank")) if w)
+    parts = {f"as {args.nproc} rank(s)": "timing", "as 1 rank": "timing_one_rank"}
+    warning = "; ".join(f"{who}: {w}" for who, k in parts.items() if (w := noise_warning(hw.extra.get(k, {}))))
     if warning:
         print(
             f"meshforge calibrate: warning: {args.out} was written from noisy measurements: {warning}", file=sys.stderr
