@@ -72,6 +72,9 @@ def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) 
     model under ``kind``: a step of one micro-batch is the second; a step of two (the first
     without gradient reduction) less a step of one is the first. Every rank calls this."""
     runner = _tiny_runner(kind, layers, world)
+    # one sequence per micro-batch, one micro-batch per step: the runner takes its split from the plan
+    # (under tp every rank holds the whole batch of `world` sequences: two micro-batches of one)
+    runner.micro, runner.accum = 1, 1
     batch = torch.randint(0, 256, (2, TOKENS + 1))
     step = timed(lambda: runner.run(batch[:1], measure=False))
     runner.accum = 2
