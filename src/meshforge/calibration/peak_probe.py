@@ -44,21 +44,12 @@ class StepPeak:
 
 
 def _runner(plan: Any) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-    """train/step.py's plain step runner over ``plan``'s model on a world of one, built from the
-    parts ``meshforge train`` builds it from."""
+    """train/step.py's plain step runner over ``plan``'s model on a world of one."""
     from meshforge.parallel.mesh import Mesh
-    from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
-    from meshforge.train.optimizer import build_optimizer, build_scheduler
-    from meshforge.train.step import PlainStep
+    from meshforge.train.standalone_step import standalone_step
 
-    mesh = Mesh(0, 1, 0, torch.device("cpu"), plan.layout)
-    loss = build_loss(plan)
-    built = build_rank_model(plan, mesh, loss)
-    opt = build_optimizer(built.model, plan, mesh)
-    common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
-    common.update(plan=plan, mesh=mesh)
-    runner = PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
-    return runner, built.model, opt
+    step = standalone_step(plan, Mesh(0, 1, 0, torch.device("cpu"), plan.layout))
+    return step.runner, step.model, step.optimizer
 
 
 def high_water_mark() -> int:
