@@ -25,7 +25,7 @@ from meshforge.config.run_plan import RunPlan
 from meshforge.data.corpus import open_data
 from meshforge.errors import ConfigError
 from meshforge.guards.disk import check_disk, check_name_length
-from meshforge.guards.foreign_files import foreign_entries, is_meshforge_run
+from meshforge.guards.foreign_files import foreign_entries, is_meshforge_run, refuse_links_in_run
 from meshforge.guards.memory_fit import check_fit
 from meshforge.guards.run_lock import refuse_if_held
 from meshforge.health.text_check import refuse_binary
@@ -59,6 +59,7 @@ def check_run_dir(plan: RunPlan) -> Path:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
     refuse_if_held(run_dir)  # a look only: the launch takes the lock itself once this verdict is in
+    refuse_links_in_run(run_dir)  # nothing is ever written through a link (or into a FIFO) found there
     foreign = [] if plan.run.overwrite or is_meshforge_run(run_dir) else foreign_entries(run_dir)
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
@@ -102,6 +103,7 @@ def preflight(config: Config, world_size: int, *, ranks_per_node: int | None = N
     check_init_from(plan)
     if not plan.run.dir:
         plan = plan.with_run_dir(default_run_dir(plan))
+    check_utf8(plan)
     check_run_dir(plan)
     # A run that cannot fit its device hears that first, before any disk or data check.
     if not (launcher and plan.world.device == "cuda"):
@@ -111,6 +113,23 @@ def preflight(config: Config, world_size: int, *, ranks_per_node: int | None = N
     data = open_data(plan, plan.shape)
     check_extras(plan)
     return plan.with_resume(find_resume_point(plan, resuming(plan), len(data.train)))
+
+
+def check_utf8(plan: RunPlan) -> None:
+    """config.toml is UTF-8 text: a setting holding bytes that are not (a run.dir or data.path named
+    in another encoding) is refused before anything is written, not half-way through writing it."""
+    section = ""
+    for line in plan.to_toml().splitlines():
+        if line.startswith("["):
+            section = line.strip("[]") + "."
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            key, _, value = line.partition(" = ")
+            raise ConfigError(
+                f"{section}{key} = {ascii(value)} holds bytes that are not UTF-8, which config.toml (UTF-8 text) "
+                "cannot record; rename the directory or file to a UTF-8 name, or choose another"
+            ) from None
 
 
 def check_init_from(plan: RunPlan) -> None:

@@ -30,6 +30,8 @@ from meshforge.models.hf_moe import (
 )
 from meshforge.models.llama import ModelShape, Transformer, build_model
 from meshforge.models.presets import check_model_shape
+from meshforge.safeio.parse import read_json
+from meshforge.safeio.schema import Any_, Bool, Int, ListOf, MapOf, Null, Num, Obj, OneOf, Str, check
 
 _LAYER_MAP = {
     "attention.wq": "self_attn.q_proj",
@@ -55,6 +57,27 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 
 class HFCheckpointError(MeshforgeError):
     pass
+
+
+_COUNT, _OR_NULL = Int(0, 2**40), Null()
+_REAL = Num(-1e300, 1e300)
+HF_CONFIG = Obj(  # the fields of a config.json meshforge reads: their types (what is missing is named later)
+    {
+        **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), _COUNT),
+        **dict.fromkeys(("vocab_size", "max_position_embeddings"), _COUNT),
+        **dict.fromkeys(("num_key_value_heads", "head_dim"), OneOf((_COUNT, _OR_NULL), "a whole number or null")),
+        **dict.fromkeys(("rms_norm_eps", "rope_theta", "initializer_range"), _REAL),
+        "tie_word_embeddings": Bool(),
+        "model_type": Str(most=200),
+        "architectures": OneOf((ListOf(Str(most=200), 64), _OR_NULL), "a list of names"),
+        "rope_scaling": OneOf((MapOf(Str(most=200), Any_(), 64), _OR_NULL), "an object or null"),
+    },
+    optional=frozenset(
+        {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"}
+        | {"max_position_embeddings", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"}
+        | {"initializer_range", "tie_word_embeddings", "model_type", "architectures", "rope_scaling"}
+    ),
+)
 
 
 def to_hf_name(name: str) -> str:
@@ -186,9 +209,9 @@ def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, HFCheckpointError, "the index is damaged")["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise HFCheckpointError(f"{index} is not a valid safetensors index ({e})") from None
         bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
         if bad:
@@ -220,12 +243,10 @@ def read_hf_config(path: str | Path) -> dict:
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise HFCheckpointError(f"{p} is not a Hugging Face model directory (no config.json)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    cfg = read_json(cfg_file, HFCheckpointError, "fix or replace it (a Hugging Face config.json)")
     if not isinstance(cfg, dict):
         raise HFCheckpointError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not a model config object")
+    check(cfg, HF_CONFIG, str(cfg_file), HFCheckpointError, "the file is damaged or not a Llama-family config")
     return cfg
 
 
