@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import shlex
 import socket
@@ -23,6 +22,7 @@ from meshforge.guards.disk import DiskError, check_name_length, describe
 from meshforge.guards.out_paths import check_file_out, check_out_dir, check_profile_out, check_report_out
 from meshforge.launch import env as launch_env
 from meshforge.launch import startup_gc
+from meshforge.safeio.parse import read_json
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         )
     except OSError as e:
         raise DiskError(describe(out, e, "write", "--out")) from None
-    index = json.loads((out / "index.json").read_text())
+    index = read_json(out / "index.json", ConfigError)
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
     print(
         f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "

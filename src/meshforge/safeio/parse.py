@@ -51,10 +51,13 @@ def _check_depth(text: str, where: str, error: type[MeshforgeError], fix: str, t
         )
 
 
-def loads_json(text: str | bytes, where: str, error: type[MeshforgeError] = MeshforgeError, fix: str = "") -> Any:
+def loads_json(
+    text: str | bytes, where: str, error: type[MeshforgeError] = MeshforgeError, fix: str = "", file: bool = False
+) -> Any:
     """``text`` parsed as JSON: its depth held to MAX_DEPTH first; any failure (bad syntax, not
-    UTF-8, a number too long for Python) is ``error`` naming ``where``."""
+    UTF-8, a number too long for Python) is ``error`` naming ``where`` (``file``: "cannot read FILE: it ...")."""
     fix = fix or "fix or replace the file"
+    where = f"cannot read {where}: it" if file else where
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -71,7 +74,7 @@ def read_json(
     path: Path | str, error: type[MeshforgeError] = MeshforgeError, fix: str = "", cap: int = MAX_MANIFEST_BYTES
 ) -> Any:
     """The JSON document in the regular file ``path`` (at most ``cap`` bytes, MAX_DEPTH deep)."""
-    return loads_json(read_regular(path, cap, error, fix), str(path), error, fix)
+    return loads_json(read_regular(path, cap, error, fix), str(path), error, fix, file=True)
 
 
 def loads_toml(text: str, where: str, error: type[MeshforgeError] = MeshforgeError, fix: str = "") -> dict[str, Any]:
