@@ -234,6 +234,18 @@ def test_data_prepare_of_a_fifo_with_no_writer_is_refused(capsys, tmp_path):
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob("*.partial"))
 
 
+@pytest.mark.parametrize("make", [_fifo, _link_to_zero], ids=["fifo", "dev-zero"])
+def test_weights_that_never_end_are_refused_before_a_run_directory_is_written(capsys, run, tmp_path, corpus, make):
+    weights = tmp_path / "weights"
+    shutil.copytree(run / "final", weights)
+    make(weights / "model.safetensors")
+    said = "model.safetensors is not a regular file"
+    refused(capsys, ["generate", str(weights), "--prompt", "x", "--tokenizer", "byte"], said)
+    fresh = tmp_path / "fresh"
+    refused(capsys, ["train", *cli_args(tiny_overrides(fresh, corpus, **{"model.init_from": weights}))], said)
+    assert not fresh.exists()
+
+
 # --- 3. nesting has a depth limit ------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshforge.errors import MeshforgeError
+from meshforge.safeio.files import read_regular
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -48,6 +49,7 @@ _ALLOWED = {
     ("pathlib", "PureWindowsPath"): None,
 }
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+MAX_METADATA_BYTES = 4 << 30  # a .metadata lists every chunk of every tensor: ~100 bytes a chunk
 
 
 class UnsafeCheckpointError(MeshforgeError):
@@ -73,10 +75,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 def read_metadata(path: Path) -> dcp_metadata.Metadata:
     """The ``.metadata`` file at ``path``, built only from DCP's metadata classes and checked."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UnsafeCheckpointError(f"cannot read {path}: {e}") from None
+    data = read_regular(path, MAX_METADATA_BYTES, UnsafeCheckpointError, "the checkpoint is damaged")  # (no FIFO)
     try:
         md = _RestrictedUnpickler(data, path).load()
     except UnsafeCheckpointError:

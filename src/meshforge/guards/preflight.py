@@ -19,7 +19,7 @@ from pathlib import Path
 
 from meshforge.checkpoint import store
 from meshforge.checkpoint.resume_point import find_resume_point
-from meshforge.checkpoint.weights import pretrained_shape, shape_mismatch
+from meshforge.checkpoint.weights import check_pretrained_files, pretrained_shape, shape_mismatch
 from meshforge.config import Config
 from meshforge.config.run_plan import RunPlan
 from meshforge.data.corpus import open_data
@@ -143,6 +143,7 @@ def check_init_from(plan: RunPlan) -> None:
     diff = shape_mismatch(pretrained_shape(path), plan.shape)
     if diff:
         raise ConfigError(f"model.init_from = {path} has another shape than [model]: " + "; ".join(diff))
+    check_pretrained_files(path, plan.shape)
 
 
 def check_extras(plan: RunPlan) -> None:

@@ -30,6 +30,7 @@ from meshforge.models.hf_moe import (
 )
 from meshforge.models.llama import ModelShape, Transformer, build_model
 from meshforge.models.presets import check_model_shape
+from meshforge.safeio.files import regular_size
 from meshforge.safeio.parse import read_json
 from meshforge.safeio.schema import Any_, Bool, Int, ListOf, MapOf, Null, Num, Obj, OneOf, Str, check
 
@@ -205,7 +206,8 @@ def hf_config_from_args(a: ModelShape, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the Hugging Face model at ``path`` (its index's, or model.safetensors)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -218,7 +220,7 @@ def _weight_files(path: Path) -> list[Path]:
             raise HFCheckpointError(f"{index} names {bad[0]!r}, not a file beside it; the index is damaged or crafted")
         return [path / f for f in names]
     single = path / "model.safetensors"
-    if single.is_file():
+    if single.exists() or single.is_symlink():  # (a FIFO or device there: check_weights_hold names it)
         return [single]
     raise HFCheckpointError(
         f"{path} has neither model.safetensors nor model.safetensors.index.json; meshforge reads "
@@ -229,7 +231,8 @@ def _weight_files(path: Path) -> list[Path]:
 def check_weights_hold(shape: ModelShape, files: list[Path], described_by: Path) -> None:
     """Refuse a description (config.json, meshforge.json) of a model larger than its weight files
     could hold at one byte per parameter, before memory is taken for what it claims."""
-    have = sum(f.stat().st_size for f in files if f.is_file())
+    fix = "give a directory of regular weight files"  # (a FIFO or device, even behind a link, is refused)
+    have = sum(regular_size(f, HFCheckpointError, fix) for f in files)
     need = shape.num_params()
     if need > have:
         raise HFCheckpointError(
@@ -256,7 +259,7 @@ def load_hf_checkpoint(
     """A meshforge model with the weights of the Hugging Face Llama checkpoint at ``path``."""
     p = Path(path)
     shape = shape_from_hf_config(read_hf_config(p), str(p / "config.json"))
-    files = _weight_files(p)
+    files = weight_files(p)
     check_weights_hold(shape, files, p / "config.json")
     model = build_model(shape, device=device, seed=None).to(dtype)
     expected = dict(model.state_dict())
