@@ -482,3 +482,44 @@ def test_a_link_to_itself_in_the_input_directory_is_passed_over(capsys, tmp_path
     (d / "loop.txt").symlink_to(d / "loop.txt")
     code, text = cli(capsys, ["data", "prepare", "--input", str(d), "--out", str(tmp_path / "o")])
     assert code == 0 and "Traceback" not in text, text[-3000:]
+
+
+def test_a_stop_while_two_ranks_start_says_so_and_leaves_no_run_directory(tmp_path, corpus):
+    """SIGTERM after the launcher started its ranks, before they installed their stop handler
+    (they are still importing torch): one line that says what happened, and the run directory
+    this launch created, holding only config.toml, is gone."""
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "meshforge", "train", "--nproc", "2", *cli_args(tiny_overrides(run, corpus))]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None and not _ranks_started(p.pid, run):
+            time.sleep(0.05)
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert "stopped (SIGTERM) while its 2 rank(s) were starting" in err and "see their output above" not in err
+    assert not run.exists(), sorted(os.listdir(run))
+
+
+def _ranks_started(pid: int, run: Path) -> bool:
+    """The pre-flight is over (config.toml written: no corpus workers any more) and ``pid`` has children."""
+    if not (run / "config.toml").exists():
+        return False
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                return True
+    return False

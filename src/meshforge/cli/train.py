@@ -169,17 +169,22 @@ def holding_run_dir(plan: RunPlan) -> Iterator[None]:
     """run.dir locked (the launch's one lock, held across elastic restarts: its ranks never lock)
     and prepared for the run, before anything is written into it; let go when the launch ends."""
     from meshforge.guards import run_lock
-    from meshforge.train.run_dir import prepare_run_dir
+    from meshforge.train.run_dir import forget_unstarted, prepare_run_dir
 
     run_dir = Path(plan.run.dir)
+    fresh = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = run_lock.hold(run_dir, quiet=launch_env.restart_count() > 0)  # a torchrun restart takes it over
     try:
         prepare_run_dir(plan)
         yield
     finally:
+        unstarted = fresh and forget_unstarted(run_dir)  # stopped or refused before a rank wrote a line
         if lock is not None:
             lock.release()
+        if unstarted:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # (now empty, unless something came meanwhile: then it stays)
 
 
 def _rank_of_launcher(plan: RunPlan) -> int:

@@ -7,6 +7,7 @@ imports it, and nothing of torch.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +38,20 @@ def prepare_run_dir(plan: RunPlan) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_new(run_dir / "config.toml", plan.to_toml())  # O_NOFOLLOW: never through a link put there
     return run_dir
+
+
+def forget_unstarted(run_dir: Path) -> bool:
+    """Remove the config.toml of a run directory this launch created when nothing else was written
+    into it (its ranks were stopped or refused before they wrote a line): a run that never started
+    leaves nothing behind. Returns whether it did (the lock's holder then removes the directory)."""
+    try:
+        names = {e.name for e in os.scandir(run_dir)}
+    except OSError:
+        return False
+    if not names <= {"config.toml", "run.lock"}:
+        return False
+    remove(run_dir / "config.toml")
+    return True
 
 
 def event_writer(run_dir: str | Path) -> Callable[..., None]:
