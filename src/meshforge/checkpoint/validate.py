@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,7 @@ def check_storage(md: Any, sizes: dict[str, int], path: Path) -> None:
 
     where = path / ".metadata"
     storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+    _no_overlap(storage, where)
     for key, entry in md.state_dict_metadata.items():
         item = entry.properties.dtype.itemsize if isinstance(entry.properties.dtype, torch.dtype) else 1
         for chunk in entry.chunks:
@@ -154,4 +156,19 @@ def check_storage(md: Any, sizes: dict[str, int], path: Path) -> None:
                     f"{where}: {key} is said to be stored at bytes {info.offset}..{info.offset + info.length} of "
                     f"{info.relative_path!r} ({have if have is not None else 'not a listed file'} bytes), too little "
                     f"for its {numel:,} elements; {_FIX}"
+                )
+
+
+def _no_overlap(storage: dict[Any, Any], where: Path) -> None:
+    """DCP writes a file's items one after another: two that share bytes were moved by an edit."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in storage.items():
+        spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
+    for name, items in spans.items():
+        items.sort()
+        for (_, end, a), (start, _, b) in itertools.pairwise(items):
+            if start < end:
+                raise CheckpointError(
+                    f"{where}: {b} is said to be stored inside {a}'s bytes of {name!r}; the shards were moved "
+                    f"or edited; {_FIX}"
                 )
