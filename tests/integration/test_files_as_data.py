@@ -395,6 +395,12 @@ def _negative_offset(md) -> None:
     info.offset = -8
 
 
+def _moved(md) -> None:
+    """The second stored item said to lie where the first one does (both hashes recomputed)."""
+    first, second = list(md.storage_data.values())[:2]
+    second.offset = first.offset
+
+
 def _edit_rank_file(change):
     def edit(ckpt: Path) -> None:
         data = json.loads((ckpt / "rank-00000.json").read_text())
@@ -427,6 +433,7 @@ TAMPERED = [
     ),
     ("empty-state-dict", _edit_metadata(lambda md: md.state_dict_metadata.clear()), "holds no model."),
     ("negative-offset", _edit_metadata(_negative_offset), "negative or non-integer offset"),
+    ("item-moved", _edit_metadata(_moved), "is said to be stored inside"),
     ("rng-garbage", _edit_rank_file(lambda d: d["rng"].update(torch="AAAA")), "RNG state"),
     ("version-text", _edit_meta(lambda m: m.update(version="1")), "version must be a whole number"),
     ("bytes-missing", _edit_meta(lambda m: m["files"]["__0_0.distcp"].pop("bytes")), "bytes is missing"),
