@@ -5,7 +5,8 @@ meshforge reads (a config, a prepared corpus's index.json, a checkpoint's meta.j
 Prints, per manifest and in all: inputs run, exit 0, exit 2 with one paragraph, and the
 failures -- tracebacks, hangs (over 30 s), writes outside the run directory, other exit codes or
 more than one paragraph -- with the seconds per input. Targets: >= 10,000 inputs in all, 0
-failures. The first failures are printed with the input that caused them.
+failures, and the slowest input under 30 s. The first failures are printed with the input
+that caused them.
 
     PYTHONPATH=src:tests python bench/bench_manifest_fuzz.py [--examples 2500] [--seed 0]
         [--targets config,index,meta,metadata]
@@ -49,22 +50,28 @@ def main() -> int:
         (root / "ws").mkdir()
         ws = make_workspace(root / "ws", corpus(root))
         tally, t0 = Tally(), time.perf_counter()
-        print(f"{'manifest':<10} {'inputs':>7} {'exit 0':>7} {'exit 2':>7} {'failures':>9} {'s/input':>8}")
+        print(
+            f"{'manifest':<10} {'inputs':>7} {'exit 0':>7} {'exit 2':>7} {'failures':>9} {'s/input':>8} {'slowest':>8}"
+        )
         for target in args.targets.split(","):
             one = Tally()
             fuzz(ws, target, args.examples, args.seed, one)
             n, bad = one.total(), one.total() - one.total("exit 0") - one.total("exit 2")
             print(
                 f"{target:<10} {n:>7} {one.total('exit 0'):>7} {one.total('exit 2'):>7} {bad:>9} "
-                f"{one.seconds / max(n, 1):>8.3f}"
+                f"{one.seconds / max(n, 1):>8.3f} {one.slowest:>7.1f}s"
             )
             tally.counts.update(one.counts)
             tally.failures += one.failures
+            tally.slowest = max(tally.slowest, one.slowest)
         n = tally.total()
         kinds = sorted({k for _, k in tally.counts})
         print(f"{'all':<10} {n:>7} {tally.total('exit 0'):>7} {tally.total('exit 2'):>7} {len(tally.failures):>9}")
         print("by kind: " + ", ".join(f"{k} {tally.total(k)}" for k in kinds))
-        print(f"wall time {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"slowest input {tally.slowest:.1f} s; wall time {time.perf_counter() - t0:.0f} s; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         for f in tally.failures[:10]:
             print("FAILURE", f[:1500])
         ok = n >= 10_000 or args.examples * len(args.targets.split(",")) < 10_000
