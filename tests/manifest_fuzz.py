@@ -14,7 +14,8 @@ deep, and the serialized bytes cut short, flipped or spliced; a ``.metadata`` is
 the objects DCP pickles (sizes, dtypes, chunks, offsets, file names), then pickled again. What a
 tamperer can do is done too: a changed file's size and sha256 are recorded again in meta.json.
 
-The commands: ``train --config C`` (1 step, the tiny model's run directory and data pinned) for
+The commands: ``train --config C`` (1 step; the run directory, the data and the model's and
+batch's sizes pinned on the command line, so that a run stays seconds long) for
 a config; ``train`` of one step on the mutated corpus for ``index.json``; ``convert
 --from-checkpoint`` (verify, the full DCP load, the export) for ``meta.json`` and ``.metadata``.
 
@@ -52,7 +53,10 @@ TINY = {
     "checkpoint": {"interval": 2, "keep": 2},
     "metrics": {"console": False, "log_interval": 1},
 }
-PINNED = ["--train.steps=1"]  # bounded work: one step
+# bounded work: one step of the tiny model (a mutated config could otherwise ask for a 1B model
+# that fits this machine's memory and takes minutes a step: slow, not hung, but not this test's)
+PINNED = ["--train.steps=1"]
+PINNED_SIZE = [f"--{s}.{k}={v}" for s in ("model", "train") for k, v in TINY[s].items() if k != "eval_batches"]
 ODD = ["../x", "/dev/zero", "", "a/b", "uint8", "float64", "nan", "\x00", "é" * 3, "9" * 30, ".metadata"]
 
 scalars = (
@@ -292,7 +296,8 @@ def run_case(ws: Workspace, target: str, raw: bytes, index: int) -> tuple[str, s
         kind, detail = "wrote outside", f"{case}: {sorted(set(os.listdir(case)) - set(allowed))}"
     if kind in ("exit 0", "exit 2"):
         shutil.rmtree(case, ignore_errors=True)
-    return kind, detail or raw[:300].decode("utf-8", "replace")
+        return kind, detail
+    return kind, f"{detail} | input: {raw[:300]!r}"
 
 
 def _prepare(ws: Workspace, case: Path, target: str, raw: bytes) -> tuple[list[str], list[str]]:
@@ -300,7 +305,7 @@ def _prepare(ws: Workspace, case: Path, target: str, raw: bytes) -> tuple[list[s
     if target == "config":
         (case / "c.toml").write_bytes(raw)
         args = ["train", "--config", str(case / "c.toml"), f"--data.path={ws.data}", f"--run.dir={case / 'run'}"]
-        return [*args, *PINNED], ["run"]
+        return [*args, *PINNED, *PINNED_SIZE], ["run"]
     if target == "index":
         shutil.copytree(ws.data, case / "data")
         (case / "data" / "index.json").write_bytes(raw)
