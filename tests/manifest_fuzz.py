@@ -248,7 +248,9 @@ def _mutated_metadata(base: bytes, draw: Callable) -> bytes:
         object.__setattr__(entry.properties, "dtype", dtype)
     else:
         object.__setattr__(
-            md, draw(st.sampled_from(["state_dict_metadata", "storage_data", "planner_data"])), draw(values)
+            md,
+            draw(st.sampled_from(["state_dict_metadata", "storage_data", "planner_data", "storage_meta"])),
+            draw(values),
         )
     return pickle.dumps(md)
 

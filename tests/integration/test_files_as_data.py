@@ -402,6 +402,13 @@ def _moved(md) -> None:
     second.offset = first.offset
 
 
+def _field_renamed(ckpt: Path) -> None:
+    """One byte of the pickle changed: the Metadata it builds lacks state_dict_metadata (the fuzz found it)."""
+    raw = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(raw.replace(b"state_dict_metadata", b"state_dict_meXadata", 1))
+    rehash(ckpt, ".metadata")
+
+
 def _edit_rank_file(change):
     def edit(ckpt: Path) -> None:
         data = json.loads((ckpt / "rank-00000.json").read_text())
@@ -435,6 +442,7 @@ TAMPERED = [
     ("empty-state-dict", _edit_metadata(lambda md: md.state_dict_metadata.clear()), "holds no model."),
     ("negative-offset", _edit_metadata(_negative_offset), "negative or non-integer offset"),
     ("item-moved", _edit_metadata(_moved), "is said to be stored inside"),
+    ("field-renamed", _field_renamed, "state_dict_metadata is not a mapping"),
     ("rng-garbage", _edit_rank_file(lambda d: d["rng"].update(torch="AAAA")), "RNG state"),
     ("version-text", _edit_meta(lambda m: m.update(version="1")), "version must be a whole number"),
     ("bytes-missing", _edit_meta(lambda m: m["files"]["__0_0.distcp"].pop("bytes")), "bytes is missing"),

@@ -92,9 +92,13 @@ def _check(md: Any, path: Path) -> None:
 
     if not isinstance(md, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{path} holds a {type(md).__name__}, not DCP metadata")
-    entries = md.state_dict_metadata
+    entries = getattr(md, "state_dict_metadata", None)  # (an edited pickle can leave a field out)
     if not isinstance(entries, dict):
         raise UnsafeCheckpointError(f"{path}: its state_dict_metadata is not a mapping")
+    if not isinstance(getattr(md, "storage_meta", None), (dcp_metadata.StorageMeta, type(None))) or not isinstance(
+        getattr(md, "planner_data", None), (dict, type(None))
+    ):
+        raise UnsafeCheckpointError(f"{path}: its storage_meta or planner_data is not what DCP writes")
     for key, entry in entries.items():
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise UnsafeCheckpointError(
@@ -102,7 +106,8 @@ def _check(md: Any, path: Path) -> None:
                 "tensors only, and a non-tensor entry would be unpickled by torch.load; it was not loaded"
             )
         _check_tensor(key, entry, path, dcp_metadata)
-    storage = md.storage_data if isinstance(md.storage_data, dict) else None
+    storage = getattr(md, "storage_data", None)
+    storage = storage if isinstance(storage, dict) else None
     if storage is None:
         raise UnsafeCheckpointError(f"{path}: its storage_data is not a mapping")
     for index, info in storage.items():

@@ -19,7 +19,7 @@ from meshforge.report.breakdown import breakdown_html, event_row, predicted_html
 from meshforge.report.charts import CHARTS, COLORS, Series, page_script, panels, spec, vendored
 from meshforge.report.timeline import pipeline_timeline
 from meshforge.safeio.files import MAX_JSONL_BYTES, read_regular
-from meshforge.safeio.links import write_new
+from meshforge.safeio.links import remove
 from meshforge.safeio.parse import loads_json, read_json
 
 
@@ -374,7 +374,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     html = build_html(runs)
     part = path.with_name(f".{path.name}.part")  # never a half-written (or 0-byte) report: write, then rename
     try:
-        write_new(part, html)  # (a link put at the temporary name: refused, never written through)
+        remove(part)  # a stale one goes; a link put at the temporary name is refused, never written through
+        part.write_text(html)
         part.replace(path)
     except BaseException:
         part.unlink(missing_ok=True)
