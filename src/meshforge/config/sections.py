@@ -211,6 +211,14 @@ class HealthConfig:
     """on logged steps a rank whose compute time is above this × the median is a `straggler`; `0` = off"""
     text_warn_fraction: float = ranged(unit(lo_open=True), 0.05)
     """byte tokenizer: warn when more than this share of `data.path` is not valid UTF-8"""
+    sdc_interval: int = ranged(whole(0, MAX_STEPS), 100)
+    """every N steps, compare a fingerprint of each parameter shard across the replicas that must hold it
+    bit-identical (data-parallel ranks, HSDP groups, fault-tolerant replica groups: one small all-gather); a
+    mismatch is an `sdc` event naming the rank, host and parameter; `0` = off. See
+    [health.md](health.md#silent-data-corruption-sdc)"""
+    on_sdc: Literal["log", "stop", "rollback"] = "log"
+    """what a mismatch does: `log` it, `stop` the run (exit 2), or `rollback` to the last complete checkpoint
+    and redo the steps since (needs `checkpoint.interval > 0`)"""
 
 
 @dataclass(frozen=True)

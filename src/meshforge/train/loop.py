@@ -301,7 +301,8 @@ class Trainer:
         self.instruments.after_step(n)
         if self.health.after_step(n):
             self.health.guard.pending = []  # steps about to be undone
-            roll_back(n, self.checkpoints, self.state, self.mesh, event=self.log.event, say=self.log.say)
+            log = {"event": self.log.event, "say": self.log.say}
+            roll_back(n, self.checkpoints, self.state, self.mesh, **log, redo=self.health.redo)
             self.reposition_schedule()
             return False
         self.hooks.run_after(self.state.step)
