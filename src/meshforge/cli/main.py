@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
+    lh = sub.add_parser(
+        "lighthouse", help="run torchft's lighthouse: the quorum server of fault-tolerant replica groups"
+    )
+    lh.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on, e.g. 0.0.0.0:29510")
+    lh.add_argument("--min-replicas", type=whole(1, 1024), required=True, metavar="N", help="groups a quorum needs")
     exp = sub.add_parser("explore", help="the strategy explorer: a local web page over the planner")
     exp.add_argument("--port", type=int, default=8800, help="port to listen on (default 8800; 0: any free port)")
     exp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -210,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "explore":
             return cmd_explore(args)
+        if args.command == "lighthouse":
+            from meshforge.parallel.fault_tolerance.lighthouse import serve
+
+            return serve(args.bind, args.min_replicas)
         if args.command == "calibrate":
             from meshforge.calibration.calibrate import run as run_calibrate
 

@@ -261,6 +261,27 @@ class DiLoCoConfig:
 
 
 @dataclass(frozen=True)
+class FaultToleranceConfig:
+    """[fault_tolerance]: replica groups that keep training through a failure (torchft; `replicas` is a layout
+    key); see [checkpointing.md](checkpointing.md#live-recovery-fault_tolerance)."""
+
+    enabled: bool = False
+    """join the replica groups coordinated by the lighthouse (`meshforge lighthouse`; needs
+    `pip install 'meshforge[ft]'`): a group that dies is left behind at the next step, one that starts joins and
+    heals from a live peer"""
+    lighthouse: str = ""
+    """the lighthouse's URL, e.g. `http://10.0.0.1:29510`"""
+    replica_id: int = ranged(whole(0, 2**10 - 1), 0)
+    """this group's number, `0` .. `replicas - 1`: which slice of every global batch it reads"""
+    min_replicas: int = ranged(whole(1, 2**10), 1)
+    """live groups a step needs to commit; with fewer the groups wait (up to `quorum_timeout_s`)"""
+    quorum_timeout_s: float = ranged(Span(1.0, 1e6), 120.0)
+    """how long a group waits for a quorum of `min_replicas` live groups before it gives up (exit 2)"""
+    timeout_s: float = ranged(Span(1.0, 1e6), 60.0)
+    """a collective across the groups or a healing transfer that takes longer fails the step"""
+
+
+@dataclass(frozen=True)
 class Config:
     """A run's settings as the user gave them (``auto`` and other automatic values still in)."""
 
@@ -276,3 +297,4 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
