@@ -154,7 +154,9 @@ def _optim(cfg: Config, world: World, changes: list[Change]) -> OptimConfig:
 
 def _fault_tolerance(cfg: Config) -> None:
     """Replica groups: their settings and what they compose with (parallel/fault_tolerance/rules.py)."""
-    found = ft_rules.problems(cfg.fault_tolerance, cfg.layout, cfg.train.precision, cfg.health)
+    h = cfg.health
+    rollbacks = [k for k in ("on_nonfinite", "on_spike", "on_sdc") if getattr(h, k) == "rollback"]
+    found = ft_rules.problems(cfg.fault_tolerance, cfg.layout, cfg.train.precision, rollbacks)
     if found:
         raise ConfigError(found[0].message)
 

@@ -91,9 +91,9 @@ class HealState:
                 f"{peer['host']}): {'; '.join(diff[:6])}; every replica group must train the same model with the same "
                 "layout, batch and data: start it with the same config"
             )
+        self._load_optimizer(sd["optim"])  # first: a fresh optimizer's state is made by a step that moves weights
         for p, v in zip(self.model.parameters(), sd["params"], strict=True):
             local(p).copy_(v)
-        self._load_optimizer(sd["optim"])
         train = sd["train"]
         self.state.load_state_dict(train)
         _set_rng(train["rng"])

@@ -88,6 +88,8 @@ class ReplicaGroups:
         while True:
             try:
                 self.manager.start_quorum()
+            except MeshforgeError:  # a peer of another config refused while healing (heal.py)
+                raise
             except Exception as e:  # noqa: BLE001 - torchft raises what its RPC client raised
                 self._quorum_failed(e)
             self.participants = self.manager.num_participants()

@@ -10,15 +10,26 @@ back alone (a health rollback) is refused by key, with the reason.
 
 from __future__ import annotations
 
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from meshforge.config.layout import Layout
-from meshforge.config.sections import FaultToleranceConfig, HealthConfig
 from meshforge.parallel.rule_types import Problem
 
 
-def problems(ft: FaultToleranceConfig, lay: Layout, precision: str, health: HealthConfig) -> list[Problem]:
-    """Every reason this fault-tolerance setting cannot run with this layout (empty: it can)."""
+class FaultTolerance(Protocol):
+    """What these rules read of ``[fault_tolerance]`` (config/sections.py's FaultToleranceConfig: the
+    rules stay on the shared core's layout types and take the section by shape)."""
+
+    enabled: bool
+    lighthouse: str
+    replica_id: int
+    min_replicas: int
+
+
+def problems(ft: FaultTolerance, lay: Layout, precision: str, rollbacks: list[str]) -> list[Problem]:
+    """Every reason this fault-tolerance setting cannot run with this layout (empty: it can);
+    ``rollbacks``: the ``health.on_*`` keys set to 'rollback'."""
     if not ft.enabled:
         if lay.replicas > 1:
             return [Problem("fault_tolerance.replicas", _off(lay.replicas))]
@@ -35,16 +46,15 @@ def problems(ft: FaultToleranceConfig, lay: Layout, precision: str, health: Heal
                 "inside its optimizer, where the groups cannot average them; use zero_stage = 0, 2 or 3",
             )
         )
-    for key in ("on_nonfinite", "on_spike", "on_sdc"):
-        if getattr(health, key) == "rollback":
-            out.append(
-                _unsupported(
-                    f"health.{key}",
-                    f"health.{key} = 'rollback' under fault tolerance: one group going back to its checkpoint alone "
-                    "would leave the others' step; use 'stop' (the group restarts and heals from a live peer) or "
-                    "'skip'/'log'",
-                )
+    for key in rollbacks:
+        out.append(
+            _unsupported(
+                f"health.{key}",
+                f"health.{key} = 'rollback' under fault tolerance: one group going back to its checkpoint alone "
+                "would leave the others' step; use 'stop' (the group restarts and heals from a live peer) or "
+                "'skip'/'log'",
             )
+        )
     return out
 
 
