@@ -83,7 +83,11 @@ def same_bits(a: Path, b: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout", [(1, {}), (2, {"parallel.zero_stage": 3})], ids=["one-rank", "zero3"])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [(1, {}), (2, {"parallel.zero_stage": 3}), (2, {"parallel.tp": 2}), (2, {"parallel.pp": 2})],
+    ids=["one-rank", "zero3", "tp2", "pp2"],
+)
 def test_two_groups_train_as_the_single_process(tmp_path, corpus, lighthouse, nproc, layout):
     """Each group reads its half of every global batch and the groups average gradients: losses and
     gradient norms equal the single process's (fp32, 1e-6), the groups' final weights are bit-identical."""
@@ -165,3 +169,34 @@ def test_a_duplicate_id_another_config_and_no_quorum_are_refused(tmp_path, corpu
     lonely = group(tmp_path / "lonely", corpus, lighthouse(2), 0, **{"fault_tolerance.quorum_timeout_s": 3})
     code, err = finish(lonely)
     assert code == 2 and "no quorum of fault_tolerance.min_replicas" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_dies_mid_run_stops_the_group_with_a_resumable_checkpoint(tmp_path, corpus):
+    """`meshforge lighthouse` in the foreground, killed while a group trains: the group reports it
+    (lighthouse_lost), saves a complete checkpoint to resume from and stops, exit 2."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "meshforge", "lighthouse", "--bind", f"127.0.0.1:{port}", "--min-replicas", "1"]
+    house = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in house.stdout.readline()
+        a = tmp_path / "a"
+        extra = {"train.steps": 200, "fault_tolerance.quorum_timeout_s": 5}
+        training = group(a, corpus, f"http://127.0.0.1:{port}", 0, fault="pace:ms=100", **extra)
+        wait_for(a, 3)
+    finally:
+        house.kill()
+        house.wait()
+    code, err = finish(training)
+    assert code == 2 and "stopped answering" in err and "meshforge lighthouse" in err, err[-3000:]
+    (lost,) = events(a, "lighthouse_lost")
+    done = sorted((a / "checkpoints").glob("step-*/COMPLETE"))
+    assert done and int(done[-1].parent.name.split("-")[1]) == lost["step"] >= 3
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
