@@ -65,7 +65,7 @@ def _off(replicas: int) -> str:
     )
 
 
-def _settings(ft: FaultToleranceConfig, lay: Layout) -> list[Problem]:
+def _settings(ft: FaultTolerance, lay: Layout) -> list[Problem]:
     out = []
     url = urlsplit(ft.lighthouse)
     if url.scheme != "http" or not url.hostname or _port(url) is None or url.path not in ("", "/"):
