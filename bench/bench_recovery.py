@@ -60,17 +60,18 @@ class Watcher(threading.Thread):
         self.path, self.arrivals, self.stop = path, [], False
 
     def run(self) -> None:
-        seen = 0
+        prev: list[str] = []
         while not self.stop:
             try:
-                lines = self.path.read_text().splitlines()
+                lines = [x for x in self.path.read_text().splitlines() if x.endswith("}")]
             except OSError:
                 lines = []
-            rows = [json.loads(x) for x in lines if x.endswith("}")]
-            seen = min(seen, len(rows))  # a restart trimmed the rows it redoes
-            now = time.time()
-            self.arrivals += [(now, r["step"]) for r in rows[seen:]]
-            seen = len(rows)
+            same = next((i for i, (a, b) in enumerate(zip(lines, prev, strict=False)) if a != b), min(len(lines), len(prev)))
+            if len(lines) > same:  # rows past what was read before (after a trim: the redone steps, new times)
+                now = time.time()
+                self.arrivals += [(now, json.loads(x)["step"]) for x in lines[same:]]
+                prev = lines
+            # else: the same rows, or a prefix of them (a trim, or a read in the middle of its rewrite)
             time.sleep(0.05)
 
 

@@ -161,14 +161,17 @@ def test_a_duplicate_id_another_config_and_no_quorum_are_refused(tmp_path, corpu
     twin = group(tmp_path / "twin", corpus, url, 0, **{"train.steps": 60})
     code, err = finish(twin)
     assert code == 2 and "also has fault_tolerance.replica_id = 0" in err, err[-3000:]
+    assert not (tmp_path / "twin").exists()  # refused: nothing written
     other = group(tmp_path / "other", corpus, url, 1, **{"train.steps": 60, "model.hidden": 32})
     code, err = finish(other)
     assert code == 2 and "config differs" in err and "model.hidden = 32 here, 64 there" in err, err[-3000:]
+    assert not (tmp_path / "other").exists()
     training.kill()
     training.wait()
     lonely = group(tmp_path / "lonely", corpus, lighthouse(2), 0, **{"fault_tolerance.quorum_timeout_s": 3})
     code, err = finish(lonely)
     assert code == 2 and "no quorum of fault_tolerance.min_replicas" in err, err[-3000:]
+    assert not (tmp_path / "lonely").exists()
 
 
 @pytest.mark.slow
