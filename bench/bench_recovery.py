@@ -66,7 +66,9 @@ class Watcher(threading.Thread):
                 lines = [x for x in self.path.read_text().splitlines() if x.endswith("}")]
             except OSError:
                 lines = []
-            same = next((i for i, (a, b) in enumerate(zip(lines, prev, strict=False)) if a != b), min(len(lines), len(prev)))
+            same = next(
+                (i for i, (a, b) in enumerate(zip(lines, prev, strict=False)) if a != b), min(len(lines), len(prev))
+            )
             if len(lines) > same:  # rows past what was read before (after a trim: the redone steps, new times)
                 now = time.time()
                 self.arrivals += [(now, json.loads(x)["step"]) for x in lines[same:]]
