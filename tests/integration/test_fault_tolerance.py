@@ -203,3 +203,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_one_group_is_found_across_the_groups(tmp_path, corpus, lighthouse):
+    """The silent-corruption check compares the replica groups too: a bit flipped in group 1 after
+    step 3 is an sdc event at step 4 in both groups, naming both (two groups: no majority)."""
+    url = lighthouse(2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    check = {"health.sdc_interval": 2}
+    procs = [group(a, corpus, url, 0, **check), group(b, corpus, url, 1, fault="bitflip:rank=0:step=3", **check)]
+    for p in procs:
+        code, err = finish(p)
+        assert code == 0, err[-3000:]
+    for d in (a, b):
+        (e,) = events(d, "sdc")
+        assert e["step"] == 4 and e["replicas"] == [0, 1] and not e["decided"] and e["ranks"] == [0]
+        assert e["params"] == ["tok_embeddings.weight"]
