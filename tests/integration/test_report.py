@@ -88,7 +88,7 @@ def test_a_finished_run_writes_its_report(finished):
         assert kind in text
     end = json.loads((finished / "summary.json").read_text())
     assert f"mfu {100 * end['mfu']:.2f}%" in text  # events speak MFU in %, as the overview and the chart do
-    assert "finished" in text and "1 x cpu" in text  # the planner ran for this layout
+    assert "finished" in text and "1 x this-cpu" in text  # the planner ran for this layout, on this CPU
     # the planner's step, term by term: the parts add up to the predicted step time it names
     pred = predict(load_run(finished))
     assert "Where the planner says a step goes" in text and "model FLOPs at peak" in text

@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
         "parallel",
     },
     # the top: what drives the rest
-    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
+    "calibration": {"compat", "config", "errors", "metrics", "models", "parallel", "planner", "resolve", "train"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "guards", "health", "launch"),
         *("models", "parallel", "planner", "report", "resolve", "train"),
@@ -76,6 +76,7 @@ SHARED_CORE = {
     "meshforge.parallel.tensor.ring_pieces",  # async TP's pieces per chunk: the planner prices the same rings
     "meshforge.models.chunked_loss",  # LOSS_CHUNK_SIZE: the planner's logits term counts one chunk
     "meshforge.metrics.mfu",  # PEAK_TFLOPS: the datasheet peaks MFU and the planner share
+    "meshforge.metrics.cpu_peak",  # this CPU's measured, cached figures: the planner's hardware for a CPU run
 }
 
 
