@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "explore": {"config", "errors", "models", "parallel", "planner", "ranges"},
     # what refuses a run before it writes, and what it may not write over (prices through planner/)
     "guards": {
-        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "planner", "resolve"),
+        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "parallel", "planner", "resolve"),
     },
     "train": {
         *("checkpoint", "config", "data", "errors", "guards", "health", "launch", "metrics", "models"),
@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "calibration": {"compat", "config", "errors", "metrics", "models", "parallel", "planner", "resolve", "train"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "guards", "health", "launch"),
-        *("models", "planner", "report", "resolve", "train"),
+        *("models", "parallel", "planner", "report", "resolve", "train"),
     },
     "__main__": {"cli"},
 }
