@@ -126,10 +126,8 @@ def meshforge_step(a: argparse.Namespace, compiled: bool) -> tuple[Callable[[], 
     """meshforge's own step runner over the shape, cast_once bf16, the default chunked loss."""
     from meshforge.config import load_config
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
     from meshforge.resolve import resolve
-    from meshforge.train.optimizer import build_optimizer, build_scheduler
-    from meshforge.train.step import PlainStep
+    from meshforge.train.standalone_step import standalone_step
 
     s = shape_of(a)
     over = {f"model.{k}": getattr(s, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden")}
@@ -138,13 +136,8 @@ def meshforge_step(a: argparse.Namespace, compiled: bool) -> tuple[Callable[[], 
     over |= {"train.micro_batch_size": a.micro_batch, "train.precision": "bf16", "train.device": "cpu"}
     over |= {"train.mixed_precision": "cast_once", "train.compile": compiled, "train.activation_checkpoint": a.ac}
     plan = resolve(load_config(overrides=over), 1)
-    mesh = build_mesh(plan.layout, "cpu")
-    loss = build_loss(plan)
-    built = build_rank_model(plan, mesh, loss)
-    opt = build_optimizer(built.model, plan, mesh)
-    common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
-    common |= {"plan": plan, "mesh": mesh}
-    runner = PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
+    built = standalone_step(plan, build_mesh(plan.layout, "cpu"))
+    runner = built.runner
     batch = torch.randint(0, s.vocab_size, (a.micro_batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
     ran = f"meshforge: cast_once bf16 (FSDP2, 1 rank), chunked loss {plan.train.loss_chunk_size} tokens"
     return (lambda: runner.run(batch, measure=False)), built.model, ran

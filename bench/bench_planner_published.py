@@ -6,15 +6,23 @@ any run. It prints the error in MFU points (HFU where the source counts recomput
 and the median and worst over the held-out set; the earlier validation rows (the set the
 model was first tuned on) are printed after it, apart. Pure modelling: seconds, no GPU.
 
-    python bench/bench_planner_published.py
+    python bench/bench_planner_published.py [--cross-validate]
+
+``--cross-validate``: the constants the planner fits to published runs (docs/planner.md, "What is
+fitted") are refitted on every source but one, and that source's runs predicted with them, for
+every source in turn (leave one source out): the error a source the constants never saw gets.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+from dataclasses import replace
 
 from meshforge.errors import ConfigError
+from meshforge.planner import hardware
+from meshforge.planner.model_flags import from_preset
 from meshforge.planner.plan import parse_plan_args, plan_from_args
 
 NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, Table 1"
@@ -22,6 +30,7 @@ KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Lar
 LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
 MPT_H100 = "MosaicML llm-foundry b2a43a147, scripts/train/benchmarking/README.md, table 'H100 80GB BF16'"
 MPT_A100 = "MosaicML llm-foundry b2a43a147, scripts/train/benchmarking/README.md, table 'A100 80GB'"
+ISSUE28 = "meshforge issue 28, one H100 (tests/unit/test_planner_h100_table.py)"
 
 
 def megatron(
@@ -150,14 +159,29 @@ UNSTATED_CHUNKS = [  # N21 Table 1 layouts run interleaved with no chunk count g
 
 
 def predict(argv: list[str], metric: str) -> tuple[float, str, bool]:
-    """The planner's figure for one run, its layout in words, and whether it fits."""
+    """The planner's MFU for one run, its layout in words, whether it fits, and the factor that
+    turns the source's figure into MFU (N21 reports HFU in Megatron's convention: compared as MFU,
+    so that no recomputation convention enters the comparison)."""
     pl = plan_from_args(parse_plan_args([*argv, "--gpus-per-node", "8"]))
     e = pl.results[0]
     L = e.layout
     lay = f"tp{L.tp} pp{L.pp} dp{L.dp} cp{L.cp} z{L.zero_stage} mb{L.micro_batch_size} {L.activation_checkpoint}"
     if L.pp > 1:
         lay += " " + {"interleaved_1f1b": f"i1f1b v{L.pp_virtual_stages}"}.get(L.pp_schedule, L.pp_schedule)
-    return (e.hfu if metric == "hfu" else e.mfu), lay, e.fits
+    return e.mfu, lay, e.fits, _to_mfu(pl) if metric == "hfu" else 1.0
+
+
+def _to_mfu(pl) -> float:
+    """N21's HFU as MFU: its model FLOPs over its hardware FLOPs (the same tokens per second)."""
+    return pl.shape.model_flops_per_token(pl.seq) / megatron_flops_per_token(pl)
+
+
+def megatron_flops_per_token(pl) -> float:
+    """N21's hardware FLOPs (its equation 3 per token): 96·l·h²·(1 + s/6h + V/16lh), i.e. the blocks'
+    forward four times (Megatron's checkpointing reruns every block whole, w2 included) and the
+    head three times. meshforge's HFU counts what its own recomputation runs (no w2, no head)."""
+    a, s = pl.shape, pl.seq
+    return 96 * a.layers * a.hidden**2 + 16 * a.layers * s * a.hidden + 6 * a.vocab_size * a.hidden
 
 
 def table(runs: list, title: str) -> list[float]:
@@ -166,21 +190,123 @@ def table(runs: list, title: str) -> list[float]:
     errors = []
     for name, _source, published, metric, argv in runs:
         try:
-            pred, lay, fits = predict(argv, metric)
+            pred, lay, fits, scale = predict(argv, metric)
         except ConfigError as e:
             sys.exit(f"{name}: {e}")
+        published *= scale
         err = 100 * (pred - published)
         errors.append(abs(err))
         note = "" if fits else "  (predicted not to fit)"
-        print(f"{name:<32} {lay:<48} {100 * published:>8.1f}% {100 * pred:>8.1f}% {err:>+6.1f}  {metric.upper()}{note}")
+        was = f" (HFU {100 * published / scale:.1f}%)" if metric == "hfu" else ""
+        print(f"{name:<32} {lay:<48} {100 * published:>8.1f}% {100 * pred:>8.1f}% {err:>+6.1f}  MFU{was}{note}")
     print(f"|error| in points: median {statistics.median(errors):.1f}, worst {max(errors):.1f} ({len(errors)} runs)")
     return errors
 
 
+def issue28(model: str, seq: int, batch: int, mb: int, rc: str, compiled: bool, tps: float) -> tuple:
+    """An issue-28 H100 row as (published MFU, arguments): the measured tokens/s as MFU."""
+    argv = ["--model", model, "--gpus", "1", "--gpu", "h100-sxm", "--seq-len", str(seq), "--global-batch", str(batch)]
+    argv += ["--micro-batch", str(mb), "--tp", "1", "--pp", "1", "--dp", "1", "--zero", "0", "--recompute", rc]
+    argv += ["--compiled" if compiled else "--eager"]
+    mfu = from_preset(model).model_flops_per_token(seq) * tps / hardware.PRESETS["h100-sxm"].peak("bf16")
+    return mfu, argv
+
+
+ISSUE28_ROWS = [  # (run, *issue28 arguments): meshforge's own H100 measurements (issue 28)
+    ("1B 4K eager", "llama3.2-1b", 4096, 16, 2, "none", False, 43374),
+    ("1B 8K eager", "llama3.2-1b", 8192, 8, 1, "none", False, 39275),
+    ("1B 4K compiled", "llama3.2-1b", 4096, 16, 2, "none", True, 55010),
+    ("1B 8K compiled", "llama3.2-1b", 8192, 8, 1, "none", True, 48718),
+    ("3B 4K compiled full AC", "llama3.2-3b", 4096, 16, 2, "full", True, 19396),
+    ("1B 16K batch 1 compiled", "llama3.2-1b", 16384, 1, 1, "none", True, 40662),
+]
+OWN = [(f"meshforge {r[0]}", ISSUE28, *(lambda m, a: (m, "mfu", a))(*issue28(*r[1:]))) for r in ISSUE28_ROWS]
+
+SHORT = {NARAYANAN: "N21", KORTHIKANTI: "K22", LLAMA3: "L3", MPT_H100: "MPT H100", MPT_A100: "MPT A100"}
+SHORT[ISSUE28] = "meshforge H100 (issue 28)"
+
+# What the planner fits to published runs, per GPU generation (docs/planner.md, "What is fitted"):
+# the share of peak a large GEMM reaches. name -> (presets it sets, its current value)
+FITTED = {
+    "AMPERE_GEMM": (("a100-40g", "a100-80g"), hardware.AMPERE_GEMM),
+    "HOPPER_GEMM_BEST": (("h100-sxm", "h100-pcie", "h200"), hardware.HOPPER_GEMM_BEST),
+}
+
+
+def set_constant(name: str, value: float) -> None:
+    for preset in FITTED[name][0]:
+        hardware.PRESETS[preset] = replace(hardware.PRESETS[preset], gemm_efficiency=value)
+
+
+def uses(run: tuple, name: str) -> bool:
+    argv = run[4]
+    gpu = argv[argv.index("--gpu") + 1] if "--gpu" in argv else "h100-sxm"  # (the planner's default)
+    return gpu in FITTED[name][0]
+
+
+def errors_of(runs: list, cache: dict, key: tuple) -> list[float]:
+    out = []
+    for run in runs:
+        if (run[0], key) not in cache:
+            pred, _, _, scale = predict(run[4], run[3])
+            cache[(run[0], key)] = 100 * (pred - run[2] * scale)
+        out.append(cache[(run[0], key)])
+    return out
+
+
+def fit(name: str, runs: list, cache: dict) -> float:
+    """The value of ``name`` that minimises the median |error| over ``runs`` (a grid, then finer)."""
+    best, grid = FITTED[name][1], [0.40 + 0.02 * i for i in range(26)]
+    for step in (0.02, 0.005):
+        scored = []
+        for v in grid:
+            set_constant(name, v)
+            scored.append((statistics.median(abs(e) for e in errors_of(runs, cache, (name, round(v, 4)))), v))
+        best = min(scored)[1]
+        grid = [best + step / 4 * i for i in range(-4, 5)] if step == 0.02 else grid
+    set_constant(name, FITTED[name][1])
+    return best
+
+
+def cross_validate() -> None:
+    """Leave one source out: refit FITTED on the others, predict it."""
+    runs = HELD_OUT + EARLIER + OWN
+    sources = list(dict.fromkeys(r[1] for r in runs))
+    cache: dict = {}
+    every = []
+    print("leave one source out (the GEMM shares refitted on the other sources)")
+    for src in sources:
+        mine, rest = [r for r in runs if r[1] == src], [r for r in runs if r[1] != src]
+        fitted = {}
+        for name in FITTED:
+            train = [r for r in rest if uses(r, name)]
+            if any(uses(r, name) for r in mine):
+                fitted[name] = fit(name, train, cache) if train else FITTED[name][1]
+        for name, v in fitted.items():
+            set_constant(name, v)
+        errs = errors_of(mine, cache, tuple(sorted((k, round(v, 4)) for k, v in fitted.items())))
+        for name in fitted:
+            set_constant(name, FITTED[name][1])
+        every += [abs(e) for e in errs]
+        consts = ", ".join(f"{k} {v:.3f}" for k, v in fitted.items())
+        worst = f"median {statistics.median(abs(e) for e in errs):.1f}, worst {max(map(abs, errs)):.1f}"
+        print(
+            f"  {SHORT[src]:<26} {len(mine):>2} runs, {consts}: |error| {worst}; " + " ".join(f"{e:+.1f}" for e in errs)
+        )
+    print(f"every source held out in turn: |error| median {statistics.median(every):.1f}, worst {max(every):.1f} "
+          f"({len(every)} runs; target: median <= 3, worst <= 8)")  # fmt: skip
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cross-validate", action="store_true", help="leave one source out, refitting the constants")
+    if ap.parse_args().cross_validate:
+        cross_validate()
+        return
     errors = table(HELD_OUT, "held-out published runs (target: median <= 3, worst <= 8 points)")
     errors += table(EARLIER, "earlier validation set (not held out)")
     errors += table(UNSTATED_CHUNKS, "interleaved without a chunk count (the planner picks it)")
+    errors += table(OWN, "meshforge's own H100 runs (issue 28: measured tokens/s as MFU)")
     print(f"\nevery run: median {statistics.median(errors):.1f}, worst {max(errors):.1f} ({len(errors)} runs)")
 
 

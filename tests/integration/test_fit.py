@@ -118,7 +118,7 @@ def test_cuda_path_holds_the_estimate_against_the_ranks_own_gpu(tmp_path, corpus
 def test_dry_run_names_the_cpu_and_its_ram(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(AVAILABLE_ENV, "12")
     argv = ["train", "--dry-run", "--model.preset=llama3.1-8b", "--train.device=cpu", f"--run.dir={tmp_path / 'x'}"]
-    assert main(argv) == 0
+    assert main(argv) == 2  # the verdict is the exit code (issue 53)
     out = capsys.readouterr().out
     assert "device: CPU, 12.0 GiB RAM available" in out
     assert "of 12 GiB" in out and "does NOT fit" in out and "of 64 GiB" not in out

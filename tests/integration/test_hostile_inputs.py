@@ -358,6 +358,55 @@ def test_the_refused_resume_of_the_issue_prints_no_resume_hint_and_the_run_still
     assert '"resumed"' in (run / "events.jsonl").read_text() and (run / "notes.txt").read_text() == "mine\n"
 
 
+# --- --resume: what cannot continue a run (issue 53) ---------------------------------------------
+
+
+def _weights_only(run: Path) -> None:
+    shutil.rmtree(run / "checkpoints")
+
+
+def _nothing_kept(run: Path) -> None:
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "final")
+
+
+def _user_dir(run: Path) -> None:
+    shutil.rmtree(run)
+    run.mkdir()
+    (run / "thesis.tex").write_text("mine\n")
+
+
+# (id, the --resume target ({run}: the copy of a finished 4-step run), extra arguments, setup, what it says)
+RESUME_REFUSALS = [
+    ("missing", "{run}/nope", ["--train.steps=8"], None, "/nope: no such directory"),
+    ("a-file", "{run}/config.toml", ["--train.steps=8"], None, "is a file, not a run directory"),
+    ("user-dir", "{run}", ["--train.steps=8"], _user_dir, "is not a meshforge run directory"),
+    ("weights-only", "{run}", ["--train.steps=8"], _weights_only, "--optim.schedule=constant --optim.lr="),
+    ("nothing-kept", "{run}", ["--train.steps=8"], _nothing_kept, "no final weights"),
+    ("steps-not-above", "{run}", ["--train.steps=3"], None, "--train.steps=3 is not above the step the run is at (4"),
+    ("steps-left-out", "{run}", [], None, "its train.steps = 4 is not above the step the run is at (4"),
+    ("another-shape", "{run}", ["--train.steps=8", "--model.hidden=128"], None, "(hidden: 64 vs 128"),
+    ("another-run-dir", "{run}", ["--train.steps=8", "--run.dir={fresh}"], None, "cannot go with it"),
+    ("overwrite", "{run}", ["--train.steps=8", "--run.overwrite=true"], None, "--run.overwrite=True cannot go"),
+    ("load-none", "{run}", ["--train.steps=8", "--checkpoint.load=none"], None, "--checkpoint.load=none cannot go"),
+    ("with-config", "{run}", ["--train.steps=8", "--config={run}/config.toml"], None, "leave out --config"),
+]
+
+
+@pytest.mark.parametrize(
+    "target, extra, setup, said", [c[1:] for c in RESUME_REFUSALS], ids=[c[0] for c in RESUME_REFUSALS]
+)
+def test_resume_refuses_what_cannot_continue_the_run(capsys, trained, tmp_path, target, extra, setup, said):
+    run, fresh = tmp_path / "run", tmp_path / "fresh"
+    shutil.copytree(trained, run)
+    if setup:
+        setup(run)
+    before = snapshot(run)
+    fill = {"{run}": str(run), "{fresh}": str(fresh)}
+    refused(capsys, ["train", "--resume", _fill(target, fill), *(_fill(a, fill) for a in extra)], said)
+    assert snapshot(run) == before and not fresh.exists()
+
+
 # --- never over what meshforge did not write --------------------------------------------------
 
 

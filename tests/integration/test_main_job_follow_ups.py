@@ -26,7 +26,7 @@ def test_a_run_replans_on_another_number_of_devices_on_its_own_device(tmp_path, 
     best = json.loads(r.stdout)["layouts"][0]
     assert best["dp_shard"] * best["tp"] * best["pp"] * best["cp"] == 8
     r = run_cli("plan", "--config", str(run / "config.toml"), "--gpus", "8")
-    assert r.returncode == 0 and "| 8 x cpu (" in r.stdout  # the run's device, not an H100
+    assert r.returncode == 0 and "| 8 x this-cpu (" in r.stdout  # the run's device (measured), not an H100
 
 
 def test_a_validation_split_too_small_to_evaluate_is_said(tmp_path, corpus):

@@ -139,18 +139,30 @@ def test_format_version_1_still_reads_but_has_no_offsets(tmp_path):
             call(0, 10)
 
 
+# Killed from call 25 on, at the first call that finds a shard open (written, not yet in the
+# journal): the worker threads tokenize ahead of the writer, so a fixed call number alone may
+# fall between two shards and the partly written shard the resume must discard would be absent.
 _KILLER = """
-import os, signal, sys
+import json, os, signal, sys
+from pathlib import Path
 from meshforge.data import shards
 from meshforge.data import text_pieces as pieces
 from meshforge.data.prepare import prepare
 from meshforge.data.tokenizer import ByteTokenizer
 pieces.BATCH_BYTES = shards.HEAD_TOKENS = 1 << 14
+out = Path(sys.argv[2])
+partial = out.parent / f".{out.name}.partial"
+def shard_open():
+    try:
+        kept = json.loads((partial / "progress.json").read_text())["state"]["splits"]["train"]
+    except (OSError, ValueError):
+        return False
+    return bool(kept) and (partial / f"train_{len(kept):05d}.bin").exists()
 class Dying(ByteTokenizer):
     calls = 0
     def encode_batch(self, texts):
         Dying.calls += 1
-        if Dying.calls == 25:
+        if Dying.calls >= 25 and shard_open():
             os.kill(os.getpid(), signal.SIGKILL)
         return super().encode_batch(texts)
 prepare([sys.argv[1]], sys.argv[2], Dying(), 0.5, workers=2, shard_tokens=20_000, progress=None)

@@ -88,7 +88,7 @@ def test_a_finished_run_writes_its_report(finished):
         assert kind in text
     end = json.loads((finished / "summary.json").read_text())
     assert f"mfu {100 * end['mfu']:.2f}%" in text  # events speak MFU in %, as the overview and the chart do
-    assert "finished" in text and "1 x cpu" in text  # the planner ran for this layout
+    assert "finished" in text and "1 x this-cpu" in text  # the planner ran for this layout, on this CPU
     # the planner's step, term by term: the parts add up to the predicted step time it names
     pred = predict(load_run(finished))
     assert "Where the planner says a step goes" in text and "model FLOPs at peak" in text
@@ -98,9 +98,11 @@ def test_a_finished_run_writes_its_report(finished):
 
 def test_a_refused_run_leaves_the_old_runs_report_alone(finished, corpus, capsys):
     """The CLI writes the report after train() returns; a run refused before it starts
-    (run.dir holds another run) must not rewrite that run's report."""
+    (run.dir holds another run, and checkpoint.load = none would not continue it) must not
+    rewrite that run's report."""
     before = (finished / "report.html").stat().st_mtime_ns
-    assert main(["train", *cli_args(tiny_overrides(finished, corpus, **{"train.steps": 2}))]) == 2
+    over = tiny_overrides(finished, corpus, **{"train.steps": 2, "checkpoint.load": "none"})
+    assert main(["train", *cli_args(over)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (finished / "report.html").stat().st_mtime_ns == before
 

@@ -66,7 +66,7 @@ def test_short_run_writes_the_run_directory(tmp_path, corpus):
     assert final.shape.hidden == 64
     text = out.getvalue()
     assert "step 30/30" in text and "done: 30 steps" in text and "MFU" in text
-    assert f"meshforge train --config {run / 'config.toml'} --model.init_from {run / 'final'}" in text  # goes on
+    assert f"meshforge train --resume {run} --train.steps=60" in text  # goes on (checkpoint.final's checkpoint)
 
 
 def test_deterministic_mode_gives_bit_identical_losses(tmp_path, corpus):
@@ -216,7 +216,9 @@ def test_non_llama_init_from_refused(tmp_path, corpus):
 
 
 def test_existing_run_is_not_written_over(tmp_path, corpus):
-    train(tiny_config(tmp_path / "run", corpus, **{"train.steps": 2}))
+    """A run with nothing to resume (checkpoint.final = false; with its final checkpoint the same
+    command would continue it, as checkpoint.load = latest says) is refused, not replaced."""
+    train(tiny_config(tmp_path / "run", corpus, **{"train.steps": 2, "checkpoint.final": False}))
     before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
     r = run_cli("train", *cli_args(tiny_overrides(tmp_path / "run", corpus)))
     assert r.returncode == 2 and "already holds a run" in r.stderr

@@ -37,17 +37,18 @@ ALLOWED: dict[str, set[str]] = {
     "explore": {"config", "errors", "models", "parallel", "planner", "ranges"},
     # what refuses a run before it writes, and what it may not write over (prices through planner/)
     "guards": {
-        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "planner", "resolve", "safeio"),
+        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "parallel", "planner", "resolve"),
+        "safeio",
     },
     "train": {
         *("checkpoint", "config", "data", "errors", "guards", "health", "launch", "metrics", "models"),
         *("parallel", "safeio"),
     },
     # the top: what drives the rest
-    "calibration": {"compat", "config", "errors", "models", "parallel", "planner", "resolve", "train"},
+    "calibration": {"compat", "config", "errors", "metrics", "models", "parallel", "planner", "resolve", "train"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "guards", "health", "launch"),
-        *("models", "planner", "report", "resolve", "safeio", "train"),
+        *("models", "parallel", "planner", "report", "resolve", "safeio", "train"),
     },
     "__main__": {"cli"},
 }
@@ -80,6 +81,7 @@ SHARED_CORE = {
     "meshforge.parallel.tensor.ring_pieces",  # async TP's pieces per chunk: the planner prices the same rings
     "meshforge.models.chunked_loss",  # LOSS_CHUNK_SIZE: the planner's logits term counts one chunk
     "meshforge.metrics.mfu",  # PEAK_TFLOPS: the datasheet peaks MFU and the planner share
+    "meshforge.metrics.cpu_peak",  # this CPU's measured, cached figures: the planner's hardware for a CPU run
 }
 
 

@@ -196,21 +196,24 @@ def test_fake_peak_equals_real():
 
 
 def test_planner_counts_one_chunk_of_logits():
-    """planner/memory.py's memory(): the loss part is one chunk's logits (plus the fp32 head
-    gradient accumulator) with the chunked loss, the whole micro-batch's without."""
+    """planner/memory.py's memory(): with the whole logits a 1B run at 32K peaks in its loss's
+    backward (14 bytes a logit: the logits the step holds, the fp32 log-softmax, its gradient and
+    the logits' fp32 gradient); the chunked loss's own working set is one chunk's logits."""
+    from meshforge.planner import peak_bytes
     from meshforge.planner.estimate import plan_layout
     from meshforge.planner.hardware import get_hardware
-    from meshforge.planner.memory import memory
+    from meshforge.planner.memory import memory, step_tensors
     from meshforge.planner.model_flags import from_preset
 
     shape, hw = from_preset("llama3.2-1b"), get_hardware("h100-sxm")
     lay = plan_layout(activation_checkpoint="full")
-    plain = memory(shape, lay, 32768, "bf16", hw, loss_chunk_size=0)["loss"]
-    chunked = memory(shape, lay, 32768, "bf16", hw, loss_chunk_size=1024)["loss"]
+    plain = memory(shape, lay, 32768, "bf16", hw, loss_chunk_size=0)["working"]
+    chunked = memory(shape, lay, 32768, "bf16", hw, loss_chunk_size=1024)["working"]
     per_logit = 2 + 4 + 4 + 4  # bf16 logits; fp32 log-softmax, its gradient, the logits' fp32 gradient
-    logits = 32768 * shape.vocab_size * per_logit / 2**30
-    assert 0 <= plain - logits < 1.0  # (plus what the ends keep per token: final norm, hidden states)
-    assert chunked >= (1024 * shape.vocab_size * per_logit + shape.vocab_size * shape.hidden * 4) / 2**30 - 1e-9
+    assert plain * 2**30 == pytest.approx(32768 * shape.vocab_size * per_logit)
+    t = step_tensors(shape, lay, 32768, "bf16", True, 1024, "cast_once", False)
+    assert t.loss_working == peak_bytes.chunk_working(32768, shape.vocab_size, shape.hidden, 1024, 2)
+    assert t.loss_working == 1024 * (6 * shape.vocab_size + 2 * shape.hidden)  # one chunk's rows
     assert plain - chunked > 35  # GiB: where 1B at 32K ran out of memory
 
 

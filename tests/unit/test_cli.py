@@ -30,6 +30,19 @@ def test_dry_run_prints_the_resolved_config_and_the_estimate(tmp_path, capsys):
     assert not run.exists()
 
 
+def test_a_dry_runs_verdict_is_its_exit_code(tmp_path, capsys, monkeypatch):
+    """Issue 53: `--model.preset llama3.2-1b --dry-run` said `does NOT fit` and exited 0."""
+    from meshforge.guards.memory_fit import AVAILABLE_ENV
+
+    monkeypatch.setenv(AVAILABLE_ENV, "20")
+    run = tmp_path / "never"
+    assert main(["train", "--dry-run", "--model.preset=llama3.2-1b", "--train.device=cpu", f"--run.dir={run}"]) == 2
+    out = capsys.readouterr().out
+    assert "does NOT fit: needs" in out and "of 20 GiB" in out and "dry run: no ranks started" in out
+    assert main(["train", "--dry-run", "--train.device=cpu", f"--run.dir={run}", *TINY]) == 0
+    assert "(fits)" in capsys.readouterr().out and not run.exists()
+
+
 def test_cuda_without_gpus_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="no CUDA device is visible.*--train.device cpu"):

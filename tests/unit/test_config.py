@@ -120,7 +120,7 @@ def test_malformed_toml_names_file(tmp_path):
 
 
 def test_override_syntax_both_forms_and_types():
-    cfg_file, nproc, restarts, o = parse_train_args(
+    cfg_file, nproc, restarts, o, resume = parse_train_args(
         [
             "--train.steps=5",
             "--optim.lr",
@@ -132,7 +132,7 @@ def test_override_syntax_both_forms_and_types():
             "some/dir",
         ]
     )
-    assert (cfg_file, nproc, restarts) == (None, 2, 0)
+    assert (cfg_file, nproc, restarts, resume) == (None, 2, 0, None)
     assert o == {"train.steps": 5, "optim.lr": 3e-4, "train.compile": True, "data.path": "some/dir"}
 
 

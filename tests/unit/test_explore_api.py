@@ -88,7 +88,7 @@ def test_estimate_answers_with_the_planners_breakdown(port):
     a = estimate(port, model="llama3.1-8b", gpus=8, tp=2, zero=1)
     e = a["estimate"]
     mem = e["memory_gib"]
-    parts = ("params", "grads", "optimizer", "activations", "loss", "weight_copies", "buffers", "reserve")
+    parts = ("params", "grads", "optimizer", "activations", "working", "weight_copies", "buffers", "reserve")
     assert mem["total"] == pytest.approx(sum(mem[k] for k in (*parts, "grads_not_at_peak")), rel=1e-3)
     assert a["layout"]["dp_shard"] == 4 and a["layout"]["tp"] == 2
     assert e["step_time_s"] == pytest.approx(sum(e["step_s"].values()), rel=1e-6)

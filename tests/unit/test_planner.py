@@ -381,6 +381,15 @@ def test_plan_json_interface():
     for lay in out["layouts"]:
         assert keys <= set(lay)
         assert {"params", "grads", "optimizer", "activations", "total"} <= set(lay["memory_gib"])
+        exact = lay["memory_bytes"]  # every part in bytes as well (the GiB are rounded to 3 decimals)
+        assert set(lay["memory_gib"]) <= set(exact) and exact["device"] == exact["total"]
+        assert all(
+            isinstance(v, int) and abs(v / 2**30 - lay["memory_gib"][k]) <= 5e-4
+            for k, v in exact.items()
+            if k in lay["memory_gib"]
+        )
+        parts = [k for k in lay["memory_gib"] if k != "total"]
+        assert abs(sum(exact[k] for k in parts) - exact["total"]) <= len(parts)  # bytes add up, to rounding
         assert lay["fits"] and lay["tp"] * lay["pp"] * lay["dp_shard"] * lay["cp"] == 512
         assert lay["num_params"] == from_preset("llama3.1-70b").num_params()
     steps = [lay["tokens_per_s_per_gpu"] for lay in out["layouts"]]

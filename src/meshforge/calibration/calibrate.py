@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -35,10 +36,10 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshforge.calibration.collectives import COLLECTIVES, collective_times, comm_overlap, fit_alpha_beta
-from meshforge.calibration.compute import SYNC_COMPUTE, compute_profile, timed
 from meshforge.calibration.layout_fixed import layout_fixed_costs
 from meshforge.errors import ConfigError
-from meshforge.planner.hardware import PRESETS, Hardware
+from meshforge.metrics.compute_profile import SYNC_COMPUTE, Timer, compute_profile, noise_warning
+from meshforge.planner.hardware import PRESETS, Hardware, profile_fields
 
 
 def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: str) -> None:
@@ -55,7 +56,8 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
         dist.barrier()
         SYNC_COMPUTE[0] = True
-    mine = compute_profile(dev, quick)
+    timer = Timer()
+    mine = compute_profile(dev, quick, timer)
     SYNC_COMPUTE[0] = False
     if world > 1:
         every: list = [None] * world
@@ -64,11 +66,18 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         mesh = init_device_mesh(dev.type, (world,))
         sizes = [2**k for k in range(12, 23 if quick else 25, 2)]
         per_round = 2**20 if quick else 2**22  # bytes each round of calls moves
-        points = {kind: collective_times(kind, dev, sizes, 3 if quick else 6, mesh, per_round) for kind in COLLECTIVES}
+        rep = 3 if quick else 6
+        points = {
+            kind: timer.figure(
+                f"collective {kind}", lambda k=kind: collective_times(k, dev, sizes, rep, timer, mesh, per_round)
+            )
+            for kind in COLLECTIVES
+        }
         SYNC_COMPUTE[0] = True
-        overlap = comm_overlap(dev, 3 if quick else 5)
-        kinds = {} if cuda else _slowest(layout_fixed_costs(world, _fixed_timer(quick)), world)
+        overlap = timer.figure("comm overlap", lambda: comm_overlap(dev, 3 if quick else 5, timer))
+        kinds = {} if cuda else timer.figure("layout fixed", lambda: _layout_fixed(world, quick, timer))
         if rank == 0:
+            slowest["timing"] = timer.report()  # (every rank agreed on each figure's spread)
             res = {"compute": slowest, "points": points, "overlap": overlap, "layout_fixed": kinds}
             Path(out).write_text(json.dumps(res))
         dist.destroy_process_group()
@@ -76,9 +85,11 @@ def _worker(rank: int, world: int, port: int, quick: bool, threads: int, out: st
         Path(out).write_text(json.dumps({"compute": mine, "points": {}, "overlap": 1.0}))
 
 
-def _fixed_timer(quick: bool):
-    """Seconds per call of a tiny model's step, every rank making as many calls."""
-    return lambda fn: timed(fn, 3, calls=3) if quick else timed(fn, 5, calls=10)
+def _layout_fixed(world: int, quick: bool, timer: Timer) -> dict[str, dict[str, float]]:
+    """The per-kind fixed costs (calibration/layout_fixed.py), each rank's step timed by ``timer``
+    with as many calls on every rank; the slowest rank's figures."""
+    per_call = (lambda fn: timer.time(fn, 3, calls=3)) if quick else (lambda fn: timer.time(fn, 5, calls=10))
+    return _slowest(layout_fixed_costs(world, per_call), world)
 
 
 def _slowest(costs: dict[str, dict[str, float]], world: int) -> dict[str, dict[str, float]]:
@@ -128,26 +139,19 @@ def calibrate(nproc: int, quick: bool) -> Hardware:
         block_fixed_s=c.get("fixed", 0.0),
         optimizer_fixed_s=c.get("opt", 0.0),
         layout_fixed_s=res.get("layout_fixed", {}),
-        by_ranks={"1": _compute_fields(single)} if single else {},
+        by_ranks={"1": profile_fields(single)} if single else {},
         reserve_gib=base.reserve_gib,
         collectives=fits,
         comm_overlap=res["overlap"],
         source="calibrated",
-        extra={"threads_per_rank": threads, "nproc": nproc, "collective_points": points, "time": time.time()},
+        extra={"threads_per_rank": threads, "nproc": nproc, "collective_points": points, "time": time.time()}
+        | _timings(c, single),
     )
 
 
-def _compute_fields(c: dict) -> dict:
-    """A compute profile (``compute_profile``) as the Hardware fields it sets."""
-    return {
-        "peak_flops": c["peaks"],
-        "hbm_bw": c["bw"],
-        "gemm_half_flop": c["half"],
-        "attention_efficiency": c["attn"],
-        "elementwise_bytes_per_hidden": c["elem"],
-        "block_fixed_s": c.get("fixed", 0.0),
-        "optimizer_fixed_s": c.get("opt", 0.0),
-    }
+def _timings(c: dict, single: dict | None) -> dict:
+    """Each figure's spread and what stayed noisy (metrics/compute_profile.py), as N and as 1 rank."""
+    return {"timing": c.get("timing", {}), "timing_one_rank": single.get("timing", {}) if single else {}}
 
 
 def _ram_gib() -> float:
@@ -160,6 +164,12 @@ def _ram_gib() -> float:
 def run(args: argparse.Namespace) -> int:
     hw = calibrate(args.nproc, args.quick)
     Path(args.out).write_text(json.dumps(asdict(hw), indent=1))
+    parts = {f"as {args.nproc} rank(s)": "timing", "as 1 rank": "timing_one_rank"}
+    warning = "; ".join(f"{who}: {w}" for who, k in parts.items() if (w := noise_warning(hw.extra.get(k, {}))))
+    if warning:
+        print(
+            f"meshforge calibrate: warning: {args.out} was written from noisy measurements: {warning}", file=sys.stderr
+        )
     print(
         f"wrote {args.out}: {hw.name}, peak "
         + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in hw.peak_flops.items())

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshforge.calibration.compute import timed
 from meshforge.compat import all_gather_flat, reduce_scatter_flat
+from meshforge.metrics.compute_profile import Timer
 from meshforge.parallel.data.apply import AllReduceScatter
 from meshforge.planner.hardware import cost_coefficients
 
@@ -112,9 +112,10 @@ def _fsdp_call(kind: str, n: int, dev: torch.device, mesh):
 
 
 def collective_times(
-    kind: str, dev: torch.device, sizes: list[int], repeat: int, mesh=None, round_bytes: int = 2**22
+    kind: str, dev: torch.device, sizes: list[int], repeat: int, timer: Timer, mesh=None, round_bytes: int = 2**22
 ) -> list[tuple[int, float]]:
-    """(payload bytes, seconds per call) over ``sizes``; the slowest rank's time. Each round
+    """(payload bytes, seconds per call) over ``sizes``; the slowest rank's time (each the fastest
+    of its rounds, ``timer``). Each round
     makes enough calls to move ``round_bytes``: small messages are latency-bound, so on a CPU
     (gloo, ~1 ms a call) the smallest sizes' thousand calls a round were most of the time."""
     res = []
@@ -123,16 +124,17 @@ def collective_times(
         dist.barrier()
         calls = max(1, round_bytes // nbytes)
         if isinstance(fn, tuple):  # (whole, part to subtract, more to subtract)
-            t = max(timed(fn[0], repeat, calls=calls) - sum(timed(f, repeat, calls=calls) for f in fn[1:]), 0.0)
+            parts = [timer.time(f, repeat, calls=calls) for f in fn]
+            t = max(parts[0] - sum(parts[1:]), 0.0)
         else:
-            t = timed(fn, repeat, calls=calls)
+            t = timer.time(fn, repeat, calls=calls)
         tt = torch.tensor([t], device=dev)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         res.append((nbytes, float(tt)))
     return res
 
 
-def comm_overlap(dev: torch.device, repeat: int) -> float:
+def comm_overlap(dev: torch.device, repeat: int, timer: Timer) -> float:
     """How much of a gradient all-reduce hides under compute running at the same time:
     1 - (t(both) - t(compute)) / t(all-reduce), from the medians of interleaved rounds.
     Near 1 where communication has its own engine (NCCL on GPUs); near 0 on a CPU whose
@@ -149,8 +151,8 @@ def comm_overlap(dev: torch.device, repeat: int) -> float:
         dist.all_reduce(g)
         sync()
 
-    t_comm = timed(comm, 3, calls=2)
-    t_mm = timed(lambda: (a @ b, sync()), 3, calls=3)
+    t_comm = timer.time(comm, 3, calls=2)
+    t_mm = timer.time(lambda: (a @ b, sync()), 3, calls=3)
     k = max(1, round(t_comm / t_mm))  # a compute window about as long as the communication
 
     def compute() -> None:
@@ -167,7 +169,7 @@ def comm_overlap(dev: torch.device, repeat: int) -> float:
 
     ratios = []
     for _ in range(max(3, repeat)):
-        tc, ta, tb = (timed(f, 1, calls=2) for f in (compute, comm, both))
+        tc, ta, tb = (timer.time(f, 1, calls=2) for f in (compute, comm, both))
         ratios.append((tb - tc) / ta)
     exposed = statistics.median(ratios)
     return min(1.0, max(0.0, 1.0 - exposed))

@@ -26,10 +26,8 @@ import torch
 
 from meshforge.config import load_config
 from meshforge.parallel.mesh import build_mesh
-from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
 from meshforge.resolve import resolve
-from meshforge.train.moe_stats import install_step_hook
-from meshforge.train.optimizer import build_optimizer, build_scheduler
+from meshforge.train.standalone_step import standalone_step
 from meshforge.train.step import PlainStep
 
 KINDS = {  # layout kind -> config overrides over the calibrating ranks
@@ -56,14 +54,7 @@ def _tiny_runner(kind: str, layers: int, world: int) -> PlainStep:
         **KINDS[kind],
     }
     plan = resolve(load_config(overrides=over), world)
-    mesh = build_mesh(plan.layout, "cpu")
-    loss = build_loss(plan)
-    built = build_rank_model(plan, mesh, loss)
-    opt = build_optimizer(built.model, plan, mesh)
-    install_step_hook(opt, built.model, loss, mesh)
-    common = {"model": built.model, "optimizer": opt, "scheduler": build_scheduler(opt, plan, 0), "loss": loss}
-    common.update(plan=plan, mesh=mesh)
-    return PlainStep(train_model=built.train_model, forward_context=forward_context(plan, mesh.device), **common)
+    return standalone_step(plan, build_mesh(plan.layout, "cpu"), step_hook=True).runner
 
 
 def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) -> tuple[float, float]:
@@ -72,6 +63,9 @@ def _tiny_step(kind: str, layers: int, world: int, timed: Callable[..., float]) 
     model under ``kind``: a step of one micro-batch is the second; a step of two (the first
     without gradient reduction) less a step of one is the first. Every rank calls this."""
     runner = _tiny_runner(kind, layers, world)
+    # one sequence per micro-batch, one micro-batch per step: the runner takes its split from the plan
+    # (under tp every rank holds the whole batch of `world` sequences: two micro-batches of one)
+    runner.micro, runner.accum = 1, 1
     batch = torch.randint(0, 256, (2, TOKENS + 1))
     step = timed(lambda: runner.run(batch[:1], measure=False))
     runner.accum = 2

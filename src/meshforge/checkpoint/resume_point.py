@@ -10,17 +10,23 @@ falls back to an older one) are said once the run has started.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshforge.checkpoint import store
 from meshforge.checkpoint.saver import checkpoint_to_load
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
 from meshforge.checkpoint.validate import checkpoint_shape
 from meshforge.checkpoint.weights import shape_mismatch
 from meshforge.config.run_plan import ResumePoint, RunPlan
+from meshforge.config.schedule import decay_start, lr_at
 from meshforge.launch.env import restart_count
 from meshforge.models.shape import ModelShape
+
+Meta = dict[str, Any]  # a checkpoint's meta.json
 
 
 def find_resume_point(plan: RunPlan, resuming: bool, sequences: int) -> ResumePoint:
@@ -36,7 +42,8 @@ def find_resume_point(plan: RunPlan, resuming: bool, sequences: int) -> ResumePo
         if event == "checkpoint_skipped":
             skipped.append((str(fields.get("path")), str(fields.get("reason"))))
 
-    path, meta = checkpoint_to_load(load, Path(plan.run.dir) / "checkpoints", note)
+    root = Path(plan.run.dir) / "checkpoints"
+    path, meta = latest_checkpoint(plan, root, note) if load == "latest" else checkpoint_to_load(load, root, note)
     if path is None or meta is None:
         return ResumePoint(None, tuple(skipped), attempt)
     check_resumable(path, meta, plan, sequences)
@@ -87,3 +94,72 @@ def _train_state(meta: dict[str, Any], meta_path: Path) -> dict[str, int]:
         what = ", ".join(bad) or "world_size / degrees"
         raise CheckpointError(f"{meta_path}: {what} missing or not a whole number >= 0; the file is damaged or edited")
     return said
+
+
+def latest_checkpoint(plan: RunPlan, root: Path, note: Callable[..., None]) -> tuple[Path | None, Meta | None]:
+    """``checkpoint.load = latest`` for ``plan``: the newest complete checkpoint that verifies, except
+    that a wsd run extended past its decay continues from the newest checkpoint whose steps its own
+    schedule takes alike (the stable phase's end), not from the decay the shorter run ended with."""
+    chosen = _continued_from(plan, root)
+    if chosen is not None:
+        try:
+            return chosen, store.verify(chosen)
+        except CheckpointError as e:
+            note("checkpoint_skipped", level="warning", path=str(chosen), reason=str(e))
+    return checkpoint_to_load("latest", root, note)
+
+
+def _continued_from(plan: RunPlan, root: Path) -> Path | None:
+    """Under wsd, the newest checkpoint ``plan``'s schedule continues, when that is not the newest one."""
+    if plan.optim.schedule != "wsd":
+        return None
+    for i, c in enumerate(reversed(store.list_complete(root))):
+        try:
+            meta = store.read_meta(c.path)
+        except CheckpointError:
+            continue  # (latest's own fallback names it)
+        if follows_schedule(meta, c.step, plan):
+            return c.path if i else None
+    return None
+
+
+def _record(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """meta.json's ``lr_schedule`` when it is whole (checkpoints written before it have none)."""
+    rec = meta.get("lr_schedule")
+    if not isinstance(rec, dict) or not isinstance(rec.get("schedule"), str):
+        return None
+    ints = all(type(rec.get(k)) is int for k in ("steps", "decay_start"))
+    return rec if ints and isinstance(rec.get("next_lr"), (int, float)) else None
+
+
+def follows_schedule(meta: dict[str, Any], step: int, plan: RunPlan) -> bool:
+    """Whether the ``step`` steps of a checkpoint took the learning rates ``plan``'s wsd schedule
+    gives them: the same schedule, or both still before their decay."""
+    rec = _record(meta)
+    if rec is None or rec["schedule"] != "wsd" or rec["steps"] == plan.train.steps:
+        return True
+    return step <= min(rec["decay_start"], decay_start(plan.optim, plan.train.steps))
+
+
+def continuation_note(meta: dict[str, Any], plan: RunPlan) -> str | None:
+    """How the schedule goes on from a checkpoint of a run of another length (None: as it was)."""
+    rec, step, o, steps = _record(meta), meta.get("step"), plan.optim, plan.train.steps
+    if rec is None or type(step) is not int or rec["steps"] == steps:
+        return None
+    if o.schedule == "wsd" and rec["schedule"] == "wsd" and step <= rec["decay_start"]:
+        return (
+            f"optim.schedule = wsd: the run goes on from the end of its stable phase (step {step}; the decay that "
+            f"ended its {rec['steps']} steps is not continued) and now decays over steps "
+            f"{decay_start(o, steps) + 1}-{steps}"
+        )
+    new, old = lr_at(o, steps, step), float(rec["next_lr"])
+    if math.isclose(new, old, rel_tol=1e-6):
+        return None
+    why = f"the schedule is stretched to the new end (step {steps}; it ended at {rec['steps']})"
+    if o.schedule == "wsd":
+        why = f"no checkpoint from before its decay is left (step {rec['decay_start']}), so it goes on from there"
+    hint = '; optim.schedule = "wsd" extends a run without this jump' if o.schedule in ("cosine", "linear") else ""
+    return (
+        f"optim.schedule = {o.schedule}: {why}: step {step + 1} takes learning rate {new:.3g}, where the "
+        f"{rec['steps']}-step run would have taken {old:.3g}{hint}"
+    )

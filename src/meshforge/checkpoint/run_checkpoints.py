@@ -1,7 +1,9 @@
 """When to checkpoint, what a checkpoint holds, resuming from one, and the final save.
 
 Cadence is a fixed interval or ``auto``: one save early to measure its blocking time, then
-Young/Daly's optimum for checkpoint.mtbf_hours (rank 0 decides, every rank follows). A
+Young/Daly's optimum for checkpoint.mtbf_hours (rank 0 decides, every rank follows); with
+checkpoint.final, one at the end of the run and, under wsd, one at the stable phase's end
+(kept by retention: an extended run continues from it). A
 checkpoint is the sharded model + optimizer (DCP), a meta.json with the train state and the
 model's shape, and per-rank RNG. The final save gathers the full weights (a collective;
 under pipelining each stage's ranks gather their chunks and rank 0 merges them) and writes
@@ -23,11 +25,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshforge.checkpoint import sharded, store
-from meshforge.checkpoint.resume_point import check_shape
+from meshforge.checkpoint.resume_point import check_shape, continuation_note
 from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.checkpoint.weights import save_weights
 from meshforge.config.run_plan import RunPlan
+from meshforge.config.schedule import decay_start, schedule_record
 from meshforge.health.fault_hooks import RunHooks
 from meshforge.launch.env import restart_count
 from meshforge.metrics.sinks import trim_metrics
@@ -71,6 +74,8 @@ class RunCheckpoints:
         self.checkpointer = CheckpointSaver(self.run_dir / "checkpoints", mesh, c.keep, event, hooks or RunHooks())
         self.interval = c.interval
         self.next_save = self._first_save_step()
+        self.stable_end = _stable_end(plan)  # the wsd stable phase's last step, kept for extending the run
+        self.checkpointer.protect = self.stable_end
 
     def _first_save_step(self) -> int | None:
         step = self.state.step
@@ -90,6 +95,7 @@ class RunCheckpoints:
             "degrees": self.mesh.degrees,
             "zero_stage": self.plan.layout.zero_stage,
             "config": self.plan.to_toml(),
+            "lr_schedule": schedule_record(self.plan.optim, self.plan.train.steps, self.state.step),
             "time": time.time(),
             "torch": torch.__version__,
         }
@@ -103,10 +109,15 @@ class RunCheckpoints:
             self.diloco.settle()
 
     def maybe_save(self, last: bool, step_time_s: float) -> None:
-        """Save when the cadence says so (and at the last step when saving at all)."""
-        if self.next_save is None or (self.state.step < self.next_save and not last):
+        """Save when the cadence says so, and with checkpoint.final at the last step and at the
+        end of a wsd run's stable phase."""
+        due = self.next_save is not None and self.state.step >= self.next_save
+        final = self.plan.checkpoint.final and (last or self.state.step == self.stable_end)
+        if not (due or final):
             return
         self.save()
+        if not due:
+            return
         if self.interval != "young_daly":
             self.next_save = self._first_save_step()
             return
@@ -155,8 +166,13 @@ class RunCheckpoints:
             load_s=round(time.perf_counter() - t0, 4),
             metrics_dropped=dropped,
         )
-        return f"resumed from {path} at step {self.state.step}" + (
-            f" (saved on {meta['world_size']} ranks {meta['degrees']}, resharded)" if not same_layout else ""
+        note = continuation_note(meta, self.plan)
+        if note:
+            self.event("schedule_continued", step=self.state.step, message=note)
+        return (
+            f"resumed from {path} at step {self.state.step}"
+            + (f" (saved on {meta['world_size']} ranks {meta['degrees']}, resharded)" if not same_layout else "")
+            + (f"\n{note}" if note else "")
         )
 
     def export_final(self, pipelined: bool) -> None:
@@ -205,6 +221,14 @@ class RunCheckpoints:
         for part in parts:
             merged.update(part)
         return dict(sorted(merged.items(), key=lambda kv: _param_order(kv[0])))
+
+
+def _stable_end(plan: RunPlan) -> int | None:
+    """The step count at which a wsd run's decay begins, when checkpoint.final keeps a checkpoint there."""
+    if plan.optim.schedule != "wsd" or not plan.checkpoint.final:
+        return None
+    start = decay_start(plan.optim, plan.train.steps)
+    return start if 0 < start < plan.train.steps else None
 
 
 def _param_order(name: str) -> tuple:

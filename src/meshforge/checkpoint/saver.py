@@ -65,6 +65,7 @@ class CheckpointSaver:
         self._pending: Future | None = None
         self._lock = threading.Lock()
         self.last_blocking_s: float | None = None
+        self.protect: int | None = None  # a step retention never deletes (a wsd run's stable-phase end)
 
     # -- saving --------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class CheckpointSaver:
             dist.barrier(group=self.group)
         if self.rank == 0:
             store.finalize(tmp, stats.path, meta)
-            stats.removed = store.retain(self.root, self.keep)
+            stats.removed = store.retain(self.root, self.keep, self.protect)
         if self.group is not None:
             dist.barrier(group=self.group)  # the new checkpoint is in place for everyone
         stats.total_s = time.perf_counter() - t0

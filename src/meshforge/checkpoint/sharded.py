@@ -15,11 +15,12 @@ them in the loading layout.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,16 +33,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshforge.checkpoint.safe_metadata import read_metadata, safe_reader
 from meshforge.checkpoint.validate import CheckpointError
 from meshforge.compat import dcp_stager_reusable
 
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
 # A world of one saves and loads without a process group, which DCP announces every time --
 # for a background save from its own writer thread, where a catch_warnings() block around
 # the call cannot reach (and would not be thread-safe), so the filter is set once here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _is_zero1(optimizer: object) -> bool:
+    """Whether ``optimizer`` is torch's ZeroRedundancyOptimizer, without importing it: a run that
+    built one has imported its module already; the others never pay for the import."""
+    mod = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return mod is not None and isinstance(optimizer, mod.ZeroRedundancyOptimizer)
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
@@ -81,7 +91,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     if hasattr(optimizer, "full_training_state"):  # bf16 ZeRO-1 (parallel/data/zero1.py): full fp32 tensors
         return plain(optimizer.full_training_state(model))
     msd = get_model_state_dict(model)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero1(optimizer):
         return plain({"model": msd, "optim": _zero1_state(model, optimizer, init=False)})
     return plain({"model": msd, "optim": get_optimizer_state_dict(model, optimizer)["state"]})
 
@@ -181,7 +191,7 @@ def load(
         optimizer.load_full_training_state(model, full)
         return
     msd = get_model_state_dict(model)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero1(optimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
         sd = wrap({"model": msd, "optim": osd_state})
         _dcp_load(sd, storage_reader=reader, process_group=group, no_dist=no_dist)

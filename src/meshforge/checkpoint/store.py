@@ -189,9 +189,10 @@ def holds_train_state(path: Path) -> bool:
     return any(k == "train.step" or k.endswith(".train.step") for k in keys)
 
 
-def retain(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints; returns what was removed."""
-    complete = list_complete(root)
+def retain(root: Path, keep: int, protect: int | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (and the one of step ``protect``:
+    a wsd run's stable-phase end, which extending the run continues from); returns what was removed."""
+    complete = [c for c in list_complete(root) if c.step != protect]
     removed = []
     for c in complete[: max(0, len(complete) - keep)]:
         shutil.rmtree(c.path, ignore_errors=True)  # (list_complete lists no link)

@@ -77,7 +77,8 @@ def locate(source: Path) -> tuple[str, Path, Path | None]:
             return "checkpoint", source / "checkpoints", source
         raise MeshforgeError(
             f"{source} holds no weights: no final/ and no complete checkpoint (the run stopped before it saved "
-            "any, or checkpoint.save_final = false and checkpoint.interval = 0); train it again with them"
+            "any, or checkpoint.save_final = false, checkpoint.final = false and checkpoint.interval = 0); train it "
+            "again with them"
         )
     raise MeshforgeError(
         f"{source} is neither a run directory (config.toml) nor weights (meshforge.json, a Hugging Face "

@@ -1,8 +1,9 @@
-"""``meshforge train``: its arguments (``--section.key=value`` overrides beside --config,
---nproc, --max-restarts, --dry-run) and the launch, in the order it happens:
+"""``meshforge train``: its arguments (``--section.key=value`` overrides beside --config or
+--resume, --nproc, --max-restarts, --dry-run) and the launch, in the order it happens:
 
 1. the config is read once, by the checked loader (config/load.py: no device, FIFO or
-   oversized file is ever opened for reading), before anything else looks at it;
+   oversized file is ever opened for reading), before anything else looks at it (--resume:
+   the run's config.toml, cli/resume.py);
 2. the pre-flight (guards/preflight.py) runs once per launch, in the process that starts the
    run: this one, ``--nproc N``'s launcher, or under plain torchrun rank 0; its run plan is
    the verdict every rank trains on (``--nproc``'s ranks get it from the launcher: they
@@ -18,8 +19,9 @@ Imported only when the command is ``train`` (cli/main.py keeps ``meshforge --hel
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,21 +31,24 @@ from meshforge.errors import ConfigError, MeshforgeError, suggest
 from meshforge.launch import env as launch_env
 from meshforge.launch.tie import handed_plan, tie_to_launcher
 
-TRAIN_USAGE = """usage: meshforge train [--config FILE.toml] [--nproc N] [--max-restarts K] [--dry-run]
-                       [--section.key=value ...]
+TRAIN_USAGE = """usage: meshforge train [--config FILE | --resume RUN_DIR] [--nproc N] [--max-restarts K]
+                       [--dry-run] [--section.key=value ...]
 
 Train a model. Any config key can be overridden as --section.key=value or --section.key value,
 e.g. --train.steps=100 --model.preset llama3.2-1b --optim.lr 3e-4. See README.md, configs/ for
 examples and docs/configuration.md for what each key means.
 
   --config FILE      a TOML config (a run's config.toml reproduces that run)
+  --resume RUN_DIR   continue that run exactly, in place, from its checkpoint to --train.steps=M (its last line
+                     names the command); an optim.schedule = "wsd" run extended is the run planned that long
   --nproc N          local ranks to start (default 1; under torchrun leave it out)
   --max-restarts K   restart the ranks up to K times after a failure, resuming from the last checkpoint
-  --dry-run          resolve the config for --nproc ranks, print it and the planner's estimate, and exit
+  --dry-run          resolve the config for --nproc ranks, print it and the planner's estimate, and exit:
+                     0 when it fits, 2 when it does not (or this machine refuses it)
 
 config keys (type, default):"""
 
-_TRAIN_FLAGS = ("--config", "--nproc", "--max-restarts", "--dry-run", "--help")
+_TRAIN_FLAGS = ("--config", "--resume", "--nproc", "--max-restarts", "--dry-run", "--help")
 _COUNTS = {  # flag -> (lowest, highest, what it counts)
     "nproc": (1, 4096, "the local ranks to start; under torchrun leave it out"),
     "max-restarts": (0, 10_000, "restarts after a failure; 0: none"),
@@ -57,13 +62,14 @@ class TrainArgs(NamedTuple):
     nproc: int
     restarts: int  # --max-restarts
     overrides: dict[str, Any]  # {section.key: value}
+    resume: str | None = None  # --resume RUN_DIR
 
 
 def parse_train_args(argv: list[str]) -> TrainArgs:
     """Split ``train`` arguments into the config file, nproc, max restarts and the overrides."""
     from meshforge.config import key_type, parse_value
 
-    config, nproc, restarts = None, 1, 0
+    config, resume, nproc, restarts = None, None, 1, 0
     overrides: dict[str, Any] = {}
     argv = [a for a in argv if a != "--dry-run"]
     i = 0
@@ -85,6 +91,8 @@ def parse_train_args(argv: list[str]) -> TrainArgs:
         i += 1
         if name == "config":
             config = value
+        elif name == "resume":
+            resume = value
         elif name in ("nproc", "max-restarts"):
             n = _count(name, value)
             nproc, restarts = (n, restarts) if name == "nproc" else (nproc, n)
@@ -97,7 +105,7 @@ def parse_train_args(argv: list[str]) -> TrainArgs:
                 f"unknown option --{name}; {suggest('--' + name, _TRAIN_FLAGS, cutoff=0.6)} "
                 "(or a --section.key=value config override)"
             )
-    return TrainArgs(config, nproc, restarts, overrides)
+    return TrainArgs(config, nproc, restarts, overrides, resume)
 
 
 def _count(name: str, value: str) -> int:
@@ -126,7 +134,12 @@ def cmd_train(argv: list[str]) -> int:
     from meshforge.config import load_config
 
     args = parse_train_args(argv)
-    config = load_config(args.config, args.overrides)  # the one read of --config
+    if args.resume is not None:
+        from meshforge.cli.resume import resume_config
+
+        config = resume_config(args, launch_env.world_size() if args.nproc == 1 else args.nproc)
+    else:
+        config = load_config(args.config, args.overrides)  # the one read of --config
     if "--dry-run" in argv:
         return dry_run(config, args.nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
     if args.restarts and (config.checkpoint.interval == 0 or config.checkpoint.load == "none"):
@@ -155,34 +168,47 @@ def _launch(config: Config, nproc: int, restarts: int) -> int:
 
     here = launch_env.under_launcher() or (nproc == 1 and not restarts)
     plan = preflight(config, nproc, ranks_per_node=None if here else nproc, launcher=not here)
-    with holding_run_dir(plan):
+    with holding_run_dir(plan) as refused:
         if here:
             return _train_here(plan)
         from meshforge.launch.local import launch_local
 
         # the ranks train on the plan; their arguments only name the run (for ps and pgrep)
-        return launch_local(nproc, ["train", f"--run.dir={plan.run.dir}"], restarts, plan=plan.to_json())
+        code = launch_local(nproc, ["train", f"--run.dir={plan.run.dir}"], restarts, plan=plan.to_json())
+        if code == 2:
+            refused()
+        return code
 
 
 @contextlib.contextmanager
-def holding_run_dir(plan: RunPlan) -> Iterator[None]:
+def holding_run_dir(plan: RunPlan) -> Iterator[Callable[[], None]]:
     """run.dir locked (the launch's one lock, held across elastic restarts: its ranks never lock)
-    and prepared for the run, before anything is written into it; let go when the launch ends."""
+    and prepared for the run, before anything is written into it; let go when the launch ends.
+    Yields ``refused()``: a fault-tolerant group refused by the live groups (exit 2) before its first
+    step leaves no run.dir behind where this launch made it (the refusal is only known once it joins)."""
     from meshforge.guards import run_lock
     from meshforge.train.run_dir import forget_unstarted, prepare_run_dir
 
     run_dir = Path(plan.run.dir)
-    fresh = not run_dir.exists()
+    new = not run_dir.exists()
+    fresh = plan.fault_tolerance.enabled and new and launch_env.restart_count() == 0
+    said: list[bool] = []
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = run_lock.hold(run_dir, quiet=launch_env.restart_count() > 0)  # a torchrun restart takes it over
     try:
         prepare_run_dir(plan)
-        yield
+        yield lambda: said.append(True)
+    except MeshforgeError:
+        said.append(True)
+        raise
     finally:
-        unstarted = fresh and forget_unstarted(run_dir)  # stopped or refused before a rank wrote a line
+        unstarted = new and forget_unstarted(run_dir)  # stopped or refused before a rank wrote a line
         if lock is not None:
             lock.release()
-        if unstarted:
+        metrics = run_dir / "metrics.jsonl"
+        if fresh and said and not (metrics.exists() and metrics.stat().st_size):
+            shutil.rmtree(run_dir, ignore_errors=True)  # every file in it is this launch's
+        elif unstarted:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()  # (now empty, unless something came meanwhile: then it stays)
 
@@ -232,16 +258,20 @@ def write_run_report(plan: RunPlan) -> None:
 def dry_run(config: Config, world: int) -> int:
     """Print the run plan for ``world`` ranks on this machine (the config.toml a run would write),
     the device and its memory, and the planner's estimate of exactly that layout on it (the one
-    the pre-flight fit check uses); start nothing and write nothing (run.dir is not touched)."""
+    the pre-flight fit check uses); start nothing and write nothing (run.dir is not touched).
+    Returns the verdict as the exit code: 0 when the run fits, 2 when it does not (or this
+    machine refuses it), so that a script can act on it."""
     from meshforge.guards.memory_fit import device_memory, estimate_run
     from meshforge.resolve import resolve
 
     plan = resolve(config, world, machine=False)
     print(f"# meshforge train --dry-run: the run plan for {world} rank(s)\n{plan.to_toml()}")
+    refused = False  # the verdict is the exit code: 2 when the run would be refused or does not fit
     try:  # what only the machine decides (CPU offload needs a GPU, fp8 needs torchao)
         resolve(config, world)
     except MeshforgeError as e:
         print(f"on this machine meshforge train refuses it: {e}")
+        refused = True
     cuda = plan.world.device == "cuda"
     mem = device_memory(cuda, 0, 1 if cuda else world)
     print(f"device: {mem.describe()}" + (" (GPU 0; each rank checks its own)" if cuda and world > 1 else ""))
@@ -249,7 +279,7 @@ def dry_run(config: Config, world: int) -> int:
     e = run.estimate
     if e is None:
         print(f"planner: no estimate for this layout ({run.error})")
-        return 0
+        return 2 if refused else 0
     fits = "fits" if e.fits else f"does NOT fit: {e.overflow}"
     if run.islands > 1:
         print(f"diloco: {run.islands} islands of {run.ranks} rank(s); the estimate is one island's")
@@ -260,4 +290,4 @@ def dry_run(config: Config, world: int) -> int:
         f"step time {e.step_time_s:.4g} s | {e.tokens_per_s_per_gpu:,.0f} tokens/s per device | MFU {100 * e.mfu:.1f}%"
     )
     print("dry run: no ranks started, nothing written")
-    return 0
+    return 2 if refused or not e.fits else 0

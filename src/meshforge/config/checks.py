@@ -36,6 +36,7 @@ def check_values(cfg: Config) -> None:
     _check_train(cfg)
     _check_run(cfg)
     _check_health(cfg)
+    _check_optim(cfg)
 
 
 def check_ranges(cfg: Config) -> None:
@@ -98,8 +99,18 @@ def _check_run(cfg: Config) -> None:
 
 def _check_health(cfg: Config) -> None:
     h = cfg.health
-    for key in ("on_nonfinite", "on_spike"):
+    for key in ("on_nonfinite", "on_spike", "on_sdc"):
         _need(
             getattr(h, key) != "rollback" or cfg.checkpoint.interval != 0,
             f"health.{key} = 'rollback' needs checkpoints to go back to; set checkpoint.interval > 0 (or 'auto')",
         )
+
+
+def _check_optim(cfg: Config) -> None:
+    o = cfg.optim
+    _need(
+        o.schedule != "wsd" or not o.decay_steps,
+        f"optim.decay_steps = {o.decay_steps} sets where cosine and linear reach the floor; under optim.schedule = "
+        '"wsd" the decay is the last optim.decay_fraction of the run (it moves with the end when the run is '
+        "extended): set optim.decay_steps = 0 and choose optim.decay_fraction",
+    )

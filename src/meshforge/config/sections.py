@@ -89,12 +89,18 @@ class OptimConfig:
     """peak learning rate"""
     min_lr_ratio: float = ranged(unit(), 0.1)
     """the decay ends at `lr × min_lr_ratio`"""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """`cosine`, `linear` or `constant` after warmup"""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """after warmup: `cosine`, `linear` or `constant`, or `wsd` (warmup-stable-decay: the peak until the last
+    `decay_fraction` of the run, then a linear decay; extending the run with `--resume` continues from the stable
+    phase, so it equals a run meant to be that long). `cosine` and `linear` extended are stretched to the new end.
+    See [checkpointing.md](checkpointing.md#continuing-a-run)"""
     warmup_steps: int = ranged(whole(0, MAX_STEPS, -1), -1)
     """linear warmup steps; -1 = min(100, steps/10); more than `train.steps` is clipped to it (and said)"""
     decay_steps: int = ranged(whole(0, MAX_STEPS), 0)
-    """steps over which the decay runs; 0 = the whole run"""
+    """`cosine`, `linear`: the step at which the decay reaches the floor; 0 = the end of the run (not for `wsd`,
+    whose decay is `decay_fraction`)"""
+    decay_fraction: float = ranged(unit(lo_open=True), 0.2)
+    """`wsd`: the share of `train.steps` the final decay takes (it moves with the end when a run is extended)"""
     weight_decay: float = ranged(unit(10.0), 0.1)
     """AdamW decoupled weight decay"""
     beta1: float = ranged(unit(hi_open=True), 0.9)
@@ -150,8 +156,14 @@ class CheckpointConfig:
     never; or a checkpoint directory / `checkpoints/` folder (also from another run and layout)"""
     mtbf_hours: float = ranged(Span(0.0, 1e6, lo_open=True), 24.0)
     """the job's mean time between failures, for `interval = "auto"`"""
+    final: bool = True
+    """keep a resumable checkpoint (weights, optimizer, data position, RNG) in `run.dir/checkpoints` at the end of
+    the run (also after Ctrl-C), whatever `interval`, and under `optim.schedule = "wsd"` one at the end of the
+    stable phase: `meshforge train --resume RUN_DIR --train.steps=M` continues from them. `false`: only
+    `interval`'s checkpoints (with `interval = 0`, the final weights alone)"""
     save_final: bool = True
-    """write the final weights to `run.dir/final` (also after Ctrl-C)"""
+    """write the final weights (the model alone, no optimizer: for `model.init_from`, `generate`, `convert`) to
+    `run.dir/final` (also after Ctrl-C); the resumable end of a run is `final`'s checkpoint"""
     export_hf: bool = False
     """also write `run.dir/final-hf`, a Hugging Face directory"""
 
@@ -211,6 +223,14 @@ class HealthConfig:
     """on logged steps a rank whose compute time is above this × the median is a `straggler`; `0` = off"""
     text_warn_fraction: float = ranged(unit(lo_open=True), 0.05)
     """byte tokenizer: warn when more than this share of `data.path` is not valid UTF-8"""
+    sdc_interval: int = ranged(whole(0, MAX_STEPS), 100)
+    """every N steps, compare a fingerprint of each parameter shard across the replicas that must hold it
+    bit-identical (data-parallel ranks, HSDP groups, fault-tolerant replica groups: one small all-gather); a
+    mismatch is an `sdc` event naming the rank, host and parameter; `0` = off. See
+    [health.md](health.md#silent-data-corruption-sdc)"""
+    on_sdc: Literal["log", "stop", "rollback"] = "log"
+    """what a mismatch does: `log` it, `stop` the run (exit 2), or `rollback` to the last complete checkpoint
+    and redo the steps since (needs `checkpoint.interval > 0`)"""
 
 
 @dataclass(frozen=True)
@@ -253,6 +273,27 @@ class DiLoCoConfig:
 
 
 @dataclass(frozen=True)
+class FaultToleranceConfig:
+    """[fault_tolerance]: replica groups that keep training through a failure (torchft; `replicas` is a layout
+    key); see [checkpointing.md](checkpointing.md#live-recovery-fault_tolerance)."""
+
+    enabled: bool = False
+    """join the replica groups coordinated by the lighthouse (`meshforge lighthouse`; needs
+    `pip install 'meshforge[ft]'`): a group that dies is left behind at the next step, one that starts joins and
+    heals from a live peer"""
+    lighthouse: str = ""
+    """the lighthouse's URL, e.g. `http://10.0.0.1:29510`"""
+    replica_id: int = ranged(whole(0, 2**10 - 1), 0)
+    """this group's number, `0` .. `replicas - 1`: which slice of every global batch it reads"""
+    min_replicas: int = ranged(whole(1, 2**10), 1)
+    """live groups a step needs to commit; with fewer the groups wait (up to `quorum_timeout_s`)"""
+    quorum_timeout_s: float = ranged(Span(1.0, 1e6), 120.0)
+    """how long a group waits for a quorum of `min_replicas` live groups before it gives up (exit 2)"""
+    timeout_s: float = ranged(Span(1.0, 1e6), 60.0)
+    """a collective across the groups or a healing transfer that takes longer fails the step"""
+
+
+@dataclass(frozen=True)
 class Config:
     """A run's settings as the user gave them (``auto`` and other automatic values still in)."""
 
@@ -268,3 +309,4 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

@@ -113,7 +113,7 @@ def check_disk(plan: Any) -> None:
     (``plan``: the run plan, or a config: the same sections)."""
     probe_run_dir(Path(plan.run.dir))
     need, parts = 0, []
-    if plan.checkpoint.interval != 0:
+    if plan.checkpoint.interval != 0 or plan.checkpoint.final:
         need += checkpoint_bytes(plan.shape, plan.train.precision)
         parts.append("one checkpoint")
     finals = int(plan.checkpoint.save_final) + int(plan.checkpoint.export_hf)

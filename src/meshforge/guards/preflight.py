@@ -31,6 +31,7 @@ from meshforge.guards.run_lock import refuse_if_held
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch import env as launch_env
 from meshforge.launch.env import restart_count
+from meshforge.parallel.fault_tolerance.lighthouse import check_reachable
 from meshforge.resolve import resolve
 
 
@@ -68,7 +69,8 @@ def check_run_dir(plan: RunPlan) -> Path:
             "new or empty directory or one of its own runs: choose another run.dir, or pass --run.overwrite=true "
             "to write the run there anyway (your files are left alone, a config.toml is replaced)"
         )
-    if (run_dir / "metrics.jsonl").exists() and not plan.run.overwrite and not resuming(plan):
+    rejoining = plan.fault_tolerance.enabled  # a replica group started again continues in place (it heals)
+    if (run_dir / "metrics.jsonl").exists() and not plan.run.overwrite and not resuming(plan) and not rejoining:
         why = (
             "and no complete checkpoint to resume from (checkpoint.load = latest)"
             if plan.checkpoint.load == "latest"
@@ -100,6 +102,8 @@ def preflight(config: Config, world_size: int, *, ranks_per_node: int | None = N
     the checkpoint it resumes from. ``launcher``: run by ``--nproc N``'s launcher, which leaves
     each GPU's memory to its rank (it opens no CUDA context)."""
     plan = resolve(config, world_size, ranks_per_node=ranks_per_node)
+    if plan.fault_tolerance.enabled:
+        check_reachable(plan.fault_tolerance.lighthouse)
     check_init_from(plan)
     if not plan.run.dir:
         plan = plan.with_run_dir(default_run_dir(plan))

@@ -1,5 +1,5 @@
 """A CPU's peak FLOP/s: measured, cached with its age and the machine it was measured on, and
-held against what a run reaches.
+held against what a run reaches; and this CPU's whole compute profile, for the planner.
 
 A CPU has no datasheet figure meshforge can trust, so its peak is the best matmul throughput
 a short calibration shows (``calibrate_cpu_peak``), cached in ``~/.cache/meshforge/cpu_peak.json``
@@ -11,6 +11,12 @@ work held the cores can be far too low, and then every later run would report an
 once more; if the run still beats that, the peak becomes ``estimated_cpu_peak`` -- cores x
 clock x FLOPs per cycle of the widest vector unit, a datasheet-style ceiling (docs/metrics.md)
 -- and the run says which it used.
+
+``cpu_profile(threads)`` is the planner's picture of this CPU without ``meshforge calibrate``: the
+compute figures calibrate measures (metrics/compute_profile.py: the matmul peaks and their size
+curve, the attention core's share, memory bandwidth, a block's element-wise work and its fixed
+per-op costs, the optimizer's) with ``threads`` threads, measured once (about ten seconds) and
+cached like the peak, per machine, thread count and torch version.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ def calibrate_cpu_peak(dtype: torch.dtype = torch.float32, size: int = 1024, sec
     a @ b
     best = 0.0
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    while best == 0.0 or time.perf_counter() < end:  # one timed call at least: a descheduled process
+        # can pass ``end`` before its first (it returned 0 FLOP/s under the suite's load)
         t0 = time.perf_counter()
         a @ b
         best = max(best, 2 * n**3 / (time.perf_counter() - t0))
@@ -137,9 +144,13 @@ def _read() -> dict:
 
 
 def _store(key: str, flops: float) -> None:
+    _store_entry(key, {"flops": flops})
+
+
+def _store_entry(key: str, fields: dict) -> None:
     entries = _read()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    entries[key] = {"flops": flops, "measured_at": time.time(), "machine": machine_fingerprint(), "loadavg": load}
+    entries[key] = {**fields, "measured_at": time.time(), "machine": machine_fingerprint(), "loadavg": load}
     f = cache_file()
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +183,38 @@ def cpu_peak_flops(precision: str) -> float:
     flops = calibrate_cpu_peak(dtype)
     _store(key, flops)
     return flops
+
+
+def _profile_key(threads: int) -> str:
+    return f"profile|{platform.processor() or platform.machine()}|threads={threads}|{torch.__version__}"
+
+
+def _fresh(entry: object) -> bool:
+    return (
+        isinstance(entry, dict)
+        and time.time() - float(entry.get("measured_at", 0)) < MAX_AGE_S
+        and entry.get("machine") == machine_fingerprint()
+    )
+
+
+def cpu_profile(threads: int) -> dict:
+    """This CPU's compute figures with ``threads`` threads (``compute_profile.compute_profile``'s
+    dict: peaks, half, attn, bw, elem, fixed, opt, timing), cached; measured when missing, older
+    than MAX_AGE_S or from another machine."""
+    key = _profile_key(threads)
+    entry = _read().get(key)
+    if _fresh(entry) and isinstance(entry.get("profile"), dict):
+        return entry["profile"]
+    from meshforge.metrics.compute_profile import compute_profile
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prof = compute_profile(torch.device("cpu"), quick=True)
+    finally:
+        torch.set_num_threads(before)
+    _store_entry(key, {"profile": prof})
+    return prof
 
 
 def recheck(precision: str, reached: float) -> tuple[float, str]:

@@ -295,17 +295,17 @@ def expected_flops(shape: Any, tokens: int, seq_len: int, recompute: str = "none
     blocks' activation checkpointing): full runs the blocks' forward again but for each block's last
     GEMM (w2: backward never reads its output, and torch's checkpoint stops recomputing once backward
     has what it needs, as the compiler's partitioner recomputes only what backward reads), selective
-    the attention core. (models/flops.hardware_flops_per_token counts all of the blocks' forward and
-    the head's too under full: its HFU convention; checkpointing wraps blocks, the head never reruns.)
-    A dense model (an MoE block's routing makes its GEMMs data-dependent)."""
+    the attention core; ``flops.recomputed_matmul_params`` is that count, which HFU
+    (``flops.hardware_flops_per_token``) and the planner use. A dense model (an MoE block's routing
+    makes its GEMMs data-dependent)."""
     blocks = 2.0 * flops.block_matmul_params(shape) * shape.layers * tokens
-    last = 2.0 * shape.hidden * shape.ffn_hidden * shape.layers * tokens
+    recomputed = 2.0 * flops.recomputed_matmul_params(shape) * tokens
     attn = flops.attention_flops_per_token(shape, seq_len) * tokens
     out = dict.fromkeys(KINDS, 0.0)
     out |= {"forward": blocks, "input_grad": blocks, "weight_grad": blocks}
     out |= {"head": flops.head_flops_per_token(shape) * tokens, "attention": attn, "attention_grad": 2 * attn}
     if recompute == "full":
-        out |= {"recompute": blocks - last, "attention_recompute": attn}
+        out |= {"recompute": recomputed, "attention_recompute": attn}
     elif recompute == "selective":
         out["attention_recompute"] = attn
     return out

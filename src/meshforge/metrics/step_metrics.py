@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,6 +100,8 @@ class StepMetrics:
             self.spans.append(extra["attention_span"])
             rec["attention_span"] = extra["attention_span"]
             rec["mfu_causal"] = utilization(self.flops_per_token, per_device, self.peak)
+        if result.replicas is not None:  # fault tolerance: the live replica groups
+            rec["replicas"] = result.replicas
         if result.state_mem_host is not None:  # CPU offload: where the state lives
             host = result.state_mem_host
             rec["state_mem_host_bytes"] = dict(host)
@@ -189,22 +190,3 @@ def _pace(summary: dict[str, Any]) -> str:
     if mean is None or recent is None or not math.isfinite(mean) or not math.isfinite(recent):
         return ""
     return f" ({mean:.3g} s/step on average, {recent:.3g} s/step recently)"
-
-
-def resume_hint(plan: RunPlan, world: int, finished: bool) -> str:
-    """The command that goes on from this run: resume or extend it from its checkpoints, or
-    (with none) start a new run from its final weights. Printed whenever a run stops."""
-    run = Path(plan.run.dir)
-    base = f"meshforge train --config {run / 'config.toml'}" + (f" --nproc {world}" if world > 1 else "")
-    ckpts = run / "checkpoints"
-    if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
-        if finished:
-            return f"to train further (resumes from its newest checkpoint): {base} --train.steps={2 * plan.train.steps}"
-        return f"to resume from its newest checkpoint: {base}"
-    how = "no checkpoints (checkpoint.interval = 0), so it cannot resume exactly"
-    if (run / "final").is_dir():
-        return (
-            f"{how}; to continue from its final weights (fresh optimizer and schedule): {base} "
-            f"--model.init_from {run / 'final'} --run.dir {run}-more"
-        )
-    return f"{how}; to run it again with checkpoints: {base} --run.overwrite=true --checkpoint.interval=100"

@@ -162,15 +162,32 @@ def head_flops_per_token(a: ShapeLike) -> float:
     return 6.0 * a.vocab_size * a.hidden
 
 
-def hardware_flops_per_token(a: ShapeLike, seq_len: float, recompute: str = "none") -> float:
-    """Model FLOPs plus what recomputation repeats.
+def recomputed_matmul_params(a: ShapeLike) -> int:
+    """Matmul weights whose forward GEMM full activation checkpointing runs again in backward:
+    every block's but its last GEMM's (a dense block's MLP-out, w2 / fc2: its output is only
+    added to the residual, backward never reads it, and torch's checkpoint stops recomputing once
+    backward has the tensors it reads), never the head's (checkpointing wraps the blocks). An
+    MoE block's routed experts run again whole (backward weighs their outputs by the router's
+    weights, so it reads them); its last GEMM is the shared experts' w2 (added, never read)."""
 
-    full: the whole forward runs again in backward (+2N + attention forward);
-    selective: only the attention core (scores, softmax, weighted sum) runs again.
-    """
+    def per_block(s: ShapeLike, i: int) -> int:
+        if getattr(s, "num_experts", 0) > 0 and is_moe_layer(s, i):
+            last = getattr(s, "num_shared_experts", 0) * s.hidden * expert_ffn(s)
+        else:
+            last = s.hidden * s.ffn_hidden  # w2 (SwiGLU) or fc2 (GeLU)
+        return block_matmul_params(s, i) - last
+
+    return _over_blocks(a, per_block)
+
+
+def hardware_flops_per_token(a: ShapeLike, seq_len: float, recompute: str = "none") -> float:
+    """Model FLOPs plus what recomputation repeats, as it runs (tests/unit/test_gemm_census.py holds a
+    step to it): full: the blocks' forward again but for each dense block's last GEMM and the
+    head (``recomputed_matmul_params``), and the attention core's forward; selective: only the
+    attention core (scores, softmax, weighted sum) runs again."""
     base = model_flops_per_token(a, seq_len)
     if recompute == "full":
-        return base + 2.0 * matmul_params(a) + attention_flops_per_token(a, seq_len)
+        return base + 2.0 * recomputed_matmul_params(a) + attention_flops_per_token(a, seq_len)
     if recompute == "selective":
         return base + attention_flops_per_token(a, seq_len)
     return base

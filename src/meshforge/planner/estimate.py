@@ -119,11 +119,15 @@ class Estimate:
             **{k: lay[k] for k in JSON_SETTINGS},
             "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
             "host_memory_gib": {k: round(v, 3) for k, v in self.host_memory.items()},
+            # every part in bytes too (the GiB above are rounded to 3 decimals, ~1 MiB); "device" is the
+            # total, "host" and "host_per_node" what CPU offload keeps in host memory
             "memory_bytes": {
+                **{k: round(v * GIB) for k, v in self.memory.items()},
                 "device": round(self.memory["total"] * GIB),
                 "host": round(self.host_memory.get("total", 0.0) * GIB),
                 "host_per_node": round(self.host_memory.get("per_node", 0.0) * GIB),
             },
+            "host_memory_bytes": {k: round(v * GIB) for k, v in self.host_memory.items()},
             "fits": self.fits,
             "overflow": self.overflow,
             "runnable": not self.not_runnable,
@@ -160,10 +164,9 @@ def _compute_time(
     attn_flops = 3.0 * flops.attention_flops_per_token(shape, seq) * tokens_gpu
     if lay.activation_checkpoint in ("full", "selective"):
         attn_flops *= 4 / 3
-    # full recomputation reruns the blocks' forward, not the head's (checkpointing wraps blocks; the
-    # HFU convention of models/flops.py counts the head's too)
-    head_rerun = 2 * flops.head_flops_per_token(shape) / 6 if lay.activation_checkpoint == "full" else 0.0
-    flops_step = (shape.hardware_flops_per_token(seq, lay.activation_checkpoint) - head_rerun) * tokens_gpu
+    # full recomputation reruns the blocks' forward but for each block's last GEMM, never the head's
+    # (models/flops.recomputed_matmul_params: what runs, held to a step by tests/unit/test_gemm_census.py)
+    flops_step = shape.hardware_flops_per_token(seq, lay.activation_checkpoint) * tokens_gpu
     rate = kernel_costs.dense_gemm_rate(shape, hw, tokens_mb, lay.tp, precision)
     attn_s = kernel_costs.attention_seconds(
         shape, hw, seq, tokens_gpu, shape.layers, lay.activation_checkpoint, precision, rate
@@ -181,7 +184,7 @@ def _compute_time(
     routed_recompute = routed_flops / 4 if lay.activation_checkpoint == "full" else 0.0
     recompute_s = (recompute_flops - routed_recompute) / rate + expert_recompute_s
     other_s += _dispatch_time(shape, lay, hw)
-    if hw.name != "cpu" and not hw.elementwise_bytes_per_hidden:  # a CPU profile measures its own
+    if not hw.is_cpu() and not hw.elementwise_bytes_per_hidden:  # a CPU profile measures its own
         other_s += kernel_costs.loss_seconds(shape, hw, tokens_gpu * lay.pp, lay.tp, hw.eager)  # the last stage's
     return {
         "ideal_compute": shape.model_flops_per_token(span) * tokens_gpu / peak,

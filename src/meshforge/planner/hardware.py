@@ -93,11 +93,15 @@ class Hardware:
     source: str = "preset"
     extra: dict = field(default_factory=dict)
 
+    def is_cpu(self) -> bool:
+        """A CPU profile (the preset, this CPU's measured one, or a calibrated ``cpu/N``)."""
+        return self.name in ("cpu", THIS_CPU) or self.name.startswith("cpu/")
+
     def mixed(self) -> str:
         """train.mixed_precision as a run on this hardware resolves it (parallel/precision.py)."""
         if self.mixed_precision != "auto":
             return self.mixed_precision
-        return "autocast" if self.name == "cpu" or self.name.startswith("cpu/") else "cast_once"
+        return "autocast" if self.is_cpu() else "cast_once"
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -142,7 +146,7 @@ def _tf(kind: str) -> dict[str, float]:
     return {k: v * 1e12 for k, v in PEAK_TFLOPS[kind].items()}
 
 
-AMPERE_GEMM, HOPPER_GEMM = 0.78, 0.55
+AMPERE_GEMM = 0.78  # fitted: MPT's A100 table (docs/planner.md, "What is fitted")
 # Hopper's GEMMs by their smallest dimension (kernel_costs.dense_gemm_rate): the best share 0.66
 # (653 TFLOP/s) and half of it at d = 400 give 2048^3 ~550, 4096^3 ~595, 8192^3 ~620 TFLOP/s, at the
 # low end of the 600-750 that cuBLAS bf16 reaches on H100 SXM for large GEMMs (sustained training
@@ -154,9 +158,15 @@ PRESETS: dict[str, Hardware] = {
     # Ampere reaches a larger share of its (lower) peak than Hopper does of its own
     "a100-40g": Hardware("a100-40g", _tf("a100"), 40, 1.555e12, 230e9, 23e9, gemm_efficiency=AMPERE_GEMM),
     "a100-80g": Hardware("a100-80g", _tf("a100"), 80, 2.039e12, 230e9, 23e9, gemm_efficiency=AMPERE_GEMM),
-    "h100-sxm": Hardware("h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9, gemm_efficiency=HOPPER_GEMM),
-    "h100-pcie": Hardware("h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9, gemm_efficiency=HOPPER_GEMM),
-    "h200": Hardware("h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9, gemm_efficiency=HOPPER_GEMM),
+    "h100-sxm": Hardware(
+        "h100-sxm", _tf("h100-sxm"), 80, 3.35e12, 360e9, 45e9
+    ),  # GEMMs: HOPPER_GEMM_BEST by their smallest dimension, below
+    "h100-pcie": Hardware(
+        "h100-pcie", _tf("h100-pcie"), 80, 2.0e12, 50e9, 23e9
+    ),  # GEMMs: HOPPER_GEMM_BEST by their smallest dimension, below
+    "h200": Hardware(
+        "h200", _tf("h200"), 141, 4.8e12, 360e9, 45e9
+    ),  # GEMMs: HOPPER_GEMM_BEST by their smallest dimension, below
     "b200": Hardware("b200", _tf("b200"), 180, 8.0e12, 720e9, 45e9),
     "mi300x": Hardware("mi300x", _tf("mi300x"), 192, 5.3e12, 300e9, 45e9, gemm_efficiency=0.6),
     # a generic server CPU; `meshforge calibrate` replaces every number with measured ones
@@ -172,7 +182,10 @@ PRESETS: dict[str, Hardware] = {
         gemm_efficiency=0.9,
         gemm_half_flop=2e7,
         attention_efficiency=0.3,
-        reserve_gib=0.5,
+        # the process itself beside its tensors at a step's peak: Python, torch, the corpus, malloc's
+        # slack; a CPU run at 8K tokens needed 544 MiB of RLIMIT_DATA beyond its tensors' peak
+        # (tests/integration/test_peak_memory.py, issue 51), 512 left it 32 MiB short
+        reserve_gib=0.5625,
         comm_interference=0.0,
     ),
 }
@@ -232,7 +245,58 @@ for _name, (_link, _mem_bw, _mem_gib) in HOST_SIDE.items():
     PRESETS[_name] = replace(PRESETS[_name], host_link_bw=_link, host_mem_bw=_mem_bw, host_mem_gib=_mem_gib)
 
 
-def get_hardware(name: str | None, path: str | None = None) -> Hardware:
+THIS_CPU = "this-cpu"  # the planner's hardware for a run on this machine's CPU: measured, not assumed
+
+
+def profile_fields(c: dict) -> dict:
+    """A compute profile (metrics/compute_profile.py's dict) as the Hardware fields it sets."""
+    return {
+        "peak_flops": c["peaks"],
+        "hbm_bw": c["bw"],
+        "gemm_half_flop": c["half"],
+        "attention_efficiency": c["attn"],
+        "elementwise_bytes_per_hidden": c["elem"],
+        "block_fixed_s": c.get("fixed", 0.0),
+        "optimizer_fixed_s": c.get("opt", 0.0),
+    }
+
+
+def this_cpu(ranks: int = 1) -> Hardware:
+    """The ``cpu`` preset with this CPU's own figures (metrics/cpu_peak.cpu_profile: measured on
+    first use, about ten seconds, then cached): what a CPU run is priced with when no profile from
+    ``meshforge calibrate`` is given. ``ranks`` local ranks get cores/ranks threads each, as
+    ``meshforge train --nproc`` gives them; a 1-rank run is priced with every core's (``for_ranks``).
+    Collectives and per-layout-kind costs stay the preset's: only calibrate measures them."""
+    import os
+
+    from meshforge.metrics.cpu_peak import cpu_profile
+
+    cores = os.cpu_count() or 1
+    ranks = max(1, min(ranks, cores))
+    prof = cpu_profile(cores // ranks)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError):
+        ram = PRESETS["cpu"].hbm_gib
+    hw = replace(
+        PRESETS["cpu"],
+        name=THIS_CPU,
+        hbm_gib=ram / ranks,
+        gemm_efficiency=1.0,  # the peak is the best measured matmul
+        **profile_fields(prof),
+        source="this CPU, measured (metrics/cpu_peak.py)",
+        extra={"threads_per_rank": cores // ranks, "timing": prof.get("timing", {})},
+    )
+    if ranks > 1:
+        hw.by_ranks = {"1": profile_fields(cpu_profile(cores))}
+    return hw
+
+
+def get_hardware(name: str | None, path: str | None = None, ranks: int = 1) -> Hardware:
+    """A preset by name, ``this-cpu`` (this machine's CPU, measured: ``this_cpu``), or a profile
+    from ``meshforge calibrate`` at ``path``."""
+    if name == THIS_CPU and not path:
+        return this_cpu(ranks)
     if path:
         fix = "pass a hardware profile written by meshforge calibrate"
         data = read_json(path, ConfigError, fix)
@@ -250,7 +314,7 @@ def get_hardware(name: str | None, path: str | None = None) -> Hardware:
             hint = f"did you mean {' or '.join(repr(c) for c in prefixed)}?"
         else:
             hint = suggest(prefixed[0] if prefixed else name or "", PRESETS, cutoff=0.6)
-        raise ConfigError(f"unknown --gpu {name!r}; {hint} (or --hardware FILE)")
+        raise ConfigError(f"unknown --gpu {name!r}; {hint} (or {THIS_CPU}, or --hardware FILE)")
     return replace(PRESETS[name])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from meshforge.config.layout import Layout
 from meshforge.models.shape import LOSS_CHUNK_SIZE, ModelShape
 from meshforge.parallel.rules import casts_once
-from meshforge.planner import moe_costs, offload_costs
+from meshforge.planner import moe_costs, offload_costs, peak_bytes
 from meshforge.planner.activation_bytes import (
     TOKEN_ID_BYTES,
     Holding,
@@ -159,46 +159,102 @@ def stage_state_bytes(shape: ModelShape, lay: Layout, precision: str) -> dict[st
     return {k: v + experts[k] for k, v in states.items()}
 
 
-def activation_parts(
+def _layer_bytes(shape: ModelShape, lay: Layout, tokens: int, ac: str, hold: Holding, eager: bool) -> float:
+    """One block's saved bytes for one micro-batch in recomputation mode ``ac`` (ring attention's
+    and an MoE block's extra included, averaged over the stage's blocks)."""
+    rows = lay.micro_batch_size * tokens
+    act = activation_bytes_per_layer(
+        shape,
+        tokens,
+        lay.micro_batch_size,
+        lay.tp,
+        lay.sequence_parallel,
+        ac,
+        hold.bpe,
+        hold.resid,
+        eager,
+        hold.unit_cast,
+    )
+    if lay.cp > 1 and ac != "full":  # ring attention's lse (and fp32 output under bf16)
+        act += rows * ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, hold.bpe)
+    moe = moe_costs.activation_delta_bytes(shape, rows, lay.tp, ac, hold.bpe)
+    return act + moe_costs.moe_layers_on_stage(shape, lay.pp) / stage_layers(shape, lay.pp) * moe
+
+
+def step_tensors(
     shape: ModelShape,
     lay: Layout,
     seq: int,
     precision: str,
-    compiled: bool = True,
-    loss_chunk_size: int = LOSS_CHUNK_SIZE,
-    mixed: str = "autocast",
-) -> tuple[float, float]:
-    """Bytes of (saved activations, the loss's peak) on the most loaded GPU. Pipelined, the first
-    stage holds the in-flight micro-batches and the last one a micro-batch plus the final norm and
-    the loss: the larger of the two is the peak, the loss part being what the last stage adds
-    beyond the first. Under full recompute the loss part is the larger of the loss and one block
-    recomputed (the recompute window). Per token the parts are planner/activation_bytes.py's."""
+    compiled: bool,
+    loss_chunk_size: int,
+    mixed: str,
+    cpu: bool,
+) -> peak_bytes.StepTensors:
+    """One micro-batch's tensors on the most loaded GPU, as planner/peak_bytes.py prices its peaks.
+    Per token the parts are planner/activation_bytes.py's; ``cpu``: no fused RMSNorm kernel."""
     hold = holding(precision, on_fsdp(lay, precision, mixed))
-    mb, ac, tokens = lay.micro_batch_size, lay.activation_checkpoint, local_tokens(seq, lay.cp)
-    rows, split = mb * tokens, (lay.tp, lay.sequence_parallel)
-    args = (shape, tokens, mb, *split)
-    kind = (hold.bpe, hold.resid, not compiled, hold.unit_cast)
-    act_layer = activation_bytes_per_layer(*args, ac, *kind[:3], unit_cast=hold.unit_cast)
-    if lay.cp > 1 and ac != "full":  # ring attention's lse (and fp32 output under bf16)
-        act_layer += rows * ring_extra_saved_bytes_per_token(shape.heads / lay.tp, shape.head_dim, hold.bpe)
-    layers = stage_layers(shape, lay.pp)
-    moe = moe_costs.activation_delta_bytes(shape, rows, lay.tp, ac, hold.bpe)
-    act_layer += moe_costs.moe_layers_on_stage(shape, lay.pp) / layers * moe
-    saved = loss_saved_bytes_per_token(shape, hold, loss_chunk_size, not compiled, lay.tp)
+    ac, tokens, eager = lay.activation_checkpoint, local_tokens(seq, lay.cp), not compiled
+    rows, tp, sp = lay.micro_batch_size * tokens, lay.tp, lay.sequence_parallel
+    split, vocab = (tp if sp else 1), shape.vocab_size / tp
     first_ends = rows * (TOKEN_ID_BYTES + (0.0 if hold.unit_cast else rope_bytes_per_token(shape)))
-    last_ends = rows * ends_bytes_per_token(shape, hold, loss_chunk_size, not compiled, *split) - first_ends
-    loss = loss_bytes(rows, shape.vocab_size / lay.tp, precision, loss_chunk_size) + last_ends
-    if loss_chunk_size > 0:  # the chunked loss's fp32 head gradient (its hidden states' gradient: in last_ends)
-        loss += shape.vocab_size * shape.hidden / lay.tp * 4
-    else:
-        loss -= rows * saved  # (the saved log-softmax is part of the loss's peak already)
-    if ac == "full":
-        loss = max(loss, activation_bytes_per_layer(*args, "none", *kind[:3], unit_cast=hold.unit_cast))
-    held = held_layers(shape, lay)
-    first = act_layer * held + first_ends * max(1.0, held / layers)
+    last_ends = rows * ends_bytes_per_token(shape, hold, loss_chunk_size, eager, tp, sp) - first_ends
+    if loss_chunk_size > 0:  # the step holds the hidden states; the chunk's logits and gradient
+        output = rows * hold.resid * shape.hidden / split
+        loss_working = peak_bytes.chunk_working(rows, vocab, shape.hidden, loss_chunk_size, hold.bpe)
+        replaced = 0.0
+    else:  # the step holds the logits; the loss's backward peak (loss_bytes) counts them and its saved part
+        output = rows * vocab * hold.bpe
+        loss_working = loss_bytes(rows, vocab, precision, 0) - output
+        replaced = rows * loss_saved_bytes_per_token(shape, hold, 0, eager, tp)
+    copies = 0.0
+    if ac != "none" and autocast_layout(lay, precision, mixed):  # a recomputed block casts its weights again
+        copies = 2 * stage_params(shape, tp, lay.pp)[1]
+    return peak_bytes.StepTensors(
+        layers=stage_layers(shape, lay.pp),
+        block=_layer_bytes(shape, lay, tokens, ac, hold, eager),
+        block_whole=_layer_bytes(shape, lay, tokens, "none", hold, eager),
+        first_ends=first_ends,
+        last_ends=last_ends,
+        output=output,
+        dy=rows * hold.resid * shape.hidden / split,
+        norm_working=rows * peak_bytes.norm_working_per_token(shape, hold, not cpu, tp, sp),
+        block_working=rows * peak_bytes.block_working_per_token(shape, hold, ac, eager, tp, sp),
+        recomputed_copies=copies,
+        loss_working=loss_working,
+        loss_replaces_saved=replaced,
+        # the loss's saved tensors and (the whole logits) the head's saved input, freed by the norm's backward
+        loss_saved=rows * loss_saved_bytes_per_token(shape, hold, loss_chunk_size, eager, tp)
+        + (0.0 if loss_chunk_size > 0 else rows * hold.bpe * shape.hidden / split),
+        block_grad_share=shape.hidden * shape.ffn_hidden / tp / stage_params(shape, tp, lay.pp)[0]
+        if peak_bytes.swiglu_moment(shape, hold, tp, sp)
+        else 0.0,
+    )
+
+
+def peak_point(
+    shape: ModelShape, lay: Layout, t: peak_bytes.StepTensors, grads: float, all_grads: bool
+) -> peak_bytes.PeakPoint:
+    """The largest of the step's candidate peaks (planner/peak_bytes.py). ``all_grads``: every
+    gradient is alive throughout (accumulation, pipelining, FSDP's reduced shards), else they are
+    allocated as backward goes. Pipelined, the first stage holds its in-flight micro-batches'
+    activations (``held_layers``) with one block's backward beside them, the last one micro-batch
+    with the loss: the larger is the peak."""
+    psi, per_layer = stage_params(shape, lay.tp, lay.pp)
+    head = (shape.vocab_size * shape.hidden / lay.tp + shape.hidden) / psi if lay.pp == 1 else 0.0
+    bottom = head + (t.layers - 1) * per_layer / psi
+    shares = (
+        {"loss": head, "top": head, "bottom": bottom}
+        if not all_grads
+        else dict.fromkeys(("loss", "top", "bottom"), 1.0)
+    )
+    best = max(peak_bytes.points(t, grads, shares), key=lambda x: x.total)
     if lay.pp == 1:
-        return first, loss
-    return first, max(0.0, act_layer * layers + first_ends + loss - first)
+        return best
+    held = held_layers(shape, lay)
+    first = t.block * held + t.first_ends * max(1.0, held / t.layers)
+    work = t.block_whole - t.block + t.recomputed_copies + t.block_working + t.dy
+    return peak_bytes.PeakPoint(best.where, first, max(work, best.total - grads - first), grads)
 
 
 def weight_copy_bytes(
@@ -206,12 +262,14 @@ def weight_copy_bytes(
 ) -> float:
     """Autocast's bf16 copies of the weights, saved for backward by every matmul that cast them
     (the embedding lookup casts none; a tied head casts the shared table; the chunked loss casts
-    the head inside its Function and keeps none). Under full recompute only the head's copy
-    (outside the recomputed blocks) is held."""
+    the head inside its Function and keeps none). Under selective and full recomputation only the
+    head's copy (outside the recomputed blocks) is held in backward: autocast's cast cache holds
+    the blocks' copies until the forward's autocast region ends, and a recomputed block casts its
+    own again (``step_tensors``: ``recomputed_copies``)."""
     if not autocast_layout(lay, precision, mixed):
         return 0.0
     head = 0.0 if loss_chunk_size > 0 else shape.vocab_size * shape.hidden / lay.tp
-    if lay.activation_checkpoint == "full":
+    if lay.activation_checkpoint in ("full", "selective"):
         return 2 * head
     untied = 0.0 if shape.tie_embeddings else shape.embedding_params() / lay.tp  # (tied: the table is the head)
     return 2 * (psi - untied - shape.vocab_size * shape.hidden / lay.tp + head)
@@ -231,7 +289,8 @@ def _buffers(shape: ModelShape, lay: Layout, psi: float, per_layer: float, preci
     else:
         gathered = 0.0
     gathered += moe_costs.gathered_delta_bytes(shape, lay, psi_e, w) if lay.dp > 1 else 0.0
-    buffers = 2 * 25 * 2**20 + gathered
+    buckets = 2 * 25 * 2**20 if lay.dp * lay.cp > 1 else 0.0  # gradient reduction's buckets (none on one rank)
+    buffers = buckets + gathered
     if lay.offload == "cpu":
         buffers += offload_costs.staging_bytes(per_layer, lay.dp * lay.cp)
     return buffers
@@ -251,25 +310,25 @@ def memory(
     """Device memory per GPU by part (GiB, see the module doc); under CPU offload the model
     states are on the host (``offload_costs``) and only their staging copies stay here.
     ``mixed``: train.mixed_precision as resolved for the device (``cast_once`` or ``autocast``).
-    ``grads_not_at_peak`` (<= 0): with one micro-batch and no pipeline, gradients are
-    allocated during backward as the activations are freed, so they do not add to the peak."""
+    ``activations`` are the saved activations alive at the step's peak and ``working`` what backward
+    (or the loss) works with there (planner/peak_bytes.py); ``grads_not_at_peak`` (<= 0): with one
+    micro-batch and no pipeline, the gradients not yet allocated there."""
     psi, per_layer = stage_params(shape, lay.tp, lay.pp)
     states = stage_state_bytes(shape, lay, precision)
     if lay.offload == "cpu":
         states = {k: 0.0 for k in states}
-    acts, loss = activation_parts(shape, lay, seq, precision, compiled, loss_chunk_size, mixed)
-    not_at_peak = 0.0
-    if lay.pp == 1 and lay.num_microbatches <= 1 and lay.zero_stage < 2:
-        not_at_peak = -min(states["grads"], acts + loss)
+    t = step_tensors(shape, lay, seq, precision, compiled, loss_chunk_size, mixed, hw.is_cpu())
+    all_grads = not (lay.pp == 1 and lay.num_microbatches <= 1 and lay.zero_stage < 2)
+    peak = peak_point(shape, lay, t, states["grads"], all_grads)
     out = {
         "params": states["params"],
         "grads": states["grads"],
         "optimizer": states["optimizer"],
-        "activations": acts,
-        "loss": loss,
+        "activations": peak.saved,
+        "working": peak.working,
         "weight_copies": weight_copy_bytes(shape, lay, psi, precision, mixed, loss_chunk_size),
         "buffers": _buffers(shape, lay, psi, per_layer, precision, on_fsdp(lay, precision, mixed)),
-        "grads_not_at_peak": not_at_peak,
+        "grads_not_at_peak": peak.grads - states["grads"],
     }
     out = {k: v / GIB for k, v in out.items()}
     out["reserve"] = hw.reserve_gib

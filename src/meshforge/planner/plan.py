@@ -17,7 +17,7 @@ from meshforge.config.load import MAX_CONFIG_BYTES
 from meshforge.errors import ConfigError
 from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs, output
-from meshforge.planner.hardware import ATTENTION_KERNELS, Hardware, get_hardware, preset_for_device
+from meshforge.planner.hardware import ATTENTION_KERNELS, THIS_CPU, Hardware, get_hardware, preset_for_device
 from meshforge.planner.model_flags import check_flags, from_preset, named
 from meshforge.planner.plan_args import FIXED_KEYS, MOE_KEYS, SHAPE_FLAGS, add_arguments, attr, dest
 from meshforge.planner.search import Ranked, search
@@ -147,7 +147,8 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     preset = None if overridden else preset  # --emit-config then writes the shape itself
     if args.gpus is not None:
         dflt = _for_gpus(dflt, args.gpus)
-    hw = get_hardware(args.gpu or _device_preset(dflt.get("device", "")), args.hardware)
+    ranks = min(args.gpus or 1, args.gpus_per_node)  # (this CPU's figures are per rank: cores / local ranks)
+    hw = get_hardware(args.gpu or _device_preset(dflt.get("device", "")), args.hardware, ranks)
     if args.inter_node_bw is not None:
         hw.inter_bw = args.inter_node_bw * 1e9
     hw.eager = bool(args.eager) if args.eager is not None else not dflt.get("compile", True)
@@ -164,7 +165,7 @@ def plan_from_args(args: argparse.Namespace) -> Planned:
     seq = args.seq_len if args.seq_len is not None else dflt.get("seq_len") or 4096
     gb = args.global_batch if args.global_batch is not None else dflt.get("global_batch") or args.gpus
     precision = args.precision or dflt.get("precision") or "auto"
-    precision = ("fp32" if hw.name == "cpu" else "bf16") if precision == "auto" else precision
+    precision = ("fp32" if hw.is_cpu() else "bf16") if precision == "auto" else precision
 
     def pick(dotted: str):
         v = getattr(args, dest(dotted))
@@ -203,10 +204,10 @@ def _for_gpus(dflt: dict, gpus: int) -> dict:
 
 
 def _device_preset(device: str) -> str:
-    """The hardware preset for --config's device when --gpu is not given: the CPU for a CPU
-    run, this machine's GPU for a CUDA run where one is visible, else an H100."""
+    """The hardware for --config's device when --gpu is not given: this machine's CPU, measured
+    (``this-cpu``), for a CPU run; this machine's GPU for a CUDA run where one is visible, else an H100."""
     if device == "cpu":
-        return "cpu"
+        return THIS_CPU
     if device in ("cuda", "auto"):
         import torch  # (only when a CUDA run is planned without --gpu)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import MeshforgeError
-from meshforge.planner.hardware import PRESETS, preset_for_device
+from meshforge.planner.hardware import PRESETS, THIS_CPU, preset_for_device
 from meshforge.planner.plan import parse_plan_args, plan_from_args
 from meshforge.report.breakdown import breakdown_html, event_row, predicted_html
 from meshforge.report.charts import CHARTS, COLORS, Series, page_script, panels, spec, vendored
@@ -127,11 +127,14 @@ def _event(run: Run, name: str) -> dict[str, Any]:
 
 
 def _gpu_for(run: Run) -> str:
-    """The planner's hardware preset for the run's device: by its name, else the CUDA preset
-    whose peak matches the peak FLOPs the run measured with."""
+    """The planner's hardware for the run's device: a CPU run's is this CPU's measured figures
+    (``this-cpu``: the report is made where the run ran), a GPU's its preset by name, else the CUDA
+    preset whose peak matches the peak FLOPs the run measured with."""
     start = _event(run, "run_start")
     device = str(start.get("device_name") or start.get("device") or "cpu")
     preset = preset_for_device(device)
+    if preset == "cpu":
+        return THIS_CPU
     if preset != "h100-sxm" or "h100" in device.lower():
         return preset
     peak, precision = start.get("peak_flops"), start.get("precision", "bf16")

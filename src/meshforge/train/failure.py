@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 from meshforge.checkpoint import store
+from meshforge.checkpoint.continuing import resume_hint
 from meshforge.config.run_plan import RunPlan
 from meshforge.errors import MeshforgeError
 from meshforge.guards.disk import checkpoint_bytes, disk_error
 from meshforge.health import peer_lost
-from meshforge.metrics.step_metrics import resume_hint
 from meshforge.train.run_dir import event_writer
 
 

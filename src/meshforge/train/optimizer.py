@@ -1,39 +1,29 @@
 """AdamW with its parameter groups, and the learning-rate schedule as a LambdaLR.
 
-The schedule is linear warmup, then cosine / linear decay (or constant) to a floor of
-optim.lr x optim.min_lr_ratio, reached at optim.decay_steps (default train.steps).
-``lr_at`` is the formula; the scheduler applies it with base LR 1.0, so the LR an
-optimizer step uses is exactly ``lr_at(plan, step)``. After a checkpoint load the scheduler
-is built at the resumed step (the schedule is a pure function of the step, so nothing
-else needs saving).
+The schedule (config/schedule.py) is linear warmup, then cosine / linear decay (or constant)
+to a floor of optim.lr x optim.min_lr_ratio, reached at optim.decay_steps (default
+train.steps), or warmup-stable-decay (wsd). ``lr_at`` gives it for a run plan; the scheduler
+applies it with base LR 1.0, so the LR an optimizer step uses is exactly ``lr_at(plan, step)``.
+After a checkpoint load the scheduler is built at the resumed step (the schedule is a pure
+function of the step, so nothing else needs saving).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshforge.config.run_plan import RunPlan
+from meshforge.config.schedule import lr_at as schedule_lr
 from meshforge.parallel.data.apply import make_optimizer
 from meshforge.parallel.mesh import Mesh
 
 
 def lr_at(plan: RunPlan, step: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to a floor."""
-    o = plan.optim
-    peak, floor = o.lr, o.lr * o.min_lr_ratio
-    if step < o.warmup_steps:
-        return peak * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return peak
-    end = o.decay_steps or plan.train.steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, end - o.warmup_steps))
-    if o.schedule == "linear":
-        return peak - (peak - floor) * progress
-    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    """Learning rate for optimizer step ``step`` (0-based) of ``plan``'s run."""
+    return schedule_lr(plan.optim, plan.train.steps, step)
 
 
 def build_optimizer(model: torch.nn.Module, plan: RunPlan, mesh: Mesh) -> torch.optim.Optimizer:

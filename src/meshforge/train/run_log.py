@@ -14,13 +14,14 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from meshforge.checkpoint.continuing import resume_hint
 from meshforge.config.run_plan import RunPlan
 from meshforge.data.dataset import TokenDataset
 from meshforge.metrics.cpu_peak import estimated_cpu_peak, recheck
 from meshforge.metrics.logged_steps import slow_step_line
 from meshforge.metrics.mfu import peak_flops
 from meshforge.metrics.sinks import MetricsLogger
-from meshforge.metrics.step_metrics import StepMetrics, end_line, resume_hint, start_line
+from meshforge.metrics.step_metrics import StepMetrics, end_line, start_line
 from meshforge.metrics.step_result import StepResult
 from meshforge.metrics.time_breakdown import PhaseTimer, run_breakdown
 from meshforge.models.flops import num_params
@@ -146,7 +147,7 @@ class RunLog:
         """The run_end event and the last lines (after the final weights are written)."""
         self.event("run_end", **summary)
         self.say(end_line(summary, self.plan.run.dir))
-        self.say(resume_hint(self.plan, self.mesh.world_size, finished=not summary["interrupted"]))
+        self.say(resume_hint(self.plan, self.mesh.world_size, not summary["interrupted"], summary["steps"]))
 
     def close(self) -> None:
         if self.logger:

@@ -1,6 +1,6 @@
 "use strict";
 const $ = (id) => document.getElementById(id);
-const MEM = ["params", "grads", "optimizer", "activations", "loss", "weight_copies", "buffers", "reserve"];
+const MEM = ["params", "grads", "optimizer", "activations", "working", "weight_copies", "buffers", "reserve"];
 const TIME = ["compute", "recompute", "exposed_comm", "bubble", "optimizer"];
 const SEVEN_B = {model: "custom", layers: 32, hidden: 4096, heads: 32, kv_heads: 32, ffn_hidden: 11008,
   vocab: 32000, tie_embeddings: false};
@@ -105,7 +105,7 @@ function netParts(m) {
   // is ever negative, so the stacked bar never runs backwards.
   const v = Object.fromEntries(MEM.map((k) => [k, m[k] || 0]));
   let off = -(m.grads_not_at_peak || 0);
-  for (const k of ["grads", "params", "loss", "activations"]) {
+  for (const k of ["grads", "params", "working", "activations"]) {
     const d = Math.max(0, Math.min(off, v[k])); v[k] -= d; off -= d;
   }
   return MEM.map((k) => [k, v[k]]);

@@ -31,7 +31,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # private: used here only
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,
@@ -163,6 +162,8 @@ def make_optimizer(
         dtype, bucket_mb = lay.grad_reduce_dtype, lay.ddp_bucket_mb
         return FlatZero1(groups, cls, kwargs, group, dtype, bucket_mb=bucket_mb, microbatches=microbatches)
     if lay.zero_stage == 1 and lay.dp_cp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # ZeRO-1 (fp32) runs only: ~0.5 CPU-s to import
+
         zero = ZeroRedundancyOptimizer(
             groups[0]["params"],
             optimizer_class=cls,
@@ -210,3 +211,14 @@ def fill_param(p: torch.Tensor, values: torch.Tensor) -> None:
         p.to_local().copy_(local)
     else:
         p.copy_(values)
+
+
+def replica_group(mesh: Mesh, lay: Layout, fsdp: bool) -> dist.ProcessGroup | None:
+    """The ranks that hold this rank's parameter shards bit-identical after every step (health/sdc.py
+    compares them): under FSDP2 the HSDP replicate groups (dp_replicate), else every data-parallel
+    (and cp) rank of this island, which all hold whole replicas; None where nothing is replicated."""
+    if not mesh.distributed:
+        return None
+    if fsdp:
+        return mesh.group("dp_replicate") if lay.dp_replicate > 1 else None
+    return mesh.loss_group if lay.dp_cp > 1 else None
