@@ -22,6 +22,7 @@ from meshforge.data.tokenizer import load_tokenizer
 from meshforge.errors import ConfigError
 from meshforge.launch import env as launch_env
 from meshforge.parallel import rules
+from meshforge.parallel.fault_tolerance import rules as ft_rules
 from meshforge.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule_name
 from meshforge.parallel.rules import Batch, DiLoCoRules
 
@@ -71,6 +72,7 @@ def resolve(
     layout = _layout(cfg, world, train.precision)
     cfg = dataclasses.replace(cfg, train=train, layout=layout, optim=_optim(cfg, world, changes))
     cfg = dataclasses.replace(cfg, checkpoint=_checkpoint(cfg))
+    _fault_tolerance(cfg)
     if machine:
         _machine_checks(cfg, world)
     fsdp = layout.uses_fsdp() or rules.casts_once(layout, train.precision, train.mixed_precision)
@@ -148,6 +150,15 @@ def _optim(cfg: Config, world: World, changes: list[Change]) -> OptimConfig:
     if impl == "auto":  # fused: one kernel per step (CPU too since torch 2.4; equal to foreach within 1e-6)
         impl = "fused"
     return dataclasses.replace(o, warmup_steps=warmup, implementation=impl)
+
+
+def _fault_tolerance(cfg: Config) -> None:
+    """Replica groups: their settings and what they compose with (parallel/fault_tolerance/rules.py)."""
+    h = cfg.health
+    rollbacks = [k for k in ("on_nonfinite", "on_spike", "on_sdc") if getattr(h, k) == "rollback"]
+    found = ft_rules.problems(cfg.fault_tolerance, cfg.layout, cfg.train.precision, rollbacks)
+    if found:
+        raise ConfigError(found[0].message)
 
 
 def _checkpoint(cfg: Config) -> CheckpointConfig:

@@ -16,35 +16,39 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "compat": set(),  # the one home of torch version differences
     "ranges": set(),  # a number's range, declared in its field (config keys, the shape, the layout)
+    "safeio": {"errors"},  # files as data: regular files read bounded, parsed with limits, schemas; no links written
     "launch": {"errors"},  # the launcher's environment, the local start of ranks, ranks tied to it
-    "models": {"compat", "errors", "ranges"},  # the one-device model: nothing of parallelism
+    "models": {"compat", "errors", "ranges", "safeio"},  # the one-device model: nothing of parallelism
     # the vocabulary: config keys (sections, Layout, ModelShape's fields), RunPlan
-    "config": {"errors", "models", "ranges"},
-    "data": {"config", "errors", "models"},
+    "config": {"errors", "models", "ranges", "safeio"},
+    "data": {"config", "errors", "models", "safeio"},
     "parallel": {"compat", "config", "errors", "launch", "models"},
     # Config + World -> RunPlan, once (data/: the tokenizer's vocabulary for model.vocab_size = "auto")
     "resolve": {"compat", "config", "data", "errors", "launch", "parallel"},
     # the run's parts, below train/ (train/ imports them, never the other way at run time)
-    "metrics": {"config", "data", "errors", "models", "parallel"},
+    "metrics": {"config", "data", "errors", "models", "parallel", "safeio"},
     "health": {"config", "data", "errors", "launch", "parallel"},  # detectors, fault injection and its hooks
-    "checkpoint": {"compat", "config", "data", "errors", "health", "launch", "metrics", "models", "parallel"},
+    "checkpoint": {
+        *("compat", "config", "data", "errors", "health", "launch", "metrics", "models", "parallel", "safeio"),
+    },
     # the analysing side: the shared core only (see SHARED_CORE)
-    "planner": {"config", "errors", "metrics", "models", "parallel", "ranges"},
-    "report": {"errors", "planner"},
+    "planner": {"config", "errors", "metrics", "models", "parallel", "ranges", "safeio"},
+    "report": {"errors", "planner", "safeio"},
     "explore": {"config", "errors", "models", "parallel", "planner", "ranges"},
     # what refuses a run before it writes, and what it may not write over (prices through planner/)
     "guards": {
-        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "planner", "resolve"),
+        *("checkpoint", "config", "data", "errors", "health", "launch", "models", "parallel", "planner", "resolve"),
+        "safeio",
     },
     "train": {
         *("checkpoint", "config", "data", "errors", "guards", "health", "launch", "metrics", "models"),
-        "parallel",
+        *("parallel", "safeio"),
     },
     # the top: what drives the rest
     "calibration": {"compat", "config", "errors", "metrics", "models", "parallel", "planner", "resolve", "train"},
     "cli": {
         *("calibration", "checkpoint", "config", "data", "errors", "explore", "guards", "health", "launch"),
-        *("models", "planner", "report", "resolve", "train"),
+        *("models", "parallel", "planner", "report", "resolve", "safeio", "train"),
     },
     "__main__": {"cli"},
 }
@@ -56,6 +60,7 @@ RUNNING = ("train", "checkpoint", "health", "calibration", "guards", "cli")
 # what the analysing side may import from outside itself, module by module
 SHARED_CORE = {
     "meshforge.errors",
+    "meshforge.safeio",  # files as data: the report reads a run's files as every command reads its input
     "meshforge.ranges",  # a key's range (the field's metadata), which plan's flags and the explorer check
     "meshforge.config",  # plan --config reads a train config; --emit-config writes one
     # the layout rules: the aggregate, their types, the degrees, partial layouts, and each axis's own

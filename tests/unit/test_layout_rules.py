@@ -146,7 +146,7 @@ def test_config_imports_nothing_from_parallel_or_planner():
     package = [f"meshforge.parallel.{m}" for m in generic] + [
         m for m in graph if m.endswith(".rules") and m != "meshforge.parallel.rules"
     ]
-    assert len(package) == 10  # the aggregate, its types, degrees, partial layouts, and six axes' rules.py
+    assert len(package) == 11  # the aggregate, its types, degrees, partial layouts, and seven homes' rules.py
     for mod in package:
         assert not {m for m in graph[mod] if m not in core and m not in package}, mod
     code = "import sys, meshforge.parallel.rules; assert 'torch' not in sys.modules"

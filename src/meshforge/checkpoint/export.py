@@ -7,9 +7,9 @@ from pathlib import Path
 from torch import nn
 
 from meshforge.checkpoint import sharded, store
-from meshforge.checkpoint.resume_point import checkpoint_shape
 from meshforge.checkpoint.safe_metadata import read_metadata
 from meshforge.checkpoint.store import CheckpointError
+from meshforge.checkpoint.validate import checkpoint_shape
 from meshforge.models.hf import save_hf_checkpoint
 from meshforge.models.llama import Transformer, build_model
 
@@ -35,7 +35,7 @@ def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
     """A checkpoint's (or a checkpoints/ folder's newest) full weights in one CPU model, verified;
     and the checkpoint it read (``convert --from-checkpoint``, ``generate``)."""
     path = resolve_checkpoint(path)
-    meta = store.verify(path)
+    meta = store.verify(path, optimizer=False)  # (the weights only: Adam's state is not read)
     shape = checkpoint_shape(meta, path)
     check_sizes(build_model(shape, device="meta"), path)  # before any memory is taken for what meta.json claims
     model = build_model(shape, device="cpu", seed=None)

@@ -19,12 +19,11 @@ from meshforge.checkpoint import store
 from meshforge.checkpoint.saver import checkpoint_to_load
 from meshforge.checkpoint.store import CheckpointError
 from meshforge.checkpoint.train_state import check_train_state
+from meshforge.checkpoint.validate import checkpoint_shape
 from meshforge.checkpoint.weights import shape_mismatch
 from meshforge.config.run_plan import ResumePoint, RunPlan
 from meshforge.config.schedule import decay_start, lr_at
-from meshforge.errors import ConfigError
 from meshforge.launch.env import restart_count
-from meshforge.models.presets import check_model_shape
 from meshforge.models.shape import ModelShape
 
 Meta = dict[str, Any]  # a checkpoint's meta.json
@@ -70,18 +69,6 @@ def check_resumable(path: Path, meta: dict[str, Any], plan: RunPlan, sequences: 
     saved = sharded.read_train_state(path)
     if saved is not None:
         check_train_state(said, saved, meta_path)
-
-
-def checkpoint_shape(meta: dict[str, Any], path: Path) -> ModelShape:
-    """The model shape a checkpoint's meta.json describes (a damaged or edited one is named)."""
-    try:
-        shape = ModelShape(**meta["model"])
-        check_model_shape(shape)
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
-        raise CheckpointError(
-            f"{path / 'meta.json'} holds no readable model shape ({e}); the file is damaged"
-        ) from None
-    return shape
 
 
 def check_shape(meta: dict[str, Any], shape: ModelShape, path: Path) -> None:

@@ -13,7 +13,6 @@ final/ and final-hf/. The file I/O itself lives in meshforge/checkpoint/.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from meshforge.models.hf import save_hf_state
 from meshforge.parallel.diloco.outer import DiLoCo
 from meshforge.parallel.mesh import Mesh
 from meshforge.parallel.rules import rank_layout
+from meshforge.safeio.parse import read_json
 
 
 def read_resume_point(run_dir: Path, resume: Path | None, is_main: bool) -> tuple[dict[str, Any] | None, int]:
@@ -154,7 +154,7 @@ class RunCheckpoints:
         same_layout = meta["world_size"] == self.mesh.world_size and meta["degrees"] == self.mesh.degrees
         rank_file = path / f"rank-{self.mesh.rank:05d}.json"
         if same_layout and rank_file.exists():
-            self.state.load_rng_state(json.loads(rank_file.read_text())["rng"])
+            self.state.load_rng_state(read_json(rank_file, store.CheckpointError)["rng"])  # (checked by verify)
         self.next_save = self._first_save_step()
         self.event(
             "resumed",

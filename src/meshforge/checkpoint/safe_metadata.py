@@ -15,12 +15,13 @@ import functools
 import io
 import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshforge.errors import MeshforgeError
+from meshforge.safeio.files import read_regular
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -48,6 +49,7 @@ _ALLOWED = {
     ("pathlib", "PureWindowsPath"): None,
 }
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+MAX_METADATA_BYTES = 4 << 30  # a .metadata lists every chunk of every tensor: ~100 bytes a chunk
 
 
 class UnsafeCheckpointError(MeshforgeError):
@@ -73,10 +75,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 def read_metadata(path: Path) -> dcp_metadata.Metadata:
     """The ``.metadata`` file at ``path``, built only from DCP's metadata classes and checked."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UnsafeCheckpointError(f"cannot read {path}: {e}") from None
+    data = read_regular(path, MAX_METADATA_BYTES, UnsafeCheckpointError, "the checkpoint is damaged")  # (no FIFO)
     try:
         md = _RestrictedUnpickler(data, path).load()
     except UnsafeCheckpointError:
@@ -93,27 +92,64 @@ def _check(md: Any, path: Path) -> None:
 
     if not isinstance(md, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{path} holds a {type(md).__name__}, not DCP metadata")
-    entries = md.state_dict_metadata
+    entries = getattr(md, "state_dict_metadata", None)  # (an edited pickle can leave a field out)
     if not isinstance(entries, dict):
         raise UnsafeCheckpointError(f"{path}: its state_dict_metadata is not a mapping")
+    if not isinstance(getattr(md, "storage_meta", None), (dcp_metadata.StorageMeta, type(None))) or not isinstance(
+        getattr(md, "planner_data", None), (dict, type(None))
+    ):
+        raise UnsafeCheckpointError(f"{path}: its storage_meta or planner_data is not what DCP writes")
     for key, entry in entries.items():
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise UnsafeCheckpointError(
                 f"{path}: entry {key!r} is a {type(entry).__name__}, not a tensor; meshforge checkpoints hold "
                 "tensors only, and a non-tensor entry would be unpickled by torch.load; it was not loaded"
             )
-    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+        _check_tensor(key, entry, path, dcp_metadata)
+    storage = getattr(md, "storage_data", None)
+    storage = storage if isinstance(storage, dict) else None
+    if storage is None:
+        raise UnsafeCheckpointError(f"{path}: its storage_data is not a mapping")
     for index, info in storage.items():
-        name = str(getattr(info, "relative_path", ""))
-        if not _FILE_NAME.match(name) or name in (".", ".."):
-            raise UnsafeCheckpointError(
-                f"{path}: entry {getattr(index, 'fqn', index)!r} points at {name!r}, outside the checkpoint directory"
-            )
+        name = getattr(info, "relative_path", "")
+        name = str(name) if isinstance(name, PurePath) else name
+        fqn = getattr(index, "fqn", index)
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", ".."):
+            raise UnsafeCheckpointError(f"{path}: entry {fqn!r} points at {name!r}, outside the checkpoint directory")
         if getattr(info, "transform_descriptors", None):
             raise UnsafeCheckpointError(
-                f"{path}: entry {getattr(index, 'fqn', index)!r} asks for storage transforms "
+                f"{path}: entry {fqn!r} asks for storage transforms "
                 f"{info.transform_descriptors!r}, which meshforge never writes"
             )
+        if not (_whole(getattr(info, "offset", None)) and _whole(getattr(info, "length", None))):
+            raise UnsafeCheckpointError(f"{path}: entry {fqn!r} is stored at a negative or non-integer offset")
+        if not (isinstance(fqn, str) and _sizes(getattr(index, "offset", None))):
+            raise UnsafeCheckpointError(f"{path}: a storage entry has no readable name and offset ({index!r:.80})")
+
+
+def _whole(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 2**62
+
+
+def _sizes(v: Any, ndim: int | None = None) -> bool:
+    """A tensor's size or a chunk's offsets: whole numbers >= 0 (``ndim`` of them, when given)."""
+    return isinstance(v, (tuple, torch.Size)) and len(v) <= 16 and all(_whole(x) for x in v) and ndim in (None, len(v))
+
+
+def _check_tensor(key: str, entry: Any, path: Path, dcp_metadata: Any) -> None:
+    """One tensor's description: a size, a dtype, and chunks inside the size (DCP trusts them all)."""
+    size = getattr(entry, "size", None)
+    dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+    chunks = getattr(entry, "chunks", None)
+    if not isinstance(key, str) or not _sizes(size) or not isinstance(dtype, torch.dtype):
+        raise UnsafeCheckpointError(f"{path}: entry {key!r:.80} has no readable size and dtype")
+    if not isinstance(chunks, list) or not chunks:
+        raise UnsafeCheckpointError(f"{path}: entry {key!r} has no list of stored chunks")
+    for c in chunks:
+        ok = isinstance(c, dcp_metadata.ChunkStorageMetadata)
+        ok = ok and _sizes(getattr(c, "offsets", None), len(size)) and _sizes(getattr(c, "sizes", None), len(size))
+        if not ok or any(o + n > s for o, n, s in zip(c.offsets, c.sizes, size, strict=True)):
+            raise UnsafeCheckpointError(f"{path}: entry {key!r} has a chunk outside its size {tuple(size)}")
 
 
 def safe_reader(path: str) -> Any:

@@ -75,8 +75,7 @@ class CheckpointSaver:
 
         t0 = time.perf_counter()
         self.wait()
-        tmp = self.root / store.tmp_dir_name(step)
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = store.new_save_dir(self.root / store.tmp_dir_name(step))  # (a link there: refused, not written through)
         stats = SaveStats(step, self.root / store.step_dir_name(step), 0.0)
         rank_meta = {"rank": self.rank, "rng": rng_state()}  # now, not when the write ends
         if background:

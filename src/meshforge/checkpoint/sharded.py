@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshforge.checkpoint.safe_metadata import read_metadata, safe_reader
+from meshforge.checkpoint.validate import CheckpointError
 from meshforge.compat import dcp_stager_reusable
 
 if TYPE_CHECKING:
@@ -146,6 +147,22 @@ def staging_is_pinned() -> bool:
     return bool(s is not None and s._config.use_pinned_memory)
 
 
+def _dcp_load(state_dict: dict[str, Any], storage_reader: dcp.FileSystemReader, **kw: Any) -> None:
+    """DCP's load, its failure to read the shards as the metadata places them (bytes moved or
+    swapped by someone who hashed them again: an unpickling or size error inside DCP) said as a
+    CheckpointError naming the checkpoint, not DCP's traceback of every rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=storage_reader, **kw)
+    except CheckpointException as e:
+        last = [line for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
+        raise CheckpointError(
+            f"checkpoint {storage_reader.path}: its shards do not read as its .metadata places them "
+            f"({last[0].strip()[:200]}); the checkpoint is damaged or was edited; use another checkpoint"
+        ) from None
+
+
 def _reader(path: Path) -> dcp.FileSystemReader:
     """A reader over ``path`` whose metadata was checked first: DCP swallows a reader's error
     and retries with per-rank metadata, which would hide the reason behind its own."""
@@ -170,18 +187,18 @@ def load(
     wrap = lambda sd: outer({**sd, **(extra or {})})  # noqa: E731
     if hasattr(optimizer, "full_training_state"):
         full = optimizer.full_training_state(model, init=True)
-        dcp.load(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
+        _dcp_load(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
         optimizer.load_full_training_state(model, full)
         return
     msd = get_model_state_dict(model)
     if _is_zero1(optimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
         sd = wrap({"model": msd, "optim": osd_state})
-        dcp.load(sd, storage_reader=reader, process_group=group, no_dist=no_dist)
+        _dcp_load(sd, storage_reader=reader, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, msd)
         return  # the state tensors were loaded in place into the local optimizer
     osd = get_optimizer_state_dict(model, optimizer)  # initialises empty Adam state to load into
-    dcp.load(wrap({"model": msd, "optim": osd["state"]}), storage_reader=reader, process_group=group, no_dist=no_dist)
+    _dcp_load(wrap({"model": msd, "optim": osd["state"]}), storage_reader=reader, process_group=group, no_dist=no_dist)
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
 
@@ -189,7 +206,7 @@ def load(
 def load_model_only(model: nn.Module, path: Path) -> None:
     """Full weights from a checkpoint into an unsharded model in this one process (for export)."""
     msd = get_model_state_dict(model, options=StateDictOptions())
-    dcp.load({"model": msd}, storage_reader=_reader(path), no_dist=True)
+    _dcp_load({"model": msd}, storage_reader=_reader(path), no_dist=True)
     set_model_state_dict(model, msd)
 
 
@@ -207,7 +224,7 @@ def read_train_state(path: Path) -> dict[str, torch.Tensor] | None:
     tree: dict[str, Any] = {"train": {n: torch.zeros((), dtype=torch.int64) for n in names}}
     for part in reversed(found[0].split(".")[:-2]):  # islandN.train.step: nested under islandN
         tree = {part: tree}
-    dcp.load(tree, storage_reader=_reader(path), no_dist=True)
+    _dcp_load(tree, storage_reader=_reader(path), no_dist=True)
     while "train" not in tree:
         tree = next(iter(tree.values()))
     return tree["train"]

@@ -31,17 +31,21 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.checkpoint.safe_metadata import UnsafeCheckpointError, read_metadata
+from meshforge.checkpoint.validate import CheckpointError, check_rank_files, check_state, check_storage, readable_shape
 from meshforge.data.manifest import read_manifest
-from meshforge.errors import MeshforgeError
+from meshforge.safeio.files import regular_size, sha256_declared
+from meshforge.safeio.links import make_dir, remove
+from meshforge.safeio.parse import read_json
+from meshforge.safeio.schema import FILE_NAME, Int, MapOf, Obj, Str
 
 FORMAT = "meshforge-checkpoint"
 VERSION = 1
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(MeshforgeError):
-    """A checkpoint that cannot be used; the message names the file."""
+_RANK_FILE = re.compile(r"^rank-\d{5}\.json$")
+_FILE = Obj({"bytes": Int(0), "sha256": Str(r"[0-9a-f]{64}")})
+META = Obj({"files": MapOf(Str(FILE_NAME), _FILE)})  # what verify trusts (the rest: resume_point.py)
+_LINK_FIX = "remove it (meshforge makes every checkpoint directory itself)"
 
 
 def step_dir_name(step: int) -> str:
@@ -97,7 +101,7 @@ def list_complete(root: Path) -> list[CheckpointInfo]:
     out = []
     for d in root.iterdir():
         m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and (d / COMPLETE).exists():
+        if m and d.is_dir() and not d.is_symlink() and (d / COMPLETE).exists():  # (a link is never one)
             out.append(CheckpointInfo(d, int(m.group(1))))
     return sorted(out, key=lambda c: c.step)
 
@@ -107,10 +111,15 @@ def clean_incomplete(root: Path) -> list[Path]:
     removed = []
     if root.is_dir():
         for d in root.iterdir():
-            if d.name.startswith(".tmp-step-") and d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
+            if d.name.startswith(".tmp-step-") and remove(d, _LINK_FIX):  # a link there is refused, not followed
                 removed.append(d)
     return removed
+
+
+def new_save_dir(path: Path) -> Path:
+    """The temporary directory of a save, a directory of its own: a link put in its place (or left
+    there) is refused, never written through."""
+    return make_dir(path, _LINK_FIX)
 
 
 def finalize(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -118,13 +127,12 @@ def finalize(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     rank_files = sorted(p.name for p in tmp.glob("rank-*.json"))
     files: dict[str, dict[str, Any]] = {}
     for name in rank_files:
-        files.update(json.loads((tmp / name).read_text())["files"])
+        files.update(read_json(tmp / name, CheckpointError)["files"])
     files.update(describe_files(tmp, [".metadata", *rank_files]))
     write_json_atomic(tmp / "meta.json", {"format": FORMAT, "version": VERSION, **meta, "files": files})
     (tmp / COMPLETE).write_text("ok\n")
     _fsync_dir(tmp)
-    if final.exists():  # a checkpoint of the same step from an earlier attempt
-        shutil.rmtree(final)
+    remove(final, _LINK_FIX)  # a checkpoint of the same step from an earlier attempt (a link: refused)
     tmp.rename(final)
     _fsync_dir(final.parent)
 
@@ -138,32 +146,39 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"checkpoint {path} has no {COMPLETE} mark: its save never finished, so it is never loaded; "
             "use an earlier checkpoint"
         )
-    return read_manifest(path / "meta.json", FORMAT, VERSION, CheckpointError, fix)
+    return read_manifest(path / "meta.json", FORMAT, VERSION, CheckpointError, fix, META)
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """meta.json of a complete checkpoint whose every file has its recorded size and hash."""
+def verify(path: Path, optimizer: bool = True) -> dict[str, Any]:
+    """meta.json of a complete checkpoint whose every file is a regular file of its recorded size
+    and hash (read no further than that size), whose rank files and ``.metadata`` are plain data,
+    and whose tensors are those of the model meta.json describes (validate.py; ``optimizer``: with
+    Adam's state). Any failure is a CheckpointError, so ``latest`` falls back past it."""
     meta = read_meta(path)
-    files = meta.get("files", {})
-    if not isinstance(files, dict) or not all(isinstance(w, dict) for w in files.values()):
-        raise CheckpointError(f"{path / 'meta.json'} has no readable file list; the checkpoint is damaged")
+    files = meta["files"]
+    fix = "the checkpoint is damaged"
     for name, want in files.items():
         f = path / name
-        if not f.exists():
+        if not f.exists() and not f.is_symlink():
             raise CheckpointError(f"checkpoint file {f} is missing; the checkpoint is damaged")
-        size = f.stat().st_size
+        size = regular_size(f, CheckpointError, fix)  # (a FIFO or device, even behind a link, is refused)
         if size != want["bytes"]:
             raise CheckpointError(
                 f"checkpoint file {f} has {size} bytes, {want['bytes']} were written: it is truncated or damaged"
             )
-        if sha256_file(f) != want.get("sha256"):
+        if sha256_declared(f, want["bytes"], CheckpointError, fix) != want["sha256"]:
             raise CheckpointError(f"checkpoint file {f} does not match the hash recorded when it was written")
-    if ".metadata" not in meta.get("files", {}):
+    if ".metadata" not in files:
         raise CheckpointError(f"{path / 'meta.json'} lists no .metadata; the checkpoint is damaged")
     try:  # matching hashes stop damage, not tampering: the metadata must also be plain data
-        read_metadata(path / ".metadata")
+        md = read_metadata(path / ".metadata")
     except UnsafeCheckpointError as e:
         raise CheckpointError(str(e)) from None
+    check_storage(md, {n: w["bytes"] for n, w in files.items()}, path)
+    check_rank_files(path, sorted(n for n in files if _RANK_FILE.match(n)))
+    shape = readable_shape(meta, path)  # (none: the resume check refuses it, naming meta.json)
+    if shape is not None:
+        check_state(md, shape, path, optimizer)
     return meta
 
 
@@ -180,6 +195,6 @@ def retain(root: Path, keep: int, protect: int | None = None) -> list[Path]:
     complete = [c for c in list_complete(root) if c.step != protect]
     removed = []
     for c in complete[: max(0, len(complete) - keep)]:
-        shutil.rmtree(c.path, ignore_errors=True)
+        shutil.rmtree(c.path, ignore_errors=True)  # (list_complete lists no link)
         removed.append(c.path)
     return removed

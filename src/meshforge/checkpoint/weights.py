@@ -80,6 +80,18 @@ def pretrained_shape(path: str | Path) -> ModelShape:
     raise MeshforgeError(f"{p} holds neither meshforge.json nor a Hugging Face config.json")
 
 
+def check_pretrained_files(path: str | Path, shape: ModelShape) -> None:
+    """The weight files at ``path`` are regular files that could hold ``shape``'s parameters (the
+    pre-flight's look at model.init_from, before a run directory is written)."""
+    from meshforge.models.hf import check_weights_hold, weight_files
+
+    p = Path(path)
+    if (p / "meshforge.json").is_file():
+        check_weights_hold(shape, [p / "model.safetensors"], p / "meshforge.json")
+    else:
+        check_weights_hold(shape, weight_files(p), p / "config.json")
+
+
 def load_weights(path: str | Path, device: torch.device | str = "cpu") -> Transformer:
     from meshforge.models.hf import check_weights_hold
     from meshforge.models.llama import build_model

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import shlex
 import socket
@@ -23,6 +22,7 @@ from meshforge.guards.disk import DiskError, check_name_length, describe
 from meshforge.guards.out_paths import check_file_out, check_out_dir, check_profile_out, check_report_out
 from meshforge.launch import env as launch_env
 from meshforge.launch import startup_gc
+from meshforge.safeio.parse import read_json
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         )
     except OSError as e:
         raise DiskError(describe(out, e, "write", "--out")) from None
-    index = json.loads((out / "index.json").read_text())
+    index = read_json(out / "index.json", ConfigError)
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
     print(
         f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "
@@ -136,6 +136,26 @@ def cmd_explore(args: argparse.Namespace) -> int:
         raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); try another --port") from None
 
 
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="convert between Hugging Face, meshforge weights and checkpoints")
+    g = conv.add_mutually_exclusive_group(required=True)
+    g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama-family or Mixtral/Qwen3-MoE directory")
+    g.add_argument("--to-hf", metavar="DIR", help="meshforge weights (e.g. a run's final/) to write as Hugging Face")
+    g.add_argument(
+        "--from-checkpoint",
+        metavar="DIR",
+        help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
+    )
+    conv.add_argument("--out", required=True, metavar="DIR", help="directory to write the converted weights to")
+
+
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    """``meshforge lighthouse``: torchft's quorum server in the foreground (parallel/fault_tolerance)."""
+    from meshforge.parallel.fault_tolerance.lighthouse import serve
+
+    return serve(args.bind, args.min_replicas)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshforge", description="Train transformer language models across a device mesh.")
     p.add_argument("--version", action="version", version=f"meshforge {__version__}")
@@ -153,16 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--val-fraction", type=float, default=0.01, help="share of the tokens held out for validation (default 0.01)"
     )
     prep.add_argument("--allow-binary", action="store_true", help="tokenize inputs that are mostly not text")
-    conv = sub.add_parser("convert", help="convert between Hugging Face, meshforge weights and checkpoints")
-    g = conv.add_mutually_exclusive_group(required=True)
-    g.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama-family or Mixtral/Qwen3-MoE directory")
-    g.add_argument("--to-hf", metavar="DIR", help="meshforge weights (e.g. a run's final/) to write as Hugging Face")
-    g.add_argument(
-        "--from-checkpoint",
-        metavar="DIR",
-        help="a complete training checkpoint (or a run's checkpoints/ folder: the newest) to write as Hugging Face",
-    )
-    conv.add_argument("--out", required=True, metavar="DIR", help="directory to write the converted weights to")
+    _add_convert(sub)
     from meshforge.cli.generate import add_parser as add_generate
     from meshforge.planner.plan_args import add_arguments, whole
 
@@ -179,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
+    lh = sub.add_parser("lighthouse", help="run torchft's lighthouse: the quorum server of fault-tolerant groups")
+    lh.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on, e.g. 0.0.0.0:29510")
+    lh.add_argument("--min-replicas", type=whole(1, 1024), required=True, metavar="N", help="groups a quorum needs")
     exp = sub.add_parser("explore", help="the strategy explorer: a local web page over the planner")
     exp.add_argument("--port", type=int, default=8800, help="port to listen on (default 8800; 0: any free port)")
     exp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -194,12 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(argv[1:])
         parser = build_parser()
         args = parser.parse_args(argv)
-        if args.command == "data":
-            return cmd_data(args)
-        if args.command == "convert":
-            return cmd_convert(args)
-        if args.command == "generate":
-            return cmd_generate(args)
+        simple = {"data": cmd_data, "convert": cmd_convert, "generate": cmd_generate, "lighthouse": cmd_lighthouse}
+        if args.command in simple:
+            return simple[args.command](args)
         if args.command == "plan":
             from meshforge.planner.plan import run
 

@@ -19,8 +19,9 @@ Imported only when the command is ``train`` (cli/main.py keeps ``meshforge --hel
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -167,31 +168,49 @@ def _launch(config: Config, nproc: int, restarts: int) -> int:
 
     here = launch_env.under_launcher() or (nproc == 1 and not restarts)
     plan = preflight(config, nproc, ranks_per_node=None if here else nproc, launcher=not here)
-    with holding_run_dir(plan):
+    with holding_run_dir(plan) as refused:
         if here:
             return _train_here(plan)
         from meshforge.launch.local import launch_local
 
         # the ranks train on the plan; their arguments only name the run (for ps and pgrep)
-        return launch_local(nproc, ["train", f"--run.dir={plan.run.dir}"], restarts, plan=plan.to_json())
+        code = launch_local(nproc, ["train", f"--run.dir={plan.run.dir}"], restarts, plan=plan.to_json())
+        if code == 2:
+            refused()
+        return code
 
 
 @contextlib.contextmanager
-def holding_run_dir(plan: RunPlan) -> Iterator[None]:
+def holding_run_dir(plan: RunPlan) -> Iterator[Callable[[], None]]:
     """run.dir locked (the launch's one lock, held across elastic restarts: its ranks never lock)
-    and prepared for the run, before anything is written into it; let go when the launch ends."""
+    and prepared for the run, before anything is written into it; let go when the launch ends.
+    Yields ``refused()``: a fault-tolerant group refused by the live groups (exit 2) before its first
+    step leaves no run.dir behind where this launch made it (the refusal is only known once it joins)."""
     from meshforge.guards import run_lock
-    from meshforge.train.run_dir import prepare_run_dir
+    from meshforge.train.run_dir import forget_unstarted, prepare_run_dir
 
     run_dir = Path(plan.run.dir)
+    new = not run_dir.exists()
+    fresh = plan.fault_tolerance.enabled and new and launch_env.restart_count() == 0
+    said: list[bool] = []
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = run_lock.hold(run_dir, quiet=launch_env.restart_count() > 0)  # a torchrun restart takes it over
     try:
         prepare_run_dir(plan)
-        yield
+        yield lambda: said.append(True)
+    except MeshforgeError:
+        said.append(True)
+        raise
     finally:
+        unstarted = new and forget_unstarted(run_dir)  # stopped or refused before a rank wrote a line
         if lock is not None:
             lock.release()
+        metrics = run_dir / "metrics.jsonl"
+        if fresh and said and not (metrics.exists() and metrics.stat().st_size):
+            shutil.rmtree(run_dir, ignore_errors=True)  # every file in it is this launch's
+        elif unstarted:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # (now empty, unless something came meanwhile: then it stays)
 
 
 def _rank_of_launcher(plan: RunPlan) -> int:

@@ -99,7 +99,7 @@ def _check_run(cfg: Config) -> None:
 
 def _check_health(cfg: Config) -> None:
     h = cfg.health
-    for key in ("on_nonfinite", "on_spike"):
+    for key in ("on_nonfinite", "on_spike", "on_sdc"):
         _need(
             getattr(h, key) != "rollback" or cfg.checkpoint.interval != 0,
             f"health.{key} = 'rollback' needs checkpoints to go back to; set checkpoint.interval > 0 (or 'auto')",

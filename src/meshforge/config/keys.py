@@ -37,6 +37,7 @@ OWNERS: tuple[tuple[str, str, type], ...] = (
     ("health", "health", s.HealthConfig),
     ("profile", "profile", s.ProfileConfig),
     ("diloco", "diloco", s.DiLoCoConfig),
+    ("fault_tolerance", "fault_tolerance", s.FaultToleranceConfig),
 )
 SECTIONS = tuple(dict.fromkeys(section for section, _, _ in OWNERS))
 PRESET_DEFAULT = "the preset's"  # shape keys default to the preset's value

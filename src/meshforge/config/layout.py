@@ -1,6 +1,6 @@
 """The one layout type: ``Layout``, the degrees and every layout setting, spelled as the
 config keys ([parallel], plus ``micro_batch_size`` and ``activation_checkpoint`` of [train]
-and ``islands`` of [diloco]: each field's ``section`` metadata says which).
+``islands`` of [diloco] and ``replicas`` of [fault_tolerance]: each field's ``section`` metadata says which).
 
 These fields ARE the config's layout keys (config/keys.py reads them, docstrings included),
 so a new layout setting is one field here and the code that applies it. A config resolves
@@ -130,6 +130,10 @@ class Layout:
     islands: int = ranged(whole(1, 2**20), 1, section="diloco")
     """DiLoCo islands (outermost mesh dimension; each runs the `[parallel]` layout on world / islands ranks);
     `1` = off"""
+    replicas: int = ranged(whole(1, 2**10), 1, section="fault_tolerance")
+    """replica groups the run is planned for: each is one `meshforge train` with this `[parallel]` layout and its
+    own `run.dir`, takes its own fixed 1/replicas slice of every global batch, and averages gradients with the
+    live groups (`fault_tolerance.enabled`); `1` = one group"""
 
     def degrees(self) -> dict[str, int]:
         """The mesh degrees by dimension, outermost first (one island's: the [parallel] keys)."""
@@ -153,8 +157,9 @@ class Layout:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that take distinct slices of a global batch (the sampler's): every island's dp ranks."""
-        return self.islands * self.dp
+        """Ranks that take distinct slices of a global batch (the sampler's): every island's dp ranks, in
+        every replica group (fault tolerance)."""
+        return self.replicas * self.islands * self.dp
 
     @property
     def dp_cp(self) -> int:

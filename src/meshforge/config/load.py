@@ -12,16 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import stat
-import sys
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 from meshforge.config.checks import check_values
 from meshforge.config.keys import OWNERS, SECTIONS, Key, keys, section_keys
@@ -29,6 +21,8 @@ from meshforge.config.sections import Config
 from meshforge.config.values import coerce, toml_value
 from meshforge.errors import ConfigError, suggest
 from meshforge.models.presets import get_preset
+from meshforge.safeio.files import read_regular
+from meshforge.safeio.parse import loads_toml
 
 
 def key_type(dotted: str) -> Any:
@@ -53,44 +47,37 @@ def _lookup(section: str, key: str, where: str) -> Key:
 
 
 MAX_CONFIG_BYTES = 16 << 20  # a config is a few KiB
+_FIX = "pass a TOML file such as configs/debug.toml"
 
 
 def _read_regular(p: Path) -> bytes:
-    """The bytes of ``p``, checked on the open file: a FIFO or device put in the file's place after
-    the checks above is neither waited on (O_NONBLOCK) nor read; at most MAX_CONFIG_BYTES."""
-    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"--config {p} is not a regular file (a device, FIFO or socket); pass a TOML file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {p} is {st.st_size:,} bytes, too large for a config (a TOML file)")
-        raw = f.read(MAX_CONFIG_BYTES + 1)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {p} is over {MAX_CONFIG_BYTES:,} bytes, too large for a config (a TOML file)")
-    return raw
+    """The bytes of ``p``, checked on the open file (safeio/files.py): a FIFO or device put in the
+    file's place after the checks is neither waited on nor read; at most MAX_CONFIG_BYTES."""
+    try:
+        return read_regular(p, MAX_CONFIG_BYTES, ConfigError, _FIX)
+    except ConfigError as e:
+        if "is not a regular file" in str(e):
+            raise ConfigError(f"--config {p} is not a regular file (a device, FIFO or socket); {_FIX}") from None
+        raise ConfigError(str(e) if str(e).startswith("cannot") else f"config file {e}") from None
 
 
 def _read_file(p: Path) -> dict[str, Any]:
+    """The TOML document at ``p``: a regular file (a FIFO or device, even behind a link, is never
+    waited on or read: safeio/files.py), at most MAX_CONFIG_BYTES, nested at most MAX_DEPTH deep."""
     if p.is_dir():
         raise ConfigError(f"--config {p} is a directory; pass a TOML file such as configs/debug.toml")
-    if p.exists() and not p.is_file():
-        raise ConfigError(f"--config {p} is not a regular file (a device, FIFO or socket); pass a TOML file")
-    if not p.is_file():
+    if not p.exists() and not p.is_symlink():
         raise ConfigError(f"config file {p} does not exist; pass an existing TOML file to --config")
+    raw = _read_regular(p)
     try:
-        text = _read_regular(p).decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
-        return tomllib.loads(text)
+        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
         raise ConfigError(
             f"config file {p} is not a UTF-8 TOML file (line {line}, byte {e.start} is not UTF-8: is it a binary "
             "file?); pass a text TOML config such as configs/debug.toml"
         ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {p} is not valid TOML: {e}. Fix the syntax at that line.") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    return loads_toml(text, f"config file {p}", ConfigError, _FIX)
 
 
 def _section_values(sections: dict[str, Any], where: str) -> dict[str, Any]:

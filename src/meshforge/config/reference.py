@@ -35,6 +35,8 @@ SECTION_NOTES = {
     "[parallelism.md](parallelism.md).",
     "health": "What happens when a run goes wrong while it keeps running; see [health.md](health.md).",
     "diloco": "DiLoCo across islands of ranks; see [diloco.md](diloco.md). The `[parallel]` degrees are one island's.",
+    "fault_tolerance": "Replica groups that keep training through a failure (torchft); see "
+    "[checkpointing.md](checkpointing.md#live-recovery-fault_tolerance). The `[parallel]` degrees are one group's.",
 }
 
 

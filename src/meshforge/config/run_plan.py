@@ -25,6 +25,7 @@ from meshforge.config.sections import (
     CheckpointConfig,
     DataConfig,
     DiLoCoConfig,
+    FaultToleranceConfig,
     HealthConfig,
     MetricsConfig,
     ModelConfig,
@@ -141,6 +142,10 @@ class RunPlan:
     @property
     def diloco(self) -> DiLoCoConfig:
         return self.config.diloco
+
+    @property
+    def fault_tolerance(self) -> FaultToleranceConfig:
+        return self.config.fault_tolerance
 
     @property
     def batch(self) -> BatchSplit:

@@ -223,6 +223,14 @@ class HealthConfig:
     """on logged steps a rank whose compute time is above this × the median is a `straggler`; `0` = off"""
     text_warn_fraction: float = ranged(unit(lo_open=True), 0.05)
     """byte tokenizer: warn when more than this share of `data.path` is not valid UTF-8"""
+    sdc_interval: int = ranged(whole(0, MAX_STEPS), 100)
+    """every N steps, compare a fingerprint of each parameter shard across the replicas that must hold it
+    bit-identical (data-parallel ranks, HSDP groups, fault-tolerant replica groups: one small all-gather); a
+    mismatch is an `sdc` event naming the rank, host and parameter; `0` = off. See
+    [health.md](health.md#silent-data-corruption-sdc)"""
+    on_sdc: Literal["log", "stop", "rollback"] = "log"
+    """what a mismatch does: `log` it, `stop` the run (exit 2), or `rollback` to the last complete checkpoint
+    and redo the steps since (needs `checkpoint.interval > 0`)"""
 
 
 @dataclass(frozen=True)
@@ -265,6 +273,27 @@ class DiLoCoConfig:
 
 
 @dataclass(frozen=True)
+class FaultToleranceConfig:
+    """[fault_tolerance]: replica groups that keep training through a failure (torchft; `replicas` is a layout
+    key); see [checkpointing.md](checkpointing.md#live-recovery-fault_tolerance)."""
+
+    enabled: bool = False
+    """join the replica groups coordinated by the lighthouse (`meshforge lighthouse`; needs
+    `pip install 'meshforge[ft]'`): a group that dies is left behind at the next step, one that starts joins and
+    heals from a live peer"""
+    lighthouse: str = ""
+    """the lighthouse's URL, e.g. `http://10.0.0.1:29510`"""
+    replica_id: int = ranged(whole(0, 2**10 - 1), 0)
+    """this group's number, `0` .. `replicas - 1`: which slice of every global batch it reads"""
+    min_replicas: int = ranged(whole(1, 2**10), 1)
+    """live groups a step needs to commit; with fewer the groups wait (up to `quorum_timeout_s`)"""
+    quorum_timeout_s: float = ranged(Span(1.0, 1e6), 120.0)
+    """how long a group waits for a quorum of `min_replicas` live groups before it gives up (exit 2)"""
+    timeout_s: float = ranged(Span(1.0, 1e6), 60.0)
+    """a collective across the groups or a healing transfer that takes longer fails the step"""
+
+
+@dataclass(frozen=True)
 class Config:
     """A run's settings as the user gave them (``auto`` and other automatic values still in)."""
 
@@ -280,3 +309,4 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

@@ -87,7 +87,7 @@ def parse_value(text: str) -> Any:
     """Read an override value as a TOML literal (numbers, booleans, lists); else a bare string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # ([[[[... nested past the parser's depth: text)
         return text
 
 

@@ -39,6 +39,7 @@ def open_data(plan: RunPlan, shape: ModelShape) -> TokenDataset:
             f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({ds.vocab_size}); "
             f"set --model.vocab_size={ds.vocab_size} (or larger), or leave it out: `auto` takes a tokenizer.json's"
         )
+    check_token_ids(ds, vocab)
     if len(ds.train) < plan.train.global_batch_size:
         raise DataError(
             f"the corpus at {plan.data.path or 'the default corpus'} has {len(ds.train)} training sequences of "
@@ -47,6 +48,20 @@ def open_data(plan: RunPlan, shape: ModelShape) -> TokenDataset:
         )
     check_separator(plan, ds)
     return ds
+
+
+def check_token_ids(ds: TokenDataset, vocab: int) -> None:
+    """Every token id must have a row in the model's embedding: the largest one, recorded when the
+    shards were prepared (or read from them), is held against the vocabulary before the run starts,
+    and every batch against it as it is read (shards changed after their index was written)."""
+    top = ds.largest_token()
+    if top is not None and top >= vocab:
+        raise DataError(
+            f"the token shards at {ds.root} hold token id {top}, beyond model.vocab_size = {vocab} (the embedding "
+            f"has no row for it); set model.vocab_size to at least {top + 1}, or prepare the data again with the "
+            "model's tokenizer"
+        )
+    ds.train.vocab = ds.val.vocab = vocab
 
 
 def check_separator(plan: RunPlan, data: TokenDataset) -> None:

@@ -44,6 +44,7 @@ from meshforge.data.shards import JOURNAL, ShardSet, load_journal, save_journal,
 from meshforge.data.sources import Source, discover
 from meshforge.data.tokenizer import Tokenizer
 from meshforge.errors import DataError
+from meshforge.safeio.links import make_dir
 
 try:
     import fcntl
@@ -102,8 +103,8 @@ def _claimed(out: Path) -> Iterator[Path | None]:
     None when one of them completed ``out`` meanwhile."""
     partial = _partial(out)
     while True:
-        partial.mkdir(parents=True, exist_ok=True)
-        fd = os.open(partial / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        make_dir(partial, "remove it (a preparation writes its partial directory itself)")
+        fd = os.open(partial / ".lock", os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -219,7 +220,7 @@ def _run(
     return {
         **{"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "tokenizer": tokenizer.name},
         **{"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "documents": docs, "tokens": sink.position},
-        **{"val_block": sink.block, "val_every": every, "splits": sink.state()["splits"]},
+        **{"val_block": sink.block, "val_every": every, "splits": sink.state()["splits"], "max_token_id": sink.top},
     }
 
 

@@ -21,6 +21,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from meshforge.errors import MeshforgeError
+from meshforge.safeio.parse import read_json
+
 JOURNAL = "progress.json"
 VAL_BLOCK = 16384
 MIN_VAL_BLOCK = 1024
@@ -94,6 +97,10 @@ class ShardSet:
         self.position = int(state["position"])
         self.held: list[tuple[np.ndarray, np.ndarray]] = []
         self.splits = {s: SplitWriter(root, s, dtype, state["splits"].get(s, [])) for s in ("train", "val")}
+        self.top = state.get("max_token_id")  # the largest token id written (index.json records it)
+        if self.top is None:  # (a journal from before it was kept: the listed shards say)
+            listed = [root / sh["file"] for w in self.splits.values() for sh in w.shards]
+            self.top = max((int(np.fromfile(f, dtype=dtype).max(initial=0)) for f in listed), default=0)
 
     def _split_of(self, block: int) -> SplitWriter:
         val = self.every and block % self.every == self.every - 1
@@ -101,6 +108,8 @@ class ShardSet:
 
     def write(self, tokens: np.ndarray, starts: np.ndarray) -> None:
         """Append ``tokens``; ``starts`` (ascending) index documents' first tokens in them."""
+        if len(tokens):
+            self.top = max(self.top, int(tokens.max()))
         if self.block is not None:
             return self._route(tokens, starts)
         self.held.append((tokens, starts))
@@ -140,7 +149,7 @@ class ShardSet:
 
     def state(self) -> dict[str, Any]:
         splits = {k: list(w.shards) for k, w in self.splits.items()}
-        return {"position": self.position, "block": self.block, "splits": splits}
+        return {"position": self.position, "block": self.block, "splits": splits, "max_token_id": self.top}
 
 
 def save_journal(root: Path, record: dict[str, Any]) -> None:
@@ -158,14 +167,14 @@ def load_journal(root: Path, fingerprint: str, itemsize: int) -> dict[str, Any] 
     shards checked on disk and everything unlisted removed; None (and an empty directory but
     for ``keep``) when there is nothing to resume."""
     try:
-        record = json.loads((root / JOURNAL).read_text())
+        record = read_json(root / JOURNAL, MeshforgeError)
         ok = record.get("fingerprint") == fingerprint and all(
             (root / s["file"]).stat().st_size == s["tokens"] * itemsize
             and (root / s["docs"]).stat().st_size == s["doc_starts"] * 8
             for shards in record["state"]["splits"].values()
             for s in shards
         )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (MeshforgeError, OSError, ValueError, KeyError, TypeError, AttributeError):
         record, ok = None, False
     splits = record["state"]["splits"].values() if ok else []
     listed = {s[k] for shards in splits for s in shards for k in ("file", "docs")}

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import glob
 import io
-import json
 import os
+import stat
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Protocol
 
+from meshforge.data.zstd_frames import ZstdFrames
 from meshforge.errors import DataError
+from meshforge.safeio.files import cannot_read, not_regular, open_regular
+from meshforge.safeio.parse import loads_json, read_json
 
 # plain-text suffixes a directory walk takes (and `train`'s not-text check samples)
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".jsonl", ".text", ".tex", ".c", ".h", ".html"}
@@ -27,6 +30,7 @@ JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 COLUMNAR = {".parquet": "parquet", ".arrow": "arrow"}
 CHUNK_CHARS = 1 << 17  # how much of a text file is read at a time
+_FIX = "point --input (data.path) at text, JSONL, Parquet or Arrow files"
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,14 @@ class Source:
     mtime_ns: int = 0
 
     def stat(self) -> Source:
-        st = os.stat(self.path)
+        """This source with its size and time, once it is known to be a regular file (a FIFO or
+        device, even behind a link, is refused by name: reading it would wait or never end)."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise DataError(cannot_read(self.path, e, _FIX)) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(not_regular(self.path, st.st_mode, _FIX))
         return replace(self, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
@@ -94,8 +105,13 @@ def _files_under(d: str, parts: tuple[str, ...] = ()) -> list[tuple[tuple[str, .
         for e in entries:
             if e.is_dir(follow_symlinks=False):
                 out += _files_under(e.path, (*parts, e.name))
-            elif e.is_file():
-                out.append(((*parts, e.name), e.path, e.stat()))
+                continue
+            try:
+                st = e.stat()  # (links followed: a link to a file is that file)
+            except OSError:  # a link that leads nowhere, or back to itself: not a file, as a FIFO is not
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append(((*parts, e.name), e.path, st))
     return out
 
 
@@ -131,8 +147,8 @@ def _hf_dataset_files(d: Path) -> list[Source] | None:
     if not state.is_file() or not (d / "dataset_info.json").is_file():
         return None
     try:
-        files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        files = [f["filename"] for f in read_json(state, DataError, "save the dataset again")["_data_files"]]
+    except (KeyError, TypeError) as e:
         raise DataError(f"{state} is not a readable Hugging Face dataset state ({e}); save the dataset again") from None
     if not files or not all(isinstance(f, str) and f and Path(f).name == f and (d / f).is_file() for f in files):
         raise DataError(f"{state} lists no data files, or files missing from {d}; save the dataset again")
@@ -160,7 +176,7 @@ def _decompressed(src: Source, raw: IO[bytes]) -> IO[bytes]:
                 f"{src.path} is zstd-compressed and reading it needs the zstandard package: "
                 "pip install 'meshforge[zstd]' (or decompress the file)"
             ) from None
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return io.BufferedReader(ZstdFrames(raw, zstandard.ZstdDecompressor()))  # (a cut-off frame: an error)
     return raw
 
 
@@ -188,7 +204,7 @@ class _Stream:
         return self._raw.tell() if self._raw is not None and not self._raw.closed else self._done
 
     def _lines_or_chunks(self, chunked: bool) -> Iterator[str]:
-        with self.src.path.open("rb") as raw:
+        with open_regular(self.src.path, DataError, _FIX) as raw:  # (a file swapped for a FIFO since: refused)
             self._raw = raw
             text = io.TextIOWrapper(_decompressed(self.src, raw), encoding="utf-8", errors="replace", newline=None)
             try:
@@ -227,10 +243,7 @@ class JsonlReader(_Stream):
 
     def _text(self, line: str, lineno: int) -> str:
         where = f"{self.src.path}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where} is not valid JSON ({e.msg}); fix or remove that line") from None
+        rec = loads_json(line, where, DataError, "fix or remove that line")
         if not isinstance(rec, dict) or not isinstance(rec.get(self.field), str):
             raise DataError(
                 f'{where} has no string field "{self.field}"; each JSONL line needs one (--field names another field)'

@@ -10,6 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer as _Tok
 
 from meshforge.errors import DataError
+from meshforge.safeio.files import MAX_TOKENIZER_BYTES, read_regular
 
 
 class Tokenizer(Protocol):
@@ -60,12 +61,14 @@ class HFTokenizer:
                 f"data.tokenizer = '{path}' is neither 'byte' nor an existing tokenizer.json; "
                 "point it at a Hugging Face tokenizer.json file (or its directory)"
             )
+        raw = read_regular(p, MAX_TOKENIZER_BYTES, DataError, "point data.tokenizer at a tokenizer.json file")
         try:
-            self._tok = _Tok.from_file(str(p))
+            self._tok = _Tok.from_str(raw.decode("utf-8"))  # (its JSON parser stops at 128 levels deep itself)
         except Exception as e:  # the library raises a bare Exception on malformed files
-            raise DataError(f"could not read tokenizer file {p}: {e}") from None
+            raise DataError(f"could not read tokenizer file {p}: {str(e)[:300]}") from None
         self.path = p
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        _check_ids(self._tok, self.vocab_size, p)
         eos = next((t for t in _EOS_CANDIDATES if self._tok.token_to_id(t) is not None), None)
         if eos is None:
             raise DataError(
@@ -73,7 +76,7 @@ class HFTokenizer:
                 "meshforge needs one to separate documents"
             )
         self.eos_id = self._tok.token_to_id(eos)
-        self.name = "hf:" + hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        self.name = "hf:" + hashlib.sha256(raw).hexdigest()[:16]
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -86,6 +89,18 @@ class HFTokenizer:
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def _check_ids(tok: _Tok, size: int, p: Path) -> None:
+    """Every id the tokenizer can give must lie below its vocabulary size: the shards' dtype and the
+    model's embedding are sized by it (an id of 2**31 - 1 in a 97-token vocabulary overflowed)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    token, top = max(vocab.items(), key=lambda kv: kv[1], default=("", 0))
+    if top >= size or top >= 2**32:
+        raise DataError(
+            f"tokenizer {p} gives id {top:,} to {token[:40]!r} but holds {size:,} tokens: its ids must lie below "
+            "its vocabulary size (the model's embedding has a row per id); renumber its tokens or use another tokenizer"
+        )
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

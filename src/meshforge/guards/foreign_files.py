@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from meshforge.safeio.links import check_entry, refuse_links
+
 RUN_FILES = frozenset(
     {
         *("config.toml", "metrics.jsonl", "events.jsonl", "summary.json", "report.html"),
@@ -45,6 +47,20 @@ def foreign_entries(run_dir: Path) -> list[str]:
         elif not ((name in RUN_FILES and entry.is_file() and not entry.is_symlink()) or _LEFTOVER.match(name)):
             out.append(name + ("/" if entry.is_dir() else ""))
     return sorted(out)
+
+
+def refuse_links_in_run(run_dir: Path) -> None:
+    """Refuse (LinkRefused, exit 2, naming it) a symbolic link, FIFO, device or socket at any name
+    meshforge writes or removes in ``run_dir`` or below its folders (``checkpoints/.tmp-step-4 ->
+    /elsewhere`` would have the next save write there; ``config.toml -> ~/notes`` would be
+    overwritten): before anything is written. wandb/ is wandb's own (its runs hold links)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    names = (RUN_FILES - {"run.lock"}) | RUN_DIRS | {e.name for e in run_dir.iterdir() if _LEFTOVER.match(e.name)}
+    fix = "remove it (or move it away) and run again, or choose another run.dir"
+    refuse_links(run_dir, names - {"wandb"}, fix)
+    check_entry(run_dir / "wandb", fix)  # (run.lock: guards/run_lock.py refuses a link there itself)
 
 
 def _is_runs_config(path: Path) -> bool:

@@ -43,7 +43,12 @@ def check_file_out(out: Path, flag: str, replaceable: Callable[[Path], bool] | N
         raise MeshforgeError(
             f"{flag} {out} is one of the run {run}'s own files; meshforge never writes over them: give another file"
         )
-    if (out.exists() or out.is_symlink()) and not (replaceable and out.is_file() and replaceable(out)):
+    if out.is_symlink():
+        raise MeshforgeError(
+            f"{flag} {out} is a symbolic link (to {os.readlink(out)}); meshforge never writes through a link it did "
+            "not make: give the file's own path, or a new file name"
+        )
+    if out.exists() and not (replaceable and out.is_file() and replaceable(out)):
         why = (
             f"is not {what}, the only file it replaces"
             if replaceable

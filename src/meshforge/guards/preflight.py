@@ -19,18 +19,19 @@ from pathlib import Path
 
 from meshforge.checkpoint import store
 from meshforge.checkpoint.resume_point import find_resume_point
-from meshforge.checkpoint.weights import pretrained_shape, shape_mismatch
+from meshforge.checkpoint.weights import check_pretrained_files, pretrained_shape, shape_mismatch
 from meshforge.config import Config
 from meshforge.config.run_plan import RunPlan
 from meshforge.data.corpus import open_data
 from meshforge.errors import ConfigError
 from meshforge.guards.disk import check_disk, check_name_length
-from meshforge.guards.foreign_files import foreign_entries, is_meshforge_run
+from meshforge.guards.foreign_files import foreign_entries, is_meshforge_run, refuse_links_in_run
 from meshforge.guards.memory_fit import check_fit
 from meshforge.guards.run_lock import refuse_if_held
 from meshforge.health.text_check import refuse_binary
 from meshforge.launch import env as launch_env
 from meshforge.launch.env import restart_count
+from meshforge.parallel.fault_tolerance.lighthouse import check_reachable
 from meshforge.resolve import resolve
 
 
@@ -59,6 +60,7 @@ def check_run_dir(plan: RunPlan) -> Path:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir = {run_dir} exists and is not a directory; choose another run.dir")
     refuse_if_held(run_dir)  # a look only: the launch takes the lock itself once this verdict is in
+    refuse_links_in_run(run_dir)  # nothing is ever written through a link (or into a FIFO) found there
     foreign = [] if plan.run.overwrite or is_meshforge_run(run_dir) else foreign_entries(run_dir)
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
@@ -67,7 +69,8 @@ def check_run_dir(plan: RunPlan) -> Path:
             "new or empty directory or one of its own runs: choose another run.dir, or pass --run.overwrite=true "
             "to write the run there anyway (your files are left alone, a config.toml is replaced)"
         )
-    if (run_dir / "metrics.jsonl").exists() and not plan.run.overwrite and not resuming(plan):
+    rejoining = plan.fault_tolerance.enabled  # a replica group started again continues in place (it heals)
+    if (run_dir / "metrics.jsonl").exists() and not plan.run.overwrite and not resuming(plan) and not rejoining:
         why = (
             "and no complete checkpoint to resume from (checkpoint.load = latest)"
             if plan.checkpoint.load == "latest"
@@ -99,9 +102,12 @@ def preflight(config: Config, world_size: int, *, ranks_per_node: int | None = N
     the checkpoint it resumes from. ``launcher``: run by ``--nproc N``'s launcher, which leaves
     each GPU's memory to its rank (it opens no CUDA context)."""
     plan = resolve(config, world_size, ranks_per_node=ranks_per_node)
+    if plan.fault_tolerance.enabled:
+        check_reachable(plan.fault_tolerance.lighthouse)
     check_init_from(plan)
     if not plan.run.dir:
         plan = plan.with_run_dir(default_run_dir(plan))
+    check_utf8(plan)
     check_run_dir(plan)
     # A run that cannot fit its device hears that first, before any disk or data check.
     if not (launcher and plan.world.device == "cuda"):
@@ -111,6 +117,23 @@ def preflight(config: Config, world_size: int, *, ranks_per_node: int | None = N
     data = open_data(plan, plan.shape)
     check_extras(plan)
     return plan.with_resume(find_resume_point(plan, resuming(plan), len(data.train)))
+
+
+def check_utf8(plan: RunPlan) -> None:
+    """config.toml is UTF-8 text: a setting holding bytes that are not (a run.dir or data.path named
+    in another encoding) is refused before anything is written, not half-way through writing it."""
+    section = ""
+    for line in plan.to_toml().splitlines():
+        if line.startswith("["):
+            section = line.strip("[]") + "."
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            key, _, value = line.partition(" = ")
+            raise ConfigError(
+                f"{section}{key} = {ascii(value)} holds bytes that are not UTF-8, which config.toml (UTF-8 text) "
+                "cannot record; rename the directory or file to a UTF-8 name, or choose another"
+            ) from None
 
 
 def check_init_from(plan: RunPlan) -> None:
@@ -124,6 +147,7 @@ def check_init_from(plan: RunPlan) -> None:
     diff = shape_mismatch(pretrained_shape(path), plan.shape)
     if diff:
         raise ConfigError(f"model.init_from = {path} has another shape than [model]: " + "; ".join(diff))
+    check_pretrained_files(path, plan.shape)
 
 
 def check_extras(plan: RunPlan) -> None:

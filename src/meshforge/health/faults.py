@@ -10,7 +10,9 @@
 - ``hang:rank=R:step=S`` makes rank R stop before step S's work and never come back;
 - ``slow:rank=R:factor=F`` makes rank R's forward passes F times as slow (every step);
 - ``pace:ms=M`` makes every rank sleep M ms after each step, on every attempt (a test whose
-  run must outlast what it does to the run: hosts killed and started again).
+  run must outlast what it does to the run: hosts killed and started again);
+- ``bitflip:rank=R:step=S`` flips one bit of one weight on rank R right after step S (silent data
+  corruption: the first element of the first parameter shard it holds, a low mantissa bit).
 
 Faults other than pace fire only on the first attempt (``launch_env.restart_count()`` = 0), so a restarted
 group runs clean, and nan / spike only once (a step redone after a rollback runs clean).
@@ -27,20 +29,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshforge.errors import ConfigError
 from meshforge.health.fault_hooks import RunHooks
+from meshforge.health.sdc import INT_VIEW, local
 from meshforge.launch import env as launch_env
 
 # kind -> the fields it takes, in order
 KINDS = {"kill": ("rank", "step|save"), "nan": ("rank", "step"), "spike": ("step",), "hang": ("rank", "step")}
 KINDS["slow"] = ("rank", "factor")
 KINDS["pace"] = ("ms",)
+KINDS["bitflip"] = ("rank", "step")
 SPIKE_FACTOR = 20.0
 USAGE = (
     "expected one of kill:rank=R:step=S, kill:rank=R:save=S, nan:rank=R:step=S, spike:step=S, "
-    "hang:rank=R:step=S, slow:rank=R:factor=F, pace:ms=M"
+    "hang:rank=R:step=S, slow:rank=R:factor=F, pace:ms=M, bitflip:rank=R:step=S"
 )
 
 
@@ -89,6 +94,8 @@ def attach(hooks: RunHooks, rank: int, forward_modules: list[nn.Module]) -> None
             hooks.before_step.append(_at(at, _hang))
         elif kind == "nan" and forward_modules:
             hooks.before_step.append(_at(at, functools.partial(_poison, forward_modules[-1]), once="nan"))
+        elif kind == "bitflip" and forward_modules:
+            hooks.after_step.append(_at(at, functools.partial(flip_bit, forward_modules[0]), once="bitflip"))
         elif kind == "spike":
             hooks.loss.append(functools.partial(_spike, at))
         elif kind == "slow":
@@ -99,7 +106,7 @@ def attach(hooks: RunHooks, rank: int, forward_modules: list[nn.Module]) -> None
 def _mine(rank: int) -> dict[str, dict[str, float]]:
     """The active faults (first attempt) that concern ``rank`` (spike concerns every rank)."""
     out = {}
-    for kind in ("kill", "hang", "nan", "spike", "slow"):
+    for kind in ("kill", "hang", "nan", "spike", "slow", "bitflip"):
         f = active(kind)
         if f is not None and f.get("rank", rank) == rank:
             out[kind] = f
@@ -139,6 +146,22 @@ def _poison(module: nn.Module) -> None:
         return (out[0] * float("nan"), *out[1:]) if isinstance(out, tuple) else out * float("nan")
 
     handle = module.register_forward_hook(poison)
+
+
+FLIPPED_BIT = {1: 1, 2: 4, 4: 13, 8: 42}  # element size -> a low mantissa bit (bf16/fp16, fp32, fp64)
+
+
+@torch.no_grad()
+def flip_bit(module: nn.Module) -> str | None:
+    """Flip one low mantissa bit of the first element of ``module``'s first parameter shard this
+    rank holds; returns the parameter's name (None: it holds none)."""
+    for name, p in module.named_parameters():
+        shard = local(p)
+        if shard.numel():
+            bits = shard.view(-1)[:1].view(INT_VIEW[shard.element_size()])
+            bits ^= 1 << FLIPPED_BIT[shard.element_size()]
+            return name
+    return None
 
 
 def _slow_down(module: nn.Module, factor: float) -> None:

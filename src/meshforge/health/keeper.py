@@ -18,10 +18,12 @@ from meshforge.config.run_plan import RunPlan
 from meshforge.errors import MeshforgeError
 from meshforge.health.fault_hooks import RunHooks
 from meshforge.health.guard import StepGuard
+from meshforge.health.sdc import Across, SdcCheck
 from meshforge.health.straggler import StragglerCheck
 from meshforge.health.text_check import not_text_files
 from meshforge.health.watchdog import HangWatchdog
 from meshforge.launch import env as launch_env
+from meshforge.parallel.data.apply import replica_group
 from meshforge.parallel.mesh import Mesh
 
 OVERSUBSCRIBED = (
@@ -45,6 +47,11 @@ def describe(v: dict[str, Any]) -> str:
             what += f" (first in {v['param']} on rank {v['param_rank']})"
     elif v["event"] == "loss_spike":
         what = f"loss spike at step {v['step']}: {v['loss']:.4g} is {v['score']} deviations above {v['median']:.4g}"
+    elif v["event"] == "sdc":
+        who = f"rank(s) {v['ranks']}" + (f" on {', '.join(v['hosts'])}" if v["hosts"] else "")
+        who += f", replica group(s) {v['replicas']}" if v.get("replicas") else ""
+        what = f"silent data corruption at step {v['step']}: {', '.join(v['params'][:3])} differ(s) between replicas"
+        what += f"; off the majority: {who}" if v["decided"] else f"; no majority, one of {who}"
     elif v["event"] == "straggler":
         what = f"straggler: rank {v['rank']} on {v['host']} computes {v['ratio']}x slower than the median rank"
     else:
@@ -70,11 +77,13 @@ class HealthKeeper:
         say: Callable[[str], None],
         hooks: RunHooks,
         samples: Callable[[int], list[int]],
+        across: Across | None = None,
     ):
         """``runner``: the step runner (its guard slot and loss reduction); ``model``: this rank's
         parameters (the non-finite diagnosis names one); ``called``: the modules
         a forward calls (under pp the stages' parts); ``event``, ``say``: the run log's;
-        ``samples(lag)``: the sample indices of the batch ``lag`` steps before the last one."""
+        ``samples(lag)``: the sample indices of the batch ``lag`` steps before the last one;
+        ``across``: the other replica groups' parameter fingerprints (fault tolerance)."""
         self.mesh, self.runner, self.called, self.samples = mesh, runner, called, samples
         self.event, self.say = event, say
         self.run_dir, h = Path(plan.run.dir), plan.health
@@ -89,6 +98,10 @@ class HealthKeeper:
             self.event("warning", key="health.straggler_factor", message=OVERSUBSCRIBED.format(launch_env.cpu_cores()))
         elif mesh.distributed and h.straggler_factor > 0:
             self.stragglers = StragglerCheck(h.straggler_factor, mesh.rank, mesh.world_size, mesh.device)
+        group = replica_group(mesh, plan.layout, plan.fsdp)
+        self.sdc = SdcCheck(model, h.sdc_interval, group, mesh.distributed, mesh.rank, across, h.on_sdc == "log")
+        self.on_sdc = h.on_sdc
+        self.redo = False  # the rollback asked for redoes the steps since (sdc), rather than skipping their batches
         self.logged, self.compute_s, self._t0 = False, 0.0, 0.0
         self.first_logged = 1 if plan.metrics.log_interval == 1 else 2  # step 1 is warm-up unless it is all
         self.hooks: list[Any] = []
@@ -151,6 +164,10 @@ class HealthKeeper:
         for v in late:  # logged spikes of earlier steps, judged now: their batches are further back
             self.report(self._with_samples(v))
         v, self.guard.verdict = self.guard.verdict, None
+        sdc = self.sdc.check(n) if self.sdc.due(n) else None
+        self.redo = v is None and sdc is not None
+        if v is None and sdc is not None:
+            v = {**sdc, "action": self.on_sdc}
         if v is None:
             return False
         self.report(self._with_samples(v) if v["event"] == "loss_spike" else v)

@@ -77,13 +77,8 @@ def launch_local(nproc: int, child_argv: list[str], max_restarts: int = 0, plan:
         with stop:
             run(args)
     except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        code = exit_code_of(e, stop.requested)
-        print(
-            f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above",
-            file=sys.stderr,
-        )
-        return code
+        print(failure_line(e, stop.requested), file=sys.stderr)
+        return exit_code_of(e, stop.requested)
     finally:
         os.environ.pop(LAUNCHER_ENV, None)
         os.environ.pop(PLAN_ENV, None)
@@ -136,6 +131,26 @@ def child_pids() -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # after the command name (which may hold spaces)
             out.append(int(entry.name))
     return out
+
+
+def failure_line(e: ChildFailedError, stop_requested: int = 0) -> str:
+    """The launcher's one line on failed ranks. Ranks a stop ended by its signal (a negative exit
+    code) had not yet installed their own handler -- they were starting -- and printed nothing."""
+    codes = sorted({f.exitcode for f in e.failures.values()})
+    if stop_requested and all(c < 0 for c in codes):
+        names = ", ".join(_signal_name(-c) for c in codes)
+        return (
+            f"meshforge: stopped ({names}) while its {len(e.failures)} rank(s) were starting, before they could "
+            "stop cleanly; nothing was trained (a new run directory that held nothing but config.toml is removed)"
+        )
+    return f"meshforge: {len(e.failures)} rank(s) failed (exit codes {codes}); see their output above"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def exit_code_of(e: ChildFailedError, stop_requested: int = 0) -> int:

@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshforge.errors import MeshforgeError
 from meshforge.metrics.pace import Pace
 from meshforge.metrics.tb_tags import grouped, health_scalar
+from meshforge.safeio.files import MAX_JSONL_BYTES, read_regular
+from meshforge.safeio.links import open_append, write_new
+from meshforge.safeio.parse import loads_json
 
 
 def _fmt_duration(s: float) -> str:
@@ -70,7 +74,7 @@ class TensorBoardWriter:
 
 class JsonlWriter:
     def __init__(self, path: Path):
-        self._f = path.open("a")
+        self._f = open_append(path)  # never through a link put in its place
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record, allow_nan=True) + "\n")
@@ -166,15 +170,15 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     if not path.exists():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in read_regular(path, MAX_JSONL_BYTES).decode("utf-8", errors="replace").splitlines():
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
+            rec = loads_json(line, str(path))
+        except MeshforgeError:  # a line cut short by the crash (or not a record at all)
             dropped += 1
             continue
-        if rec.get("step", 0) <= step:
+        if isinstance(rec, dict) and isinstance(rec.get("step", 0), (int, float)) and rec.get("step", 0) <= step:
             kept.append(line)
         else:
             dropped += 1
-    path.write_text("".join(x + "\n" for x in kept))
+    write_new(path, "".join(x + "\n" for x in kept))
     return dropped

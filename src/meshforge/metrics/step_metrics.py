@@ -100,6 +100,8 @@ class StepMetrics:
             self.spans.append(extra["attention_span"])
             rec["attention_span"] = extra["attention_span"]
             rec["mfu_causal"] = utilization(self.flops_per_token, per_device, self.peak)
+        if result.replicas is not None:  # fault tolerance: the live replica groups
+            rec["replicas"] = result.replicas
         if result.state_mem_host is not None:  # CPU offload: where the state lives
             host = result.state_mem_host
             rec["state_mem_host_bytes"] = dict(host)

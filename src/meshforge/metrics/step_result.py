@@ -20,4 +20,6 @@ class StepResult:
     state_mem: dict[str, int] | None = None  # measured: bytes of params, grads, optimizer state, gathered params
     state_mem_host: dict[str, int] | None = None  # measured, under CPU offload: the part of state_mem in host memory
     skipped: bool = False  # the health guard refused the update (its loss stays out of the summary's)
+    committed: bool = True  # fault tolerance: False when the replica groups did not commit the step (taken again)
+    replicas: int | None = None  # fault tolerance: the live replica groups in this step
     attention_span: float | None = None  # packed documents masked: keys per query as a full-square count (else seq)

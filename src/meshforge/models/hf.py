@@ -30,6 +30,9 @@ from meshforge.models.hf_moe import (
 )
 from meshforge.models.llama import ModelShape, Transformer, build_model
 from meshforge.models.presets import check_model_shape
+from meshforge.safeio.files import regular_size
+from meshforge.safeio.parse import read_json
+from meshforge.safeio.schema import Any_, Bool, Int, ListOf, MapOf, Null, Num, Obj, OneOf, Str, check
 
 _LAYER_MAP = {
     "attention.wq": "self_attn.q_proj",
@@ -55,6 +58,27 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 
 class HFCheckpointError(MeshforgeError):
     pass
+
+
+_COUNT, _OR_NULL = Int(0, 2**40), Null()
+_REAL = Num(-1e300, 1e300)
+HF_CONFIG = Obj(  # the fields of a config.json meshforge reads: their types (what is missing is named later)
+    {
+        **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), _COUNT),
+        **dict.fromkeys(("vocab_size", "max_position_embeddings"), _COUNT),
+        **dict.fromkeys(("num_key_value_heads", "head_dim"), OneOf((_COUNT, _OR_NULL), "a whole number or null")),
+        **dict.fromkeys(("rms_norm_eps", "rope_theta", "initializer_range"), _REAL),
+        "tie_word_embeddings": Bool(),
+        "model_type": Str(most=200),
+        "architectures": OneOf((ListOf(Str(most=200), 64), _OR_NULL), "a list of names"),
+        "rope_scaling": OneOf((MapOf(Str(most=200), Any_(), 64), _OR_NULL), "an object or null"),
+    },
+    optional=frozenset(
+        {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"}
+        | {"max_position_embeddings", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"}
+        | {"initializer_range", "tie_word_embeddings", "model_type", "architectures", "rope_scaling"}
+    ),
+)
 
 
 def to_hf_name(name: str) -> str:
@@ -182,20 +206,21 @@ def hf_config_from_args(a: ModelShape, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the Hugging Face model at ``path`` (its index's, or model.safetensors)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, HFCheckpointError, "the index is damaged")["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise HFCheckpointError(f"{index} is not a valid safetensors index ({e})") from None
         bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
         if bad:
             raise HFCheckpointError(f"{index} names {bad[0]!r}, not a file beside it; the index is damaged or crafted")
         return [path / f for f in names]
     single = path / "model.safetensors"
-    if single.is_file():
+    if single.exists() or single.is_symlink():  # (a FIFO or device there: check_weights_hold names it)
         return [single]
     raise HFCheckpointError(
         f"{path} has neither model.safetensors nor model.safetensors.index.json; meshforge reads "
@@ -206,7 +231,8 @@ def _weight_files(path: Path) -> list[Path]:
 def check_weights_hold(shape: ModelShape, files: list[Path], described_by: Path) -> None:
     """Refuse a description (config.json, meshforge.json) of a model larger than its weight files
     could hold at one byte per parameter, before memory is taken for what it claims."""
-    have = sum(f.stat().st_size for f in files if f.is_file())
+    fix = "give a directory of regular weight files"  # (a FIFO or device, even behind a link, is refused)
+    have = sum(regular_size(f, HFCheckpointError, fix) for f in files)
     need = shape.num_params()
     if need > have:
         raise HFCheckpointError(
@@ -220,12 +246,10 @@ def read_hf_config(path: str | Path) -> dict:
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise HFCheckpointError(f"{p} is not a Hugging Face model directory (no config.json)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    cfg = read_json(cfg_file, HFCheckpointError, "fix or replace it (a Hugging Face config.json)")
     if not isinstance(cfg, dict):
         raise HFCheckpointError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not a model config object")
+    check(cfg, HF_CONFIG, str(cfg_file), HFCheckpointError, "the file is damaged or not a Llama-family config")
     return cfg
 
 
@@ -235,7 +259,7 @@ def load_hf_checkpoint(
     """A meshforge model with the weights of the Hugging Face Llama checkpoint at ``path``."""
     p = Path(path)
     shape = shape_from_hf_config(read_hf_config(p), str(p / "config.json"))
-    files = _weight_files(p)
+    files = weight_files(p)
     check_weights_hold(shape, files, p / "config.json")
     model = build_model(shape, device=device, seed=None).to(dtype)
     expected = dict(model.state_dict())

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from meshforge.errors import ConfigError, suggest
 from meshforge.metrics.mfu import PEAK_TFLOPS
 from meshforge.models.shape import LOSS_CHUNK_SIZE
+from meshforge.safeio.parse import read_json
 
 GIB = 2**30
 
@@ -298,10 +298,13 @@ def get_hardware(name: str | None, path: str | None = None, ranks: int = 1) -> H
     if name == THIS_CPU and not path:
         return this_cpu(ranks)
     if path:
+        fix = "pass a hardware profile written by meshforge calibrate"
+        data = read_json(path, ConfigError, fix)
         try:
-            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise TypeError(f"it holds a JSON {type(data).__name__}")
             return Hardware(**{**data, "source": str(path)})
-        except (OSError, json.JSONDecodeError, TypeError) as e:
+        except (TypeError, ValueError) as e:
             raise ConfigError(
                 f"--hardware {path}: not a hardware profile written by meshforge calibrate ({e})"
             ) from None

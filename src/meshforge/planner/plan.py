@@ -11,13 +11,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from meshforge.config import load_config
 from meshforge.config.layout import Layout, open_layout
+from meshforge.config.load import MAX_CONFIG_BYTES
 from meshforge.errors import ConfigError
 from meshforge.models.shape import ModelShape
 from meshforge.planner import diloco_costs, output
@@ -25,6 +21,8 @@ from meshforge.planner.hardware import ATTENTION_KERNELS, THIS_CPU, Hardware, ge
 from meshforge.planner.model_flags import check_flags, from_preset, named
 from meshforge.planner.plan_args import FIXED_KEYS, MOE_KEYS, SHAPE_FLAGS, add_arguments, attr, dest
 from meshforge.planner.search import Ranked, search
+from meshforge.safeio.files import read_regular
+from meshforge.safeio.parse import loads_toml
 
 
 def _with_moe_flags(shape: ModelShape, args: argparse.Namespace) -> tuple[ModelShape, bool]:
@@ -119,8 +117,13 @@ def _from_flags(args: argparse.Namespace) -> ModelShape:
 
 
 def _raw_toml(path: str) -> dict:
-    with open(path, "rb") as f:
-        return tomllib.load(f)
+    """The TOML at ``path`` read as every config is (safeio: a regular file, bounded, depth-limited)."""
+    raw = read_regular(path, MAX_CONFIG_BYTES, ConfigError, "pass a TOML config")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path} is not a UTF-8 TOML file; pass a text TOML config") from None
+    return loads_toml(text, f"--config {path}", ConfigError, "pass a TOML config such as a run's config.toml")
 
 
 @dataclass

@@ -5,7 +5,6 @@ browser, from file:// too."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -19,6 +18,9 @@ from meshforge.planner.plan import parse_plan_args, plan_from_args
 from meshforge.report.breakdown import breakdown_html, event_row, predicted_html
 from meshforge.report.charts import CHARTS, COLORS, Series, page_script, panels, spec, vendored
 from meshforge.report.timeline import pipeline_timeline
+from meshforge.safeio.files import MAX_JSONL_BYTES, read_regular
+from meshforge.safeio.links import remove
+from meshforge.safeio.parse import loads_json, read_json
 
 
 @dataclass
@@ -40,10 +42,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_regular(path, MAX_JSONL_BYTES).decode("utf-8", errors="replace").splitlines():
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            rec = loads_json(line, str(path))  # (nested past MAX_DEPTH: skipped as a torn line is)
+        except MeshforgeError:
             continue
         if isinstance(rec, dict):
             out.append(rec)
@@ -52,8 +54,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_json(path) if path.is_file() else None
+    except MeshforgeError:
         return None
 
 
@@ -97,9 +99,11 @@ def config_text(path: Path) -> str:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             return f"(config.toml not shown: {size:,} bytes, more than a config holds)"
-        text = path.read_bytes().decode("utf-8")
+        text = read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
     except OSError as e:
         return f"(config.toml not shown: {e.strerror or e})"
+    except MeshforgeError:  # a FIFO or device put there, or grown past the cap since
+        return "(config.toml not shown: it is not a regular file of a config's size)"
     except UnicodeDecodeError:
         return "(config.toml not shown: it is not UTF-8 text; the file is damaged or not a config)"
     if any(ord(c) < 32 and c not in "\t\n\r" or ord(c) == 127 for c in text):
@@ -373,6 +377,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     html = build_html(runs)
     part = path.with_name(f".{path.name}.part")  # never a half-written (or 0-byte) report: write, then rename
     try:
+        remove(part)  # a stale one goes; a link put at the temporary name is refused, never written through
         part.write_text(html)
         part.replace(path)
     except BaseException:

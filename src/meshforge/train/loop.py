@@ -43,6 +43,7 @@ from meshforge.metrics.instruments import StepInstruments
 from meshforge.metrics.logged_steps import is_logged
 from meshforge.metrics.step_result import StepResult
 from meshforge.parallel.diloco.outer import build_diloco
+from meshforge.parallel.fault_tolerance.replicas import LighthouseLost, build_replicas
 from meshforge.parallel.mesh import Mesh, build_mesh, shutdown
 from meshforge.parallel.parallelize import build_loss, build_rank_model, forward_context
 from meshforge.train.evaluate import Evaluator
@@ -161,8 +162,10 @@ class Trainer:
             hooks=self.hooks,
         )
         self._resume(resume)
+        self.replicas = build_replicas(plan, mesh, self.model, self.optimizer, self.state, len(self.data.train))
         self.scheduler = build_scheduler(self.optimizer, plan, self.state.step)
         self.runner = self._runner(built.train_model)
+        self.runner.replicas = self.replicas
         self._watch()
 
     def _watch(self) -> None:
@@ -193,6 +196,7 @@ class Trainer:
             say=log.say,
             hooks=self.hooks,
             samples=self._samples_before,
+            across=self.replicas.fingerprints if self.replicas else None,
         )
         self.instruments = StepInstruments(
             plan,
@@ -232,7 +236,9 @@ class Trainer:
     def step_once(self, measure: bool = True) -> StepResult:
         """Fetch this rank's slice of the next global batch and take one step. ``measure``:
         also take what a logged step reports (the same on every rank: it adds collectives)."""
-        idx = self.state.sampler.next_batch(self.mesh.data_rank, self.plan.layout.data_ranks)
+        lay = self.plan.layout  # a replica group reads its own slice (fault tolerance)
+        rank = self.mesh.data_rank + (self.replicas.replica_id * lay.islands * lay.dp if self.replicas else 0)
+        idx = self.state.sampler.next_batch(rank, lay.data_ranks)
         host = self.data.train.get(idx)
         documents = self.runner.packing.documents(host)  # read from the host tokens: no device sync
         batch = host.to(self.mesh.device, non_blocking=True)
@@ -243,6 +249,9 @@ class Trainer:
             result = self.runner.run(batch, measure, documents)
             if self.diloco:  # the outer sync (counted on the "island" axis)
                 self.diloco.after_step(self.state.step + 1)
+        if not result.committed:  # the replica groups take this step again, on the same batch
+            self.state.sampler.consumed -= self.state.sampler.batch
+            return result
         self.measures.add_span(result.attention_span)
         extra = self.measures.take() if measure else None
         self.state.advance()
@@ -273,6 +282,8 @@ class Trainer:
         self.log.announce(self.model, self.data)
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
+            if self.replicas and self._join_quorum():
+                continue
             n = st.step + 1
             logged = is_logged(n, self.plan.metrics.log_interval, t.steps)
             last = n == t.steps or stop.stop_after(n, logged)
@@ -284,6 +295,8 @@ class Trainer:
                 interrupted = True
                 self.log.event("interrupted", step=n)
                 break
+        if self.replicas:
+            self.replicas.close(self.log.event)
         self.health.close()
         self.instruments.close()
         with self.log.phases("checkpoint"):
@@ -298,10 +311,15 @@ class Trainer:
         t0 = time.perf_counter()
         self.instruments.before_step(n, t0, measured=logged)
         result = self.step_once(measure=self.measures.wanted(n, logged, last))
+        if not result.committed:
+            return False
+        if self.replicas:
+            self.replicas.committed(n, self.log.event)
         self.instruments.after_step(n)
         if self.health.after_step(n):
             self.health.guard.pending = []  # steps about to be undone
-            roll_back(n, self.checkpoints, self.state, self.mesh, event=self.log.event, say=self.log.say)
+            log = {"event": self.log.event, "say": self.log.say}
+            roll_back(n, self.checkpoints, self.state, self.mesh, **log, redo=self.health.redo)
             self.reposition_schedule()
             return False
         self.hooks.run_after(self.state.step)
@@ -311,8 +329,22 @@ class Trainer:
             self.log.step(n, result, self.state.tokens_seen, dt, extra)
         with self.log.phases("checkpoint"):
             self.checkpoints.checkpointer.poll()
-            self.checkpoints.maybe_save(last, self.log.metrics.recent_step_time())
+            if self.replicas is None or self.replicas.writes_checkpoints():  # one replica group writes them
+                self.checkpoints.maybe_save(last, self.log.metrics.recent_step_time())
         return True
+
+    def _join_quorum(self) -> bool:
+        """The replica groups' quorum for the next step (may heal this group from a live peer); True when
+        healed past the last step. A lost lighthouse: save here to resume from, then stop."""
+        try:
+            if self.replicas.begin(self.log.event):
+                self.reposition_schedule()
+        except LighthouseLost as e:
+            self.log.event("lighthouse_lost", step=self.state.step, message=str(e))
+            self.checkpoints.save()
+            self.checkpoints.checkpointer.wait()
+            raise
+        return self.state.step >= self.plan.train.steps
 
     def reposition_schedule(self) -> None:
         """The LR schedule at the current step (after a rollback loaded an older checkpoint)."""

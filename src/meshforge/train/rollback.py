@@ -1,6 +1,7 @@
 """Going back to the last complete checkpoint after a bad step (``health.on_nonfinite`` or
 ``health.on_spike = "rollback"``): every rank loads it (a collective), then the data order
-moves past the bad step's batch, so the batches in between are skipped (PaLM's recipe)."""
+moves past the bad step's batch, so the batches in between are skipped (PaLM's recipe). After
+silent corruption (``health.on_sdc = "rollback"``) the data was good: the steps since are redone."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def roll_back(
     *,
     event: Callable[..., Any],
     say: Callable[[str], None],
+    redo: bool = False,
 ) -> None:
     """Load the newest complete checkpoint into the model, optimizer and ``state``, keeping the
-    sampler just past the bad batch; ``event``, ``say``: the run log's."""
+    sampler just past the bad batch (``redo``: where the checkpoint left it); ``event``, ``say``: the run log's."""
     checkpoints.checkpointer.wait()
     consumed = state.sampler.consumed  # just past the bad batch
     run_dir = checkpoints.run_dir
@@ -43,6 +45,7 @@ def roll_back(
     meta = store.read_meta(path)
     dropped = trim_metrics(run_dir, meta["step"]) if mesh.is_main else 0
     say(checkpoints.resume(path, meta, dropped))
-    skipped = consumed // state.sampler.batch - meta["sampler"]["consumed"] // state.sampler.batch
-    state.sampler.consumed = consumed
+    skipped = 0 if redo else consumed // state.sampler.batch - meta["sampler"]["consumed"] // state.sampler.batch
+    if not redo:
+        state.sampler.consumed = consumed
     event("rollback", bad_step=bad_step, to_step=state.step, path=str(path), batches_skipped=skipped)

@@ -7,7 +7,7 @@ imports it, and nothing of torch.
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +16,7 @@ from typing import Any
 
 from meshforge.config.run_plan import RunPlan
 from meshforge.launch.env import restart_count
+from meshforge.safeio.links import append_nofollow, remove, write_new
 
 
 def prepare_run_dir(plan: RunPlan) -> Path:
@@ -24,13 +25,33 @@ def prepare_run_dir(plan: RunPlan) -> Path:
     config.toml, the resolved plan."""
     run_dir = Path(plan.run.dir)
     if plan.run.overwrite and restart_count() == 0:
-        for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
-        for name in ("tensorboard", "final", "final-hf", "checkpoints"):
-            shutil.rmtree(run_dir / name, ignore_errors=True)
+        for name in (
+            "metrics.jsonl",
+            "events.jsonl",
+            "summary.json",
+            "tensorboard",
+            "final",
+            "final-hf",
+            "checkpoints",
+        ):
+            remove(run_dir / name)  # (a link there was refused by the pre-flight; here too, never followed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(plan.to_toml())
+    write_new(run_dir / "config.toml", plan.to_toml())  # O_NOFOLLOW: never through a link put there
     return run_dir
+
+
+def forget_unstarted(run_dir: Path) -> bool:
+    """Remove the config.toml of a run directory this launch created when nothing else was written
+    into it (its ranks were stopped or refused before they wrote a line): a run that never started
+    leaves nothing behind. Returns whether it did (the lock's holder then removes the directory)."""
+    try:
+        names = {e.name for e in os.scandir(run_dir)}
+    except OSError:
+        return False
+    if not names <= {"config.toml", "run.lock"}:
+        return False
+    remove(run_dir / "config.toml")
+    return True
 
 
 def event_writer(run_dir: str | Path) -> Callable[..., None]:
@@ -40,8 +61,7 @@ def event_writer(run_dir: str | Path) -> Callable[..., None]:
         rec = {"time": time.time(), "event": event, **fields}
         path = Path(run_dir) / "events.jsonl"
         if path.parent.is_dir():
-            with path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_nofollow(path, json.dumps(rec) + "\n")
         if event == "checkpoint_skipped":  # say it where people look, too
             what = f"skipped checkpoint {fields.get('path')} ({fields.get('reason')}); trying an older one"
             print(f"meshforge: warning: {what}", file=sys.stderr)

@@ -28,6 +28,7 @@ from meshforge.models.flops import num_params
 from meshforge.parallel.compile import compile_plan_event
 from meshforge.parallel.fp8 import fp8_emulated, model_fp8_plan, unmatched_warnings
 from meshforge.parallel.mesh import Mesh
+from meshforge.safeio.links import write_new
 
 
 class RunLog:
@@ -139,7 +140,7 @@ class RunLog:
         summary = m.summary(reduce_loss, interrupted=interrupted, wall_time_s=wall, **fields)
         summary["time_breakdown"] = run_breakdown(wall, sum(m.times), m.breakdown_sum, self.phases.totals)
         if self.mesh.is_main:
-            (Path(self.plan.run.dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_new(Path(self.plan.run.dir) / "summary.json", json.dumps(summary, indent=1))
         return summary
 
     def finish(self, summary: dict[str, Any]) -> None:

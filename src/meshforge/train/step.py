@@ -43,6 +43,7 @@ class StepRunner:
     loss_groups: tuple[dist.ProcessGroup | None, ...] = ()  # groups the loss is summed over before dp
     guard: StepGuard | None = None  # health: asked before each update (health/guard.py)
     stage_group: dist.ProcessGroup | None = None  # pipeline: ranks with disjoint parameters
+    replicas: Any = None  # fault tolerance: averages gradients with the other replica groups, commits or not
 
     def __init__(
         self,
@@ -86,12 +87,19 @@ class StepRunner:
         out = StepResult(loss, torch.zeros(()), lr, measure)
         if documents is not None and self.packing.mask:  # the attention work the mask left (host numbers)
             out.attention_span = documents.span()
-        if measure:
-            out.global_loss = float(self.reduce_loss(loss))
+        global_loss = self.reduce_loss(loss) if measure else None
         if self.match_layouts:
             match_grad_layouts(self.model)
         if self.pre_update is not None:  # DiLoCo's warm-up: gradients averaged over the islands
             self.pre_update()
+        if self.replicas is not None:  # parallel/fault_tolerance: over the live groups, then commit or not
+            out.committed, global_loss = self.replicas.sync(loss if global_loss is None else global_loss)
+            out.replicas = self.replicas.participants
+            if not out.committed:  # nothing applied: the trainer takes this step again
+                self.optimizer.zero_grad(set_to_none=True)
+                return out
+        if measure:
+            out.global_loss = float(global_loss)
         own_clip = getattr(self.optimizer, "clip_grad_norm", None)  # bf16 ZeRO-1 clips its reduced shard
         if own_clip is not None:
             out.grad_norm = own_clip(self.max_norm)

@@ -211,3 +211,14 @@ def fill_param(p: torch.Tensor, values: torch.Tensor) -> None:
         p.to_local().copy_(local)
     else:
         p.copy_(values)
+
+
+def replica_group(mesh: Mesh, lay: Layout, fsdp: bool) -> dist.ProcessGroup | None:
+    """The ranks that hold this rank's parameter shards bit-identical after every step (health/sdc.py
+    compares them): under FSDP2 the HSDP replicate groups (dp_replicate), else every data-parallel
+    (and cp) rank of this island, which all hold whole replicas; None where nothing is replicated."""
+    if not mesh.distributed:
+        return None
+    if fsdp:
+        return mesh.group("dp_replicate") if lay.dp_replicate > 1 else None
+    return mesh.loss_group if lay.dp_cp > 1 else None
