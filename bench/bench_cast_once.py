@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ranks import run_workers
 from small_model import small_model
 
 CASTS = ("aten::_to_copy", "aten::copy_", "aten::_foreach_copy_")
@@ -87,11 +86,11 @@ def worker(args: argparse.Namespace) -> None:
             times[mode].append((time.perf_counter() - t0) / args.block_steps)
     casts = {m: casts_per_step(tr) for m, tr in trainers.items()}
     if trainers["autocast"].mesh.is_main:
-        report(args, times, casts, trainers["cast_once"].cfg.parallel)
+        report(args, times, casts)
     shutdown(True)
 
 
-def report(args: argparse.Namespace, times: dict, casts: dict, parallel) -> None:
+def report(args: argparse.Namespace, times: dict, casts: dict) -> None:
     old, new = statistics.median(times["autocast"]), statistics.median(times["cast_once"])
     pairs = statistics.median(b / a for a, b in zip(times["autocast"], times["cast_once"], strict=False))
     world = "world of one" if args.ranks == 1 else f"{args.ranks} gloo ranks (DDP vs FSDP2 replicated over dp)"
@@ -125,13 +124,7 @@ def main() -> None:
         worker(args)
         return
     args.run_dir = args.run_dir or tempfile.mkdtemp()
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "worker"]
-    if args.ranks == 1:
-        subprocess.run([sys.executable, __file__, "--worker", *flags], env=env, check=True)
-        return
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
-    subprocess.run([*run, __file__, "--worker", *flags], env=env, check=True)
+    sys.exit(run_workers(__file__, args, args.ranks))
 
 
 if __name__ == "__main__":

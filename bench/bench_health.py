@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ranks import run_workers
 from small_model import small_model
 
 
@@ -120,11 +120,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    run_dir = Path(tempfile.mkdtemp()) / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "--worker"]
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "run_dir")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
-    sys.exit(subprocess.run([*cmd, f"--run-dir={run_dir}"], env=env).returncode)
+    args.run_dir = str(Path(tempfile.mkdtemp()) / "run")
+    sys.exit(run_workers(__file__, args, 2))
 
 
 if __name__ == "__main__":

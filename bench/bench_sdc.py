@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ranks import run_workers
 from small_model import small_model
 
 
@@ -122,11 +122,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    run_dir = Path(tempfile.mkdtemp()) / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "--worker"]
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "run_dir")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
-    code = subprocess.run([*cmd, f"--run-dir={run_dir}"], env=env).returncode
+    args.run_dir = str(Path(tempfile.mkdtemp()) / "run")
+    code = run_workers(__file__, args, 2)
     if code:
         sys.exit(code)
     if args.clean_steps:
