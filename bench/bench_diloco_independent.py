@@ -32,7 +32,7 @@ from meshforge.config import load_config
 from meshforge.data.corpus import open_data
 from meshforge.data.sampler import GlobalBatchSampler
 from meshforge.models.llama import build_model
-from meshforge.models.presets import model_shape
+from meshforge.resolve import resolve
 
 
 def lr_at(a: argparse.Namespace, step: int, peak: float) -> float:
@@ -111,8 +111,8 @@ class Islands:
 
 def run(a: argparse.Namespace) -> tuple[float, float]:
     over = {"model.preset": "debug", "train.seq_len": a.seq_len, "train.global_batch_size": a.batch}
-    cfg = load_config(None, {**over, "train.device": "cpu"})
-    shape = model_shape(cfg.model)
+    cfg = resolve(load_config(None, {**over, "train.device": "cpu"}), 1)
+    shape = cfg.shape
     init, data = build_model(shape, seed=cfg.train.seed), open_data(cfg, shape)
     sampler = GlobalBatchSampler(len(data.train), a.batch, cfg.train.seed)
     ddp, islands = copy.deepcopy(init), None

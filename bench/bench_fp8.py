@@ -33,9 +33,9 @@ from meshforge.config import load_config
 from meshforge.data.corpus import open_data
 from meshforge.guards.preflight import preflight
 from meshforge.models.llama import build_model
-from meshforge.models.presets import model_shape
 from meshforge.parallel.fp8 import DEFAULT_EXCLUDE, fp8_config, fp8_plan, require_torchao
 from meshforge.parallel.precision import autocast
+from meshforge.resolve import resolve
 from meshforge.train.loop import train
 from meshforge.train.run_dir import prepare_run_dir
 
@@ -120,10 +120,10 @@ def module_errors(args: argparse.Namespace, device: torch.device) -> list[tuple[
     require_torchao()
     from torchao.float8.float8_linear import Float8Linear
 
-    cfg = load_config(None, overrides(args, "bf16", "tensorwise", tempfile.mkdtemp()))
-    model_args = model_shape(cfg.model)
+    plan = resolve(load_config(None, overrides(args, "bf16", "tensorwise", tempfile.mkdtemp())), 1)
+    model_args = plan.shape
     model = build_model(model_args, device=str(device), seed=0)
-    data = open_data(cfg, model_args)
+    data = open_data(plan, model_args)
     tokens = data.train.get(list(range(args.batch))).to(device)
     recorded = record_linears(model, tokens, device)
     plan = fp8_plan(model, [])  # every linear whose shape fp8 takes, the head included
@@ -137,7 +137,7 @@ def module_errors(args: argparse.Namespace, device: torch.device) -> list[tuple[
             lin = copy.deepcopy(base)
             lin.weight.grad = None
             if recipe != "bf16":
-                lin = Float8Linear.from_float(lin, config=fp8_config(recipe, device, fsdp=False))
+                lin = Float8Linear.from_float(lin, config=fp8_config(recipe, device, gathers=False))
             xi = x.clone().requires_grad_(False)
             with autocast(device, "bf16"):
                 y = lin(xi)
@@ -168,7 +168,7 @@ def main() -> None:
     p.add_argument("--skip-training", action="store_true", help="only the per-module table")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dataclasses.asdict(model_shape(load_config(None, {"model.preset": "debug"}).model))
+    shape = dataclasses.asdict(resolve(load_config(None, {"model.preset": "debug"}), 1).shape)
     print(
         f"debug preset (hidden {shape['hidden']}, {shape['layers']} layers, ffn {shape['ffn_hidden']}), "
         f"{args.batch} x {args.seq_len} tokens per step, {device.type}"
