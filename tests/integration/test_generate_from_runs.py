@@ -104,7 +104,7 @@ def test_generate_refuses_what_it_cannot_generate_from(run, tmp_path, corpus):
     refused(["generate", str(run), "--prompt", "x" * 1100], "the prompt is 1,100 tokens; the model's context is 1,024")
     refused(["generate", str(run / "final"), "--prompt", "x", "--tokenizer", str(tmp_path)], "tokenizer.json")
     bare = tmp_path / "bare"
-    train(tiny_config(bare, corpus, **{"train.steps": 1, "checkpoint.save_final": False}))
+    train(tiny_config(bare, corpus, **{"train.steps": 1, "checkpoint.save_final": False, "checkpoint.final": False}))
     refused(["generate", str(bare), "--prompt", "x"], "holds no weights: no final/ and no complete checkpoint")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -196,3 +198,19 @@ def test_a_small_zstd_bomb_is_handed_out_a_slice_at_a_time():
     buf = bytearray(1 << 16)
     assert frames.readinto(buf) == len(buf)
     assert len(frames.pending) <= 32768 * FEED  # one feed's output, not the whole 256 MiB
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS as Linux applies it")
+def test_a_small_file_reads_under_a_memory_limit_below_its_cap(tmp_path):
+    """The cap bounds what is read, not what is allocated: ``f.read(cap + 1)`` asked for 4 GiB at
+    once, and a run under `ulimit -v` lost its report.html to a MemoryError."""
+    small = tmp_path / "small.json"
+    small.write_bytes(b"{}" * 50)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from meshforge.safeio.files import read_regular\n"
+        "print(len(read_regular(sys.argv[1], cap=4 << 30)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(small)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "100", r.stderr[-2000:]

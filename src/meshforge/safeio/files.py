@@ -76,6 +76,19 @@ def cannot_read(path: Path | str, e: OSError, fix: str) -> str:
     return f"cannot read {path}: {e.strerror or e}; {fix}"
 
 
+def _read_upto(f: BinaryIO, limit: int) -> bytes:
+    """At most ``limit`` bytes, in blocks: ``f.read(limit)`` allocates all of ``limit`` at once,
+    which a process under a memory limit (RLIMIT_DATA, RLIMIT_AS) cannot do for a 4 GiB cap."""
+    blocks, left = [], limit
+    while left:
+        block = f.read(min(left, 1 << 22))
+        if not block:
+            break
+        blocks.append(block)
+        left -= len(block)
+    return b"".join(blocks)
+
+
 def read_regular(
     path: Path | str, cap: int = MAX_MANIFEST_BYTES, error: type[MeshforgeError] = MeshforgeError, fix: str = ""
 ) -> bytes:
@@ -85,7 +98,7 @@ def read_regular(
         if size > cap:
             raise error(f"{path} is {size:,} bytes, more than the {cap:,} such a file may hold; {fix or 'check it'}")
         try:
-            data = f.read(cap + 1)
+            data = _read_upto(f, cap + 1)
         except OSError as e:
             raise error(cannot_read(path, e, fix or "check the file")) from None
     if len(data) > cap:  # grew while it was read
