@@ -3,6 +3,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,10 @@ def cached_cpu_peak(cache: Path, **entry) -> None:
     e = {"flops": 1e6, "measured_at": time.time(), "machine": cpu_peak.machine_fingerprint(), **entry}
     key = cpu_peak._key(torch.float32)
     (cache / "cpu_peak.json").write_text(json.dumps({"version": cpu_peak.VERSION, "entries": {key: e}}))
+
+
+def rendezvous() -> str:
+    """An init_method for ranks a test spawns itself: a file store in a fresh directory. A port
+    picked free and released could be taken by the other xdist worker's ranks before rank 0
+    listened (EADDRINUSE, seen once in a full run)."""
+    return f"file://{tempfile.mkdtemp(prefix='meshforge-rdzv-')}/store"

@@ -4,7 +4,6 @@ backward, on 2 and 4 gloo ranks, and move the same bytes; whole runs with parall
 match plain TP's (tp 2 and 4, with FSDP, with compile and with recomputation)."""
 
 import json
-import socket
 
 import pytest
 import torch
@@ -13,17 +12,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import cli_args, reorder_bound, run_cli, tiny_overrides
+from conftest import cli_args, rendezvous, reorder_bound, run_cli, tiny_overrides
 from meshforge.parallel.comm_stats import CommCounter
 from meshforge.parallel.tensor.async_tp import AllGatherMatmul, MatmulReduceScatter
 
 B, S, H, OUT, K = 2, 8, 12, (8, 4, 4), 16  # batch, sequence, hidden, column outputs, row inputs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_problem():
@@ -88,8 +81,8 @@ def _check_row(r: int, n: int, group, dtype: torch.dtype) -> None:
     torch.testing.assert_close(lin.weight.grad, _rows(w_ref.grad, r, n, 1), **tol)
 
 
-def _worker(rank: int, n: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+def _worker(rank: int, n: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=n)
     try:
         group = dist.new_group(list(range(n)))
         counter = CommCounter({group: "tp"})
@@ -113,10 +106,10 @@ def _worker(rank: int, n: int, port: int) -> None:
 def test_collective_matmuls_match_one_device(n):
     """Outputs, input and weight gradients equal the single-device matmuls (fp32: 1e-6; under
     bf16 autocast: bf16 round-off), and the bytes booked are the collectives' own."""
-    mp.spawn(_worker, args=(n, _free_port()), nprocs=n, join=True)
+    mp.spawn(_worker, args=(n, rendezvous()), nprocs=n, join=True)
 
 
-def _model_worker(rank: int, n: int, port: int, tied: bool) -> None:
+def _model_worker(rank: int, n: int, store: str, tied: bool) -> None:
     """The same model under the plain TP plan and under async TP's ring: equal logits, loss and
     gradients (the full parameters'), and the head's input gathered by the overlapped seam."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -127,7 +120,7 @@ def _model_worker(rank: int, n: int, port: int, tied: bool) -> None:
     from meshforge.parallel.tensor.apply import apply_tp, loss_context
     from meshforge.parallel.tensor.async_tp import AllGatherMatmulHead
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=n)
     try:
         mesh = init_device_mesh("cpu", (n,))
         shape = ModelShape(32, 2, 4, 4, 64, 64, 32, tie_embeddings=tied)
@@ -157,7 +150,7 @@ def _model_worker(rank: int, n: int, port: int, tied: bool) -> None:
 def test_async_model_matches_plain_plan(tied):
     """Head included: async TP's ring gathers the final norm's shards while the vocab-sharded
     logits are multiplied (a tied head shares the embedding's table)."""
-    mp.spawn(_model_worker, args=(2, _free_port(), tied), nprocs=2, join=True)
+    mp.spawn(_model_worker, args=(2, rendezvous(), tied), nprocs=2, join=True)
 
 
 STEPS = 3

@@ -3,7 +3,6 @@ full causal SDPA, in real gloo process groups), and whole runs under cp reproduc
 single-process run (fp32, gloo, CPU) like the other axes do."""
 
 import json
-import socket
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import assert_run_matches, layout_runner, tiny_config, tiny_overrides, train
+from conftest import assert_run_matches, layout_runner, rendezvous, tiny_config, tiny_overrides, train
 from meshforge.checkpoint.weights import load_weights
 from meshforge.config import load_config
 from meshforge.errors import ConfigError
@@ -31,14 +30,8 @@ CASES = [  # (cp, balance, rotate, heads, kv_heads, head_dim, seq_len)
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, cp: int, port: int, cases: list) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+def _worker(rank: int, cp: int, store: str, cases: list) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=cp)
     try:
         for _, balance, rotate, h, hkv, d, seq in cases:
             gen = torch.Generator().manual_seed(seq * 100 + h * 10 + d)
@@ -75,7 +68,7 @@ def _worker(rank: int, cp: int, port: int, cases: list) -> None:
 def test_ring_attention_matches_full_causal_attention(cp):
     """Outputs and dq, dk, dv of every rank's slice equal full causal SDPA's (fp64 inputs;
     the kernel computes in fp32), for both balances and rotations, GQA and odd head dims."""
-    mp.spawn(_worker, args=(cp, _free_port(), [c for c in CASES if c[0] == cp]), nprocs=cp, join=True)
+    mp.spawn(_worker, args=(cp, rendezvous(), [c for c in CASES if c[0] == cp]), nprocs=cp, join=True)
 
 
 def test_shard_index_zigzag_and_contiguous():

@@ -8,7 +8,6 @@ layout; bad ep layouts are refused by key."""
 
 import copy
 import json
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from conftest import (
     assert_same_weights,
     cli_args,
     layout_runner,
+    rendezvous,
     run_cli,
     tiny_config,
     tiny_overrides,
@@ -40,20 +40,14 @@ from meshforge.parallel.expert.dispatch import AllToAllDispatch, a2a_bytes_formu
 from meshforge.resolve import resolve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _layer_args():
     a = get_preset("debug-moe")
     a.hidden, a.moe_ffn_hidden, a.layers, a.first_dense_layers = 16, 12, 1, 0
     return a
 
 
-def _dispatch_worker(rank: int, ep: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ep)
+def _dispatch_worker(rank: int, ep: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=ep)
     try:
         mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
         for capacity, chunks in ((0.0, 1), (1.0, 1), (0.0, 2), (1.0, 3)):
@@ -121,7 +115,7 @@ def test_all_to_all_dispatch_matches_one_device():
     rank's slice of the summed single-device gradient / ep; drops per rank as one device's for
     its tokens; all-to-all bytes (dropless) averaged over the ranks = 2 x 2 x tokens x k x
     hidden x 4 x (ep-1)/ep per layer, forward + backward, whatever the chunks."""
-    mp.spawn(_dispatch_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_dispatch_worker, args=(2, rendezvous()), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import cli_args, run_cli, tiny_config, tiny_overrides
+from conftest import cli_args, rendezvous, run_cli, tiny_config, tiny_overrides
 from meshforge.config.layout import Layout
 from meshforge.config.load import _read_regular
 from meshforge.config.run_plan import ResumePoint, RunPlan
@@ -267,14 +267,14 @@ def test_the_model_knows_nothing_of_the_vocab_parallel_loss():
         assert not [m for m in names if m.startswith("torch.distributed")], path
 
 
-def _vocab_worker(rank: int, port: int, out: str) -> None:
+def _vocab_worker(rank: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from meshforge.models.chunked_loss import chunked_cross_entropy
     from meshforge.parallel.tensor.vocab_loss import vocab_parallel_cross_entropy
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
     try:
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(3, 10, 16, generator=g), torch.randn(40, 16, generator=g) / 4
@@ -300,13 +300,9 @@ def _vocab_worker(rank: int, port: int, out: str) -> None:
 def test_the_vocab_parallel_loss_equals_the_one_device_loss(tmp_path):
     """parallel/tensor/vocab_loss.py over a vocab-sharded head (2 ranks) against
     models/chunked_loss.py on the whole head: the same loss and gradients (fp32 sums in another order)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous()
     out = str(tmp_path / "out.pt")
-    mp.spawn(_vocab_worker, args=(port, out), nprocs=2, join=True)
+    mp.spawn(_vocab_worker, args=(store, out), nprocs=2, join=True)
     r = torch.load(out)
     for ref, got in zip(r["ref"], r["got"], strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,6 @@ Ring attention over documents against the dense mask, per rank, for both cp degr
 rotations and kernels; a corpus without separators warns once."""
 
 import json
-import socket
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import assert_run_matches, layout_runner, tiny_config, train
+from conftest import assert_run_matches, layout_runner, rendezvous, tiny_config, train
 from meshforge.models.document_attention import dense_mask
 from meshforge.models.documents import Documents
 from meshforge.parallel.context.kernels import KERNELS
@@ -128,17 +127,11 @@ def test_corpus_without_separators_warns_once(tmp_path, corpus):
     assert "data.document_mask" not in (quiet / "events.jsonl").read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 LENGTHS = [[5, 3, 1, 11, 12], [32], [16, 16], [1] * 32]
 
 
-def _ring_worker(rank: int, cp: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+def _ring_worker(rank: int, cp: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=cp)
     try:
         docs = Documents.from_lengths(LENGTHS, 32)
         gen = torch.Generator().manual_seed(0)
@@ -171,4 +164,4 @@ def _ring_worker(rank: int, cp: int, port: int) -> None:
 def test_ring_attention_over_documents_equals_the_dense_mask(cp):
     """Every rank's outputs and dq, dk, dv against SDPA with the dense document mask (fp64),
     for both splits and rotations and both kernels; fully masked blocks are skipped."""
-    mp.spawn(_ring_worker, args=(cp, _free_port()), nprocs=cp, join=True)
+    mp.spawn(_ring_worker, args=(cp, rendezvous()), nprocs=cp, join=True)

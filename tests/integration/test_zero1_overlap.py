@@ -4,13 +4,13 @@ as one bucket reduced after backward (today's path), move the same bytes, start 
 before backward ends (and only on the last micro-batch), and round-trip the layout-free state."""
 
 import math
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import rendezvous
 from meshforge.models.llama import build_model
 from meshforge.models.shape import ModelShape
 from meshforge.parallel.comm_stats import CommCounter
@@ -19,12 +19,6 @@ from meshforge.parallel.data.zero1 import FlatZero1
 
 SHAPE = ModelShape(hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, vocab_size=96)
 MICRO = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(bucket_mb: float, group, steps: int = 2):
@@ -60,8 +54,8 @@ def _train(bucket_mb: float, group, steps: int = 2):
     return opt, model, norms, counter.snapshot()["dp"], early, first_mb
 
 
-def _worker(rank: int, n: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+def _worker(rank: int, n: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=n)
     try:
         group = dist.group.WORLD
         one, m1, norms1, bytes1, early1, _ = _train(1024, group)  # one bucket per group: reduced after backward
@@ -93,7 +87,7 @@ def _worker(rank: int, n: int, port: int) -> None:
 
 
 def test_bucketed_reduce_scatter_equals_one_bucket():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, rendezvous()), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("total, n, elems", [(12, 2, 5), (12, 3, 100), (30, 3, 7), (8, 4, 1)])
