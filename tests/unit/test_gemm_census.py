@@ -20,18 +20,18 @@ CAST_ONCE = {"precision": "bf16", "mixed_precision": "cast_once"}  # the GPU rec
 SEQ, BATCH = 40, 2  # 80 tokens: no model dimension, so the kinds cannot be confused
 
 
-def step_census(**train: object) -> tuple[GemmCensus, dict[str, float]]:
+def step_census(shape: dict[str, int] = SHAPE, **train: object) -> tuple[GemmCensus, dict[str, float]]:
     """One PlainStep (one micro-batch) of a tiny model under the census; the expected FLOPs per kind."""
-    over = {f"model.{k}": v for k, v in SHAPE.items()} | {"model.max_seq_len": SEQ, "train.seq_len": SEQ}
+    over = {f"model.{k}": v for k, v in shape.items()} | {"model.max_seq_len": SEQ, "train.seq_len": SEQ}
     over |= {"train.global_batch_size": BATCH, "train.micro_batch_size": BATCH, "train.device": "cpu"}
     over |= {"train.loss_chunk_size": 32} | {f"train.{k}": v for k, v in train.items()}
     plan = resolve(load_config(overrides=over), 1)
     built = standalone_step(plan, build_mesh(plan.layout, "cpu"))
     runner = built.runner
-    batch = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(0, shape["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     if plan.train.compile:
         runner.run(batch, measure=False)  # compiles; the census sees the compiled code's aten calls
-    census = GemmCensus(ModelDims.of_model(built.model, SHAPE["vocab_size"], [BATCH * SEQ]))
+    census = GemmCensus(ModelDims.of_model(built.model, shape["vocab_size"], [BATCH * SEQ]))
     with census:
         runner.run(batch, measure=False)
     return census, expected_flops(plan.shape, BATCH * SEQ, SEQ, plan.layout.activation_checkpoint)
@@ -82,6 +82,20 @@ def test_compiled_step_runs_exactly_the_counted_gemm_flops(ac):
     census, expected = step_census(**CAST_ONCE, compile=True, activation_checkpoint=ac)
     assert_as_counted(census, expected)
     assert {r.op for r in census.records} >= {"mm"}  # inductor's extern mm calls, seen at run time
+
+
+def test_a_compiled_step_after_another_head_count_in_the_same_process():
+    """Dynamo traces dims that changed between compilations of one code object as symbols: once a
+    model with other head counts was compiled in this process, ``q.shape[1] != k.shape[1]`` is a
+    SymBool, which SDPA's ``enable_gqa`` refuses, and whole-block compilation makes that an error
+    (CI met it when an earlier test file in the worker had compiled another shape)."""
+    torch._dynamo.reset()
+    try:
+        for heads, kv_heads, hidden in ((8, 8, 64), (8, 4, 128), (4, 2, 64)):
+            shape = SHAPE | {"heads": heads, "kv_heads": kv_heads, "hidden": hidden}
+            assert_as_counted(*step_census(shape, **CAST_ONCE, compile=True))
+    finally:
+        torch._dynamo.reset()
 
 
 def test_census_counts_in_place_addmm_that_flop_counter_misses():

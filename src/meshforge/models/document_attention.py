@@ -43,10 +43,20 @@ def dense_mask(ids_q: torch.Tensor, ids_k: torch.Tensor, offset: int = 0) -> tor
     return ((ids_q.unsqueeze(2) == ids_k.unsqueeze(1)) & causal).unsqueeze(1)
 
 
+def is_grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q has more heads than k (grouped-query attention), as a plain bool. Written as a
+    branch because a compiled step that met another head count earlier in the process sees the
+    head dims as symbols: ``!=`` alone yields a SymBool, which SDPA's ``enable_gqa`` refuses
+    (a TypeError at trace time); the branch makes dynamo guard on it and hand back a constant."""
+    if q.shape[1] != k.shape[1]:
+        return True
+    return False
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
     """Block-causal attention of q (b, h, s, d) over k, v (b, h_kv, s, d) (see the module doc)."""
     documents.check_rows(q.shape[0])
-    gqa = q.shape[1] != k.shape[1]
+    gqa = is_grouped(q, k)
     if documents.block_mask is not None:
         if torch.compiler.is_compiling():  # (a compiled block: flex_attention traces as it is)
             from torch.nn.attention.flex_attention import flex_attention

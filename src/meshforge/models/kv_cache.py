@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshforge.models.document_attention import is_grouped
 from meshforge.models.shape import ModelShape
 
 
@@ -55,7 +56,7 @@ class LayerCache:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
-        gqa = q.shape[1] != k.shape[1]
+        gqa = is_grouped(q, k)
         if start == 0:  # nothing cached yet: the plain causal forward over the prompt
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
         seen = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]

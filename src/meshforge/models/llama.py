@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.document_attention import document_attention, prepare_block_mask
+from meshforge.models.document_attention import document_attention, is_grouped, prepare_block_mask
 from meshforge.models.documents import Documents
 from meshforge.models.init import draw_normal
 from meshforge.models.kv_cache import KVCache, LayerCache
@@ -118,7 +118,7 @@ class SDPAttention(nn.Module):
     ) -> torch.Tensor:
         if documents is not None and not documents.single:
             return document_attention(q, k, v, documents)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=is_grouped(q, k))
 
 
 class Projections(nn.Module):
