@@ -139,8 +139,11 @@ def test_a_killed_group_is_left_behind_then_rejoins_and_heals(tmp_path, corpus, 
     assert events(a, "replica_joined")[-1]["step"] == joined
     skipped = events(a, "skipped_batches")[-1]
     assert skipped["replica"] == 1 and skipped["steps"] == [lost, joined - 1] and skipped["batches"] == joined - lost
-    healed = events(b, "healed_from")[-1]
-    assert healed["replica"] == 0 and healed["step"] == joined - 1
+    healed = events(b, "healed_from")[-1]  # inside step joined - 1 (asynchronous quorum): the state when it began
+    assert healed["replica"] == 0 and healed["step"] == joined - 2
+    mine = rows(b)  # the healing step: the survivor's update, without the joiner's own slice (skipped above)
+    assert [r["replicas"] for r in mine if r["step"] >= joined - 1][:2] == [1, 2]
+    assert events(b, "skipped_batches")[-1] == skipped  # the joiner took over the survivor's accounting
     assert same_bits(a, b)
 
 

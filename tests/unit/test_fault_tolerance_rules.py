@@ -2,6 +2,8 @@
 key), each group's batch is its slice of the global one, healing copies a peer's state exactly and
 refuses a peer of another config before it changes anything, the lighthouse's --bind is read."""
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -45,13 +47,14 @@ def test_each_group_takes_its_slice_of_the_global_batch():
 
 class _State:
     def __init__(self):
-        self.step, self.tokens_seen, self.consumed = 0, 0, 0
+        self.step, self.tokens_seen = 0, 0
+        self.sampler = types.SimpleNamespace(consumed=0, batch=4)
 
     def state_dict(self):
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": {"consumed": self.consumed}}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": {"consumed": self.sampler.consumed}}
 
     def load_state_dict(self, s):
-        self.step, self.tokens_seen, self.consumed = s["step"], s["tokens_seen"], s["sampler"]["consumed"]
+        self.step, self.tokens_seen, self.sampler.consumed = s["step"], s["tokens_seen"], s["sampler"]["consumed"]
 
 
 def _trained(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -68,9 +71,11 @@ def _trained(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_healing_takes_the_peers_state_exactly_and_refuses_another_config_first():
     src_model, src_opt = _trained(0, 3)
     src_state = _State()
-    src_state.step, src_state.tokens_seen, src_state.consumed = 3, 300, 12
+    src_state.step, src_state.tokens_seen, src_state.sampler.consumed = 3, 300, 12
     items = {"model.hidden": 64}
     sent = HealState(model=src_model, optimizer=src_opt, state=src_state, items=items, me={"replica": 0, "host": "h"})
+    sent.snapshot(live={0}, lost_since={1: 2})  # at the start of step 4, the step under way
+    src_state.sampler.consumed += 4  # (the peer's own step 4 has taken its batch: the snapshot holds)
     sd = sent.state_dict()
     dst_model, dst_opt = _trained(1, 0)  # a fresh group: other weights, no optimizer state yet
     before = [p.detach().clone() for p in dst_model.parameters()]
@@ -84,7 +89,9 @@ def test_healing_takes_the_peers_state_exactly_and_refuses_another_config_first(
     assert all(torch.equal(a, b) for a, b in zip(src_model.parameters(), dst_model.parameters(), strict=True))
     for p, q in zip(src_model.parameters(), dst_model.parameters(), strict=True):
         assert all(torch.equal(src_opt.state[p][k], dst_opt.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-    assert (state.step, state.consumed) == (3, 12) and got.healed["replica"] == 0
+    # the state at step 3 with step 4's batch taken (the joiner applies step 4's update without its slice)
+    assert (state.step, state.sampler.consumed) == (3, 16) and got.healed["replica"] == 0
+    assert got.take_loaded() and not got.take_loaded() and got.view() == ({0}, {1: 2})
     x = torch.randn(4, 6)  # and they step alike from here
     for model, opt in ((src_model, src_opt), (dst_model, dst_opt)):
         model(x).square().mean().backward()

@@ -166,6 +166,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, plan, self.state.step)
         self.runner = self._runner(built.train_model)
         self.runner.replicas = self.replicas
+        if self.replicas:  # a group that heals inside a step takes the LR schedule at the healed step
+            self.replicas.on_heal = self.reposition_schedule
         self._watch()
 
     def _watch(self) -> None:
@@ -282,8 +284,8 @@ class Trainer:
         self.log.announce(self.model, self.data)
         interrupted, t_start = False, time.perf_counter()
         while st.step < t.steps:
-            if self.replicas and self._join_quorum():
-                continue
+            if self.replicas:
+                self._join_quorum()
             n = st.step + 1
             logged = is_logged(n, self.plan.metrics.log_interval, t.steps)
             last = n == t.steps or stop.stop_after(n, logged)
@@ -313,6 +315,9 @@ class Trainer:
         result = self.step_once(measure=self.measures.wanted(n, logged, last))
         if not result.committed:
             return False
+        if self.state.step != n:  # this replica group healed inside the step: it took its peer's step
+            n = self.state.step
+            last = last or n == self.plan.train.steps
         if self.replicas:
             self.replicas.committed(n, self.log.event)
         self.instruments.after_step(n)
@@ -333,21 +338,20 @@ class Trainer:
                 self.checkpoints.maybe_save(last, self.log.metrics.recent_step_time())
         return True
 
-    def _join_quorum(self) -> bool:
-        """The replica groups' quorum for the next step (may heal this group from a live peer); True when
-        healed past the last step. A lost lighthouse: save here to resume from, then stop."""
+    def _join_quorum(self) -> None:
+        """Ask for the replica groups' quorum of the next step (answered in the background; a group that
+        must heal does so inside the step). A lost lighthouse: save here to resume from, then stop."""
         try:
-            if self.replicas.begin(self.log.event):
-                self.reposition_schedule()
+            self.replicas.begin(self.log.event)
         except LighthouseLost as e:
             self.log.event("lighthouse_lost", step=self.state.step, message=str(e))
             self.checkpoints.save()
             self.checkpoints.checkpointer.wait()
             raise
-        return self.state.step >= self.plan.train.steps
 
     def reposition_schedule(self) -> None:
-        """The LR schedule at the current step (after a rollback loaded an older checkpoint)."""
+        """The LR schedule at the current step (after a rollback loaded an older checkpoint, or a replica
+        group healed from a peer)."""
         self.scheduler = self.runner.scheduler = build_scheduler(self.optimizer, self.plan, self.state.step)
 
     def _evaluate_and_log(self) -> float | None:

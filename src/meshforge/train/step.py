@@ -95,6 +95,7 @@ class StepRunner:
         if self.replicas is not None:  # parallel/fault_tolerance: over the live groups, then commit or not
             out.committed, global_loss = self.replicas.sync(loss if global_loss is None else global_loss)
             out.replicas = self.replicas.participants
+            out.lr = current_lr(self.scheduler)  # (a group that healed in this step: at the healed step)
             if not out.committed:  # nothing applied: the trainer takes this step again
                 self.optimizer.zero_grad(set_to_none=True)
                 return out

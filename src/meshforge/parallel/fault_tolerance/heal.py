@@ -60,12 +60,27 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 class HealState:
-    """This rank's side of healing: ``state_dict`` for a peer, ``load_state_dict`` from one."""
+    """This rank's side of healing: ``state_dict`` for a peer, ``load_state_dict`` from one.
+
+    Healing happens inside a step (torchft's asynchronous quorum): the peer serves the state it had
+    when the step under way began (``snapshot``: step, tokens, sampler position, RNG, and its view of
+    the groups; its weights and optimizer state do not change before that step commits), and the
+    joiner loads it in ``should_commit``, then applies the live groups' update of that step. So the
+    joiner's sampler moves on by that step's batch, as the peer's did; its RNG is the peer's at the
+    step's start, which is the peer's after it (a step draws no random numbers: no dropout)."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, items: dict, me: dict):
         """``state``: the TrainState; ``items``: ``must_match``'s; ``me``: who sends (replica, host)."""
         self.model, self.optimizer, self.state, self.items, self.me = model, optimizer, state, items, me
         self.healed: dict[str, Any] | None = None  # set by a load: whom this group healed from
+        self.at_start: dict[str, Any] = {}  # this rank's train state and view when the step under way began
+        self.loaded = False  # a load since ``take_loaded`` last asked
+        self.groups: dict[str, Any] = {}  # the peer's view of the groups, from the last load
+
+    def snapshot(self, live: set[int] | None, lost_since: dict[int, int]) -> None:
+        """Fix what a peer healing in the step about to start receives (called before its quorum)."""
+        view = {"live": sorted(live) if live is not None else None, "lost_since": sorted(lost_since.items())}
+        self.at_start = {"train": {**self.state.state_dict(), "rng": _rng()}, "groups": view}
 
     def state_dict(self) -> dict[str, Any]:
         """What a joining peer receives (references to this rank's tensors: torchft serves them
@@ -75,14 +90,11 @@ class HealState:
             {k: local(v) if torch.is_tensor(v) else v for k, v in inner.state.get(p, {}).items()}
             for p in _params(self.optimizer)
         ]
-        train = {**self.state.state_dict(), "rng": _rng()}
         params = [local(p).detach() for p in self.model.parameters()]
-        return {"items": self.items, "from": self.me, "train": train, "params": params, "optim": optim}
+        return {"items": self.items, "from": self.me, **self.at_start, "params": params, "optim": optim}
 
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Take a peer's state; refuse one of another config before anything is changed."""
-        t0 = time.perf_counter()
+    def check(self, sd: dict[str, Any]) -> None:
+        """Refuse a peer of another config (``ConfigError``) before anything is changed."""
         diff = differences(self.items, sd["items"])
         if diff:
             peer = sd["from"]
@@ -91,14 +103,32 @@ class HealState:
                 f"{peer['host']}): {'; '.join(diff[:6])}; every replica group must train the same model with the same "
                 "layout, batch and data: start it with the same config"
             )
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Take a peer's state at the start of the step under way; refuse one of another config first."""
+        t0 = time.perf_counter()
+        self.check(sd)
         self._load_optimizer(sd["optim"])  # first: a fresh optimizer's state is made by a step that moves weights
         for p, v in zip(self.model.parameters(), sd["params"], strict=True):
             local(p).copy_(v)
         train = sd["train"]
         self.state.load_state_dict(train)
+        self.state.sampler.consumed += self.state.sampler.batch  # the step under way's batch, as the peer's
         _set_rng(train["rng"])
+        self.groups, self.loaded = sd["groups"], True
         nbytes = sum(v.numel() * v.element_size() for v in sd["params"])
         self.healed = {**sd["from"], "step": self.state.step, "bytes": nbytes, "load_s": time.perf_counter() - t0}
+
+    def take_loaded(self) -> bool:
+        """Whether a peer's state was loaded since the last call."""
+        loaded, self.loaded = self.loaded, False
+        return loaded
+
+    def view(self) -> tuple[set[int] | None, dict[int, int]]:
+        """The peer's view of the groups when the step began: who took part, since when one is missing."""
+        live = self.groups["live"]
+        return (set(live) if live is not None else None), {int(r): int(s) for r, s in self.groups["lost_since"]}
 
     def _load_optimizer(self, received: list[dict[str, Any]]) -> None:
         inner, params = _inner(self.optimizer), _params(self.optimizer)
