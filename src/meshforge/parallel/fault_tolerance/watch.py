@@ -94,7 +94,7 @@ def _flagged(pg: Any) -> bool:
     """Whether a member flagged this collective or the one before (whose failed member will not come to
     this one); a store that stopped answering (its host died) counts as a flag."""
     try:
-        return pg.store.check(_keys(pg.seq) + _keys(pg.seq - 1))
+        return any(pg.store.check([key]) for key in _keys(pg.seq) + _keys(pg.seq - 1))  # (check: all of them)
     except Exception:  # noqa: BLE001 - the store's host is gone: so is a member
         return True
 
