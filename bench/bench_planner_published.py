@@ -81,8 +81,8 @@ def mpt(size: str, seq: int, gpus: int, micro: int, accum: int, checkpoint: bool
     embeddings, vocab 50368, the yaml's head counts (30B: 56 heads of 128); Composer FSDP
     FULL_SHARD (ZeRO-3 over every GPU) with mixed_precision DEFAULT (parameters gathered in bf16,
     gradients reduce-scattered in fp32) after every micro-batch (Composer 0.16 enters no no_sync
-    under FSDP); attn_impl triton (a 2022 Triton FlashAttention kernel of no published H100 rate:
-    priced as FlashAttention-2, the nearest published, an upper bound)."""
+    under FSDP); attn_impl triton (the 2022 Triton FlashAttention: FlashAttention-2's published rates
+    on that GPU over 1.4 forward and 2 backward, as FlashAttention-2's paper measured the two)."""
     layers, hidden, heads = {
         "3b": (32, 2560, 20),
         "7b": (32, 4096, 32),
@@ -95,7 +95,7 @@ def mpt(size: str, seq: int, gpus: int, micro: int, accum: int, checkpoint: bool
     batch = gpus * micro * accum
     degrees = ["--tp", "1", "--pp", "1", "--dp", str(gpus), "--zero", "3", "--micro-batch", str(micro)]
     degrees += ["--recompute", "full" if checkpoint else "none", "--reduce-every-microbatch"]
-    kernel = ["--attention-kernel", "triton-h100"] if gpu.startswith("h100") else []
+    kernel = ["--attention-kernel", "triton-h100" if gpu.startswith("h100") else "triton-a100"]
     return shape + kernel + ["--gpu", gpu, "--gpus", str(gpus), "--global-batch", str(batch)] + degrees
 
 
