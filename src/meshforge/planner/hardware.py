@@ -168,6 +168,7 @@ def balance_half_dim(hw: Hardware, hopper: Hardware) -> float:
     same c on every generation. An A100 (balance 153) halves at ~210, an H100 SXM (295) at 400."""
     return HOPPER_HALF_DIM * machine_balance(hw) / machine_balance(hopper)
 
+
 PRESETS: dict[str, Hardware] = {
     # achievable GEMM shares of peak in published training runs (bench/bench_planner_published.py):
     # Ampere reaches a larger share of its (lower) peak than Hopper does of its own
