@@ -158,6 +158,20 @@ UNSTATED_CHUNKS = [  # N21 Table 1 layouts run interleaved with no chunk count g
 ]
 
 
+BESIDE = [  # further rows of the same MPT tables, not in the set: printed beside it (issue 51), in no summary
+    ("MPT 30B, 8 H100, s4k ckpt", MPT_H100, 0.3586, "mfu", mpt("30b", 4096, 8, 1, 21, True, "h100-sxm")),
+    ("MPT 30B, 8 H100, s2k ckpt", MPT_H100, 0.3811, "mfu", mpt("30b", 2048, 8, 3, 21, True, "h100-sxm")),
+    ("MPT 30B, 8 H100, s1k ckpt", MPT_H100, 0.3876, "mfu", mpt("30b", 1024, 8, 6, 21, True, "h100-sxm")),
+    ("MPT 13B, 8 H100, s32k ckpt", MPT_H100, 0.3168, "mfu", mpt("13b", 32768, 8, 1, 3, True, "h100-sxm")),
+    ("MPT 7B, 8 H100, s64k ckpt", MPT_H100, 0.2859, "mfu", mpt("7b", 65536, 8, 1, 2, True, "h100-sxm")),
+    ("MPT 30B, 8 A100, s8k ckpt", MPT_A100, 0.3938, "mfu", mpt("30b", 8192, 8, 1, 21, True, "a100-80g")),
+    ("MPT 30B, 8 A100, s4k ckpt", MPT_A100, 0.5137, "mfu", mpt("30b", 4096, 8, 1, 21, True, "a100-80g")),
+    ("MPT 30B, 8 A100, s1k ckpt", MPT_A100, 0.5582, "mfu", mpt("30b", 1024, 8, 6, 21, True, "a100-80g")),
+    ("MPT 13B, 8 A100, s32k ckpt", MPT_A100, 0.5169, "mfu", mpt("13b", 32768, 8, 1, 3, True, "a100-80g")),
+    ("MPT 7B, 8 A100, s64k ckpt", MPT_A100, 0.4697, "mfu", mpt("7b", 65536, 8, 1, 2, True, "a100-80g")),
+]
+
+
 def predict(argv: list[str], metric: str) -> tuple[float, str, bool]:
     """The planner's MFU for one run, its layout in words, whether it fits, and the factor that
     turns the source's figure into MFU (N21 reports HFU in Megatron's convention: compared as MFU,
@@ -308,6 +322,7 @@ def main() -> None:
     errors += table(UNSTATED_CHUNKS, "interleaved without a chunk count (the planner picks it)")
     errors += table(OWN, "meshforge's own H100 runs (issue 28: measured tokens/s as MFU)")
     print(f"\nevery run: median {statistics.median(errors):.1f}, worst {max(errors):.1f} ({len(errors)} runs)")
+    table(BESIDE, "beside the set: further rows of the MPT tables (in no summary above)")
 
 
 if __name__ == "__main__":
