@@ -224,10 +224,10 @@ ATTENTION_KERNELS = {
 # (FlashAttention-2, arXiv 2307.08691, section 4.1) measures FlashAttention-2 "around 1.3-1.5x
 # faster ... in the forward pass and around 2x faster in the backward pass".
 ATTENTION_KERNELS["triton-h100"] = {d: [f / 1.4, b / 2.0] for d, (f, b) in ATTENTION_KERNELS["fa2-h100"].items()}
-# FlashAttention-2 on A100 80GB SXM4 (Dao 2023, arXiv 2307.08691, abstract and section 4.1: "up to 73%
-# of the theoretical maximum FLOPs/s" forward, up to 63% backward, head dim 128 at long sequences, on
-# the FLOPs the kernel does): what torch's SDPA runs on Ampere since torch 2.2. The Triton kernel of
-# 2022 by the same paper's A100 comparison (the 1.4x / 2x above was measured on the A100).
+# FlashAttention-2 on A100 80GB SXM4 (Dao 2023, arXiv 2307.08691: "50-73% of the theoretical maximum
+# FLOPs/s on A100"; taken as 73% forward, 63% backward at head dim 128 and long sequences, on the FLOPs
+# the kernel does): what torch's SDPA runs on Ampere since torch 2.2. The Triton kernel of 2022 by the
+# same paper's comparison (the 1.4x / 2x above, measured on the A100).
 ATTENTION_KERNELS["fa2-a100"] = {"128": [0.73, 0.63]}
 ATTENTION_KERNELS["triton-a100"] = {d: [f / 1.4, b / 2.0] for d, (f, b) in ATTENTION_KERNELS["fa2-a100"].items()}
 # A causal kernel on tiles of 128 keys does 1 + 128/s of its useful work (the diagonal tiles), and
