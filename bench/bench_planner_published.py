@@ -282,12 +282,12 @@ def fit(name: str, runs: list, cache: dict) -> float:
     return best
 
 
-def cross_validate() -> None:
-    """Leave one source out: refit FITTED on the others, predict it."""
+def cross_validate() -> dict[str, list[tuple[str, float]]]:
+    """Leave one source out: refit FITTED on the others, predict it; each source's (run, error) pairs."""
     runs = HELD_OUT + EARLIER + OWN
     sources = list(dict.fromkeys(r[1] for r in runs))
     cache: dict = {}
-    every = []
+    every, held = [], {}
     print("leave one source out (the GEMM shares refitted on the other sources)")
     for src in sources:
         mine, rest = [r for r in runs if r[1] == src], [r for r in runs if r[1] != src]
@@ -302,6 +302,7 @@ def cross_validate() -> None:
         for name in fitted:
             set_constant(name, FITTED[name][1])
         every += [abs(e) for e in errs]
+        held[SHORT[src]] = [(r[0], e) for r, e in zip(mine, errs, strict=True)]
         consts = ", ".join(f"{k} {v:.3f}" for k, v in fitted.items())
         worst = f"median {statistics.median(abs(e) for e in errs):.1f}, worst {max(map(abs, errs)):.1f}"
         print(
@@ -309,6 +310,7 @@ def cross_validate() -> None:
         )
     print(f"every source held out in turn: |error| median {statistics.median(every):.1f}, worst {max(every):.1f} "
           f"({len(every)} runs; target: median <= 3, worst <= 8)")  # fmt: skip
+    return held
 
 
 def main() -> None:
