@@ -109,20 +109,22 @@ def test_two_groups_train_as_the_single_process(tmp_path, corpus, lighthouse, np
 
 
 @pytest.mark.slow
-def test_a_killed_group_is_left_behind_then_rejoins_and_heals(tmp_path, corpus, lighthouse):
+@pytest.mark.parametrize("nproc,layout", [(1, {}), (2, {"parallel.zero_stage": 3})], ids=["one-rank", "zero3"])
+def test_a_killed_group_is_left_behind_then_rejoins_and_heals(tmp_path, corpus, lighthouse, nproc, layout):
     """Group 1 is SIGKILLed mid-run and started again: group 0 goes on alone (its process never
     restarts: one `world` event), replicas 2 -> 1 -> 2, the slices group 1 missed are recorded, the
-    rejoined group heals from group 0 and both end on the same bits."""
+    rejoined group heals from group 0 inside a step (asynchronous quorum) and both end on the same
+    bits (each rank its own shard, under ZeRO-3)."""
     url = lighthouse(1)
     a, b = tmp_path / "a", tmp_path / "b"
-    common = {"train.steps": 40}
-    survivor = group(a, corpus, url, 0, fault="pace:ms=150", **common)
-    victim = group(b, corpus, url, 1, fault="pace:ms=150", **common)
+    common = {"train.steps": 40, **layout}
+    survivor = group(a, corpus, url, 0, nproc, fault="pace:ms=150", **common)
+    victim = group(b, corpus, url, 1, nproc, fault="pace:ms=150", **common)
     wait_for(a, 8, replicas=2)
-    victim.kill()  # SIGKILL: the group's one process
+    victim.kill()  # SIGKILL: the group's launcher (its ranks die with it: PR_SET_PDEATHSIG)
     victim.wait()
     wait_for(a, max(r["step"] for r in rows(a)) + 3)  # the survivor goes on alone
-    code, err = finish(group(b, corpus, url, 1, fault="pace:ms=150", **common))
+    code, err = finish(group(b, corpus, url, 1, nproc, fault="pace:ms=150", **common))
     assert code == 0, err[-3000:]
     code, err = finish(survivor)
     assert code == 0, err[-3000:]

@@ -72,6 +72,9 @@ class HealState:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, items: dict, me: dict):
         """``state``: the TrainState; ``items``: ``must_match``'s; ``me``: who sends (replica, host)."""
         self.model, self.optimizer, self.state, self.items, self.me = model, optimizer, state, items, me
+        # the parameters as they are between steps (FSDP's shards: during a forward, which the peer's
+        # serving and the joiner's load overlap, model.parameters() may be the gathered ones)
+        self.params = list(model.parameters())
         self.healed: dict[str, Any] | None = None  # set by a load: whom this group healed from
         self.at_start: dict[str, Any] = {}  # this rank's train state and view when the step under way began
         self.loaded = False  # a load since ``take_loaded`` last asked
@@ -90,7 +93,7 @@ class HealState:
             {k: local(v) if torch.is_tensor(v) else v for k, v in inner.state.get(p, {}).items()}
             for p in _params(self.optimizer)
         ]
-        params = [local(p).detach() for p in self.model.parameters()]
+        params = [local(p).detach() for p in self.params]
         return {"items": self.items, "from": self.me, **self.at_start, "params": params, "optim": optim}
 
     def check(self, sd: dict[str, Any]) -> None:
@@ -110,7 +113,7 @@ class HealState:
         t0 = time.perf_counter()
         self.check(sd)
         self._load_optimizer(sd["optim"])  # first: a fresh optimizer's state is made by a step that moves weights
-        for p, v in zip(self.model.parameters(), sd["params"], strict=True):
+        for p, v in zip(self.params, sd["params"], strict=True):
             local(p).copy_(v)
         train = sd["train"]
         self.state.load_state_dict(train)
