@@ -88,8 +88,8 @@ class Keeper:
             return {"ok": True, "host": self.host}, []
         if op == "trim":
             with self.lock:
-                for steps in self.shards.values():
-                    for old in [s for s in steps if s > step]:
+                for r, steps in self.shards.items():
+                    for old in [s for s in steps if s > step and rank in (-1, r)]:
                         del steps[old]
             return {"ok": True, "host": self.host}, []
         if op == "get":
