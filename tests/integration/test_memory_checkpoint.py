@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_args, tiny_overrides
-from meshforge.checkpoint.memory_keeper import registry, request, shared_secret
-from meshforge.checkpoint.memory_wire import ALIGN
 from sim_hosts import SimHosts, free_port
 
 STEPS = 16
@@ -131,16 +129,35 @@ def _host1_rank(hosts: SimHosts, d: Path) -> int:
     return 0 if first["hosts"][0] == hosts.addr(1) else 1
 
 
-def _survivor(hosts: SimHosts, d: Path) -> tuple[str, int, str]:
-    mem = d / "memory"
-    port = json.loads(registry(mem, hosts.addr(0)).read_text())["port"]
-    return hosts.addr(0), port, shared_secret(mem)
+# run on host 0 (its namespace: the simulated hosts' addresses are reachable only there): talk to its keeper
+ON_HOST0 = """
+import json, sys
+from pathlib import Path
+from meshforge.checkpoint.memory_keeper import registry, request, shared_secret
+mem, host, what, arg = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+port, token = json.loads(registry(mem, host).read_text())["port"], shared_secret(mem)
+if what == "forget":  # every shard of rank ``arg``
+    request(host, port, token, {"op": "trim", "rank": arg, "step": 0})
+else:  # plant, per rank, a copy of its newest shard as a newer step, its first tensor declared 3 floats long
+    held = request(host, port, token, {"op": "list"})[0]["shards"]
+    for rank in (0, 1):
+        step = max(s for r, s, _ in held if r == rank)
+        got, payload = request(host, port, token, {"op": "get", "rank": rank, "step": step}, max_payload=1 << 30)
+        shard = {**got["shard"], "step": arg}
+        shard["tensors"][0] = {**shard["tensors"][0], "shape": [3], "nbytes": 12}
+        head = {"op": "put", "rank": rank, "step": arg, "shard": shard, "size": len(payload)}
+        request(host, port, token, head, [bytes(payload)])
+"""
+
+
+def _on_host0(hosts: SimHosts, d: Path, what: str, arg: int) -> None:
+    p = hosts.popen(0, [sys.executable, "-c", ON_HOST0, str(d / "memory"), hosts.addr(0), what, str(arg)])
+    assert p.wait(120) == 0
 
 
 def test_a_missing_shard_falls_back_to_disk(tmp_path, corpus):
     def drop_mirror(hosts: SimHosts, d: Path) -> None:  # host 1's keeper died; the survivor forgets its mirror
-        host, port, token = _survivor(hosts, d)
-        request(host, port, token, {"op": "trim", "rank": _host1_rank(hosts, d), "step": 0})
+        _on_host0(hosts, d, "forget", _host1_rank(hosts, d))
 
     extra = {"parallel.zero_stage": 3, "checkpoint.interval": 4}  # FSDP: each rank's shard is its own
     d = _run(tmp_path, corpus, "run", fault="pace:ms=300", kill_host=drop_mirror, **extra)
@@ -151,15 +168,8 @@ def test_a_missing_shard_falls_back_to_disk(tmp_path, corpus):
 
 
 def test_a_shard_of_the_wrong_size_is_refused_and_disk_used(tmp_path, corpus):
-    def plant(hosts: SimHosts, d: Path) -> None:  # a newer shard per rank whose tensors are not the model's
-        host, port, token = _survivor(hosts, d)
-        held = request(host, port, token, {"op": "list"})[0]["shards"]
-        layout = held[0][2]
-        entry = {"key": "model.tok_embeddings.weight", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 12}
-        for rank in (0, 1):
-            shard = {"rank": rank, "step": 10**6, "layout": layout, "info": {"train": {}}, "tensors": [entry]}
-            head = {"op": "put", "rank": rank, "step": 10**6, "shard": shard, "size": ALIGN}
-            request(host, port, token, head, [bytes(ALIGN)])
+    def plant(hosts: SimHosts, d: Path) -> None:
+        _on_host0(hosts, d, "plant", 10**6)
 
     d = _run(tmp_path, corpus, "run", fault="pace:ms=300", kill_host=plant, **{"checkpoint.interval": 4})
     unused = _events(d, "memory_checkpoint_unused")

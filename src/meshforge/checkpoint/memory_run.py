@@ -72,7 +72,7 @@ class RunMemory(MemoryTier):
                 err = str(e)
             err = "; ".join(e for e in gather(err) if e)
         if found is None or err:
-            if launch_env.restart_count() or found is not None:
+            if launch_env.restart_count() or self.held_any:  # (a first start with empty keepers says nothing)
                 to = str(disk) if disk else "a fresh start"
                 event("memory_checkpoint_unused", level="warning", reason=err[:2000], fallback=to)
             self.trim(disk_step or 0)

@@ -92,6 +92,7 @@ class MemoryTier:
         self.targets: list[Keeper] = [me] + ([peer] if peer else [])
         self.thread: threading.Thread | None = None
         self.failures: list[str] = []
+        self.held_any = False  # (find: whether any keeper held a shard some rank could load)
 
     def keepers(self) -> list[Keeper]:
         """Every keeper this run's registry names that answers (own host first)."""
@@ -111,11 +112,11 @@ class MemoryTier:
         entries, parts, size = encode(flat)
         shard = {"rank": self.rank, "step": step, "layout": self.layout, "info": info, "tensors": entries}
         head = {"op": "put", "rank": self.rank, "step": step, "shard": shard, "size": size}
-        self.thread = threading.Thread(target=self._send, args=(head, parts, flat), daemon=True)
+        self.thread = threading.Thread(target=self._send, args=(head, parts), daemon=True)  # (parts hold the copies)
         self.thread.start()
         return {"step": step, "bytes": size, "blocking_s": round(blocking, 4), "hosts": [h for h, _ in self.targets]}
 
-    def _send(self, head: dict[str, Any], parts: list, flat: dict[str, torch.Tensor]) -> None:
+    def _send(self, head: dict[str, Any], parts: list) -> None:
         for host, port in self.targets:
             try:
                 request(host, port, self.token, head, parts)
@@ -169,6 +170,7 @@ class MemoryTier:
         cands = self._candidates()
         steps = {s for s in cands if disk_step is None or s >= disk_step}
         every = gather(steps)
+        self.held_any = any(every)
         common = set.intersection(*every) if every else set()
         if not common:
             missing = sorted(r for r, s in enumerate(every) if not s)
