@@ -183,7 +183,7 @@ class RunCheckpoints:
     def resume_memory(self, disk: Path | None) -> str | None:
         """Load the newest memory checkpoint every rank can fetch, when no older than ``disk`` (a
         collective); returns the line to print, or None: nothing usable in memory, resume from disk."""
-        if self.memory is None:
+        if self.memory is None or self.plan.checkpoint.load == "none":
             return None
         step = self.memory.restore(self.state, self.model, self.optimizer, self.event, disk)
         if step is None:
