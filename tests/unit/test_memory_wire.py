@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
+from meshforge.checkpoint.memory_frame import MemoryShardError
 from meshforge.checkpoint.memory_keeper import Keeper, request, shared_secret
 from meshforge.checkpoint.memory_tier import host_address
-from meshforge.checkpoint.memory_wire import ALIGN, MemoryShardError, check_against, decode, encode
+from meshforge.checkpoint.memory_wire import ALIGN, check_against, decode, encode
 from meshforge.errors import ConfigError
 
 TENSORS = {

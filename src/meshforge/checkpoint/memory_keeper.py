@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshforge.checkpoint.memory_wire import MemoryShardError, recv_msg, send_msg
+from meshforge.checkpoint.memory_frame import MemoryShardError, recv_msg, send_msg
 from meshforge.safeio.files import read_regular
 from meshforge.safeio.links import open_append, write_new
 from meshforge.safeio.parse import read_json

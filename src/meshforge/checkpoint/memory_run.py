@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.memory_frame import MemoryShardError
 from meshforge.checkpoint.memory_tier import Found, MemoryTier, flatten, gather
-from meshforge.checkpoint.memory_wire import MemoryShardError, check_against
+from meshforge.checkpoint.memory_wire import check_against
 from meshforge.checkpoint.saver import rng_state, set_rng_state
 from meshforge.checkpoint.train_state import TrainState
 from meshforge.checkpoint.validate import CheckpointError
@@ -68,7 +69,7 @@ class RunMemory(MemoryTier):
         if found is not None:  # (find's verdict is every rank's)
             try:
                 self._load(found, state, model, optimizer)
-            except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            except (CheckpointError, MemoryShardError, KeyError, TypeError, ValueError) as e:
                 err = str(e)
             err = "; ".join(e for e in gather(err) if e)
         if found is None or err:

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge.checkpoint.memory_frame import MAX_HEADER, MemoryShardError
 from meshforge.checkpoint.memory_keeper import MAX_SHARD, ensure_keeper, live_port, request, shared_secret
-from meshforge.checkpoint.memory_wire import MAX_HEADER, MemoryShardError, decode, encode
+from meshforge.checkpoint.memory_wire import decode, encode
 from meshforge.errors import ConfigError
 from meshforge.launch import env as launch_env
 from meshforge.safeio.links import make_dir
