@@ -14,11 +14,18 @@ Target (issue 7): within 25%.
 ``--debug``: the debug preset, seq_len 128, global batch 8, micro-batch 2, fp32, 12 steps,
 every layout planned with one fresh ``meshforge calibrate --nproc 2`` profile per round;
 each round prints the machine's load (``uptime``), since the machine may be shared.
+
+``--load N``: N busy processes (a Python spin loop each) run through calibration and every
+training run, as on a machine shared with other work (issue 51: calibrate under the load of 2
+busy processes on 2 cores, then plan runs made under the same load: each within ±25%).
+
+    python bench/bench_planner.py --load 2 --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -48,15 +55,17 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="calibrate and measure again, N rounds in all")
     p.add_argument("--debug", action="store_true", help="the debug preset with issue 18's settings")
     p.add_argument("--quick", action="store_true", help="meshforge calibrate --quick (fewer sizes and repeats)")
+    p.add_argument("--load", type=int, default=0, help="busy processes running throughout (a shared machine)")
     args = p.parse_args()
     if args.debug:  # the debug preset's shape, for the printout
         args.hidden, args.layers, args.seq_len, args.batch = 128, 4, 128, 8
     ratios: dict[str, list[float]] = {}
-    for i in range(args.repeat):
-        if args.repeat > 1:
-            print(f"\n== round {i + 1} of {args.repeat}")
-        for name, r in one_round(args).items():
-            ratios.setdefault(name, []).append(r)
+    with busy(args.load):
+        for i in range(args.repeat):
+            if args.repeat > 1:
+                print(f"\n== round {i + 1} of {args.repeat}")
+            for name, r in one_round(args).items():
+                ratios.setdefault(name, []).append(r)
     if args.repeat > 1:
         print(f"\n{'layout':<16} predicted/measured per round, median")
         for name, rs in ratios.items():
@@ -135,6 +144,20 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
         top = ", ".join(f"{k} {v:.3f}" for k, v in parts[:3])
         print(f"{name:<16} {meas:>11.3f} {pred:>12.3f} {pred / meas:>18.2f}x  {top}")
     return {name: pred / meas for name, meas, pred, _ in rows}
+
+
+@contextlib.contextmanager
+def busy(n: int):
+    """``n`` spinning processes for the duration (each takes a core when it can)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    if n:
+        print(f"{n} busy process(es) running throughout")
+    try:
+        yield
+    finally:
+        for q in procs:
+            q.kill()
+            q.wait()
 
 
 def _load() -> str:

@@ -81,8 +81,8 @@ def mpt(size: str, seq: int, gpus: int, micro: int, accum: int, checkpoint: bool
     embeddings, vocab 50368, the yaml's head counts (30B: 56 heads of 128); Composer FSDP
     FULL_SHARD (ZeRO-3 over every GPU) with mixed_precision DEFAULT (parameters gathered in bf16,
     gradients reduce-scattered in fp32) after every micro-batch (Composer 0.16 enters no no_sync
-    under FSDP); attn_impl triton (a 2022 Triton FlashAttention kernel of no published H100 rate:
-    priced as FlashAttention-2, the nearest published, an upper bound)."""
+    under FSDP); attn_impl triton (the 2022 Triton FlashAttention: FlashAttention-2's published rates
+    on that GPU over 1.4 forward and 2 backward, as FlashAttention-2's paper measured the two)."""
     layers, hidden, heads = {
         "3b": (32, 2560, 20),
         "7b": (32, 4096, 32),
@@ -95,7 +95,7 @@ def mpt(size: str, seq: int, gpus: int, micro: int, accum: int, checkpoint: bool
     batch = gpus * micro * accum
     degrees = ["--tp", "1", "--pp", "1", "--dp", str(gpus), "--zero", "3", "--micro-batch", str(micro)]
     degrees += ["--recompute", "full" if checkpoint else "none", "--reduce-every-microbatch"]
-    kernel = ["--attention-kernel", "triton-h100"] if gpu.startswith("h100") else []
+    kernel = ["--attention-kernel", "triton-h100" if gpu.startswith("h100") else "triton-a100"]
     return shape + kernel + ["--gpu", gpu, "--gpus", str(gpus), "--global-batch", str(batch)] + degrees
 
 
@@ -155,6 +155,20 @@ EARLIER = [  # the first validation set (the model's constants were chosen looki
 UNSTATED_CHUNKS = [  # N21 Table 1 layouts run interleaved with no chunk count given (refused before issue 38)
     ("GPT 76.1B, 1024 A100, pp4", NARAYANAN, 140 / 312, "hfu", megatron(60, 10240, 80, 1024, 1792, 8, 4, False)),
     ("GPT 529.6B, 2520 A100, pp35", NARAYANAN, 163 / 312, "hfu", megatron(105, 20480, 128, 2520, 2520, 8, 35, False)),
+]
+
+
+BESIDE = [  # further rows of the same MPT tables, not in the set: printed beside it (issue 51), in no summary
+    ("MPT 30B, 8 H100, s4k ckpt", MPT_H100, 0.3586, "mfu", mpt("30b", 4096, 8, 1, 21, True, "h100-sxm")),
+    ("MPT 30B, 8 H100, s2k ckpt", MPT_H100, 0.3811, "mfu", mpt("30b", 2048, 8, 3, 21, True, "h100-sxm")),
+    ("MPT 30B, 8 H100, s1k ckpt", MPT_H100, 0.3876, "mfu", mpt("30b", 1024, 8, 6, 21, True, "h100-sxm")),
+    ("MPT 13B, 8 H100, s32k ckpt", MPT_H100, 0.3168, "mfu", mpt("13b", 32768, 8, 1, 3, True, "h100-sxm")),
+    ("MPT 7B, 8 H100, s64k ckpt", MPT_H100, 0.2859, "mfu", mpt("7b", 65536, 8, 1, 2, True, "h100-sxm")),
+    ("MPT 30B, 8 A100, s8k ckpt", MPT_A100, 0.3938, "mfu", mpt("30b", 8192, 8, 1, 21, True, "a100-80g")),
+    ("MPT 30B, 8 A100, s4k ckpt", MPT_A100, 0.5137, "mfu", mpt("30b", 4096, 8, 1, 21, True, "a100-80g")),
+    ("MPT 30B, 8 A100, s1k ckpt", MPT_A100, 0.5582, "mfu", mpt("30b", 1024, 8, 6, 21, True, "a100-80g")),
+    ("MPT 13B, 8 A100, s32k ckpt", MPT_A100, 0.5169, "mfu", mpt("13b", 32768, 8, 1, 3, True, "a100-80g")),
+    ("MPT 7B, 8 A100, s64k ckpt", MPT_A100, 0.4697, "mfu", mpt("7b", 65536, 8, 1, 2, True, "a100-80g")),
 ]
 
 
@@ -268,12 +282,12 @@ def fit(name: str, runs: list, cache: dict) -> float:
     return best
 
 
-def cross_validate() -> None:
-    """Leave one source out: refit FITTED on the others, predict it."""
+def cross_validate() -> dict[str, list[tuple[str, float]]]:
+    """Leave one source out: refit FITTED on the others, predict it; each source's (run, error) pairs."""
     runs = HELD_OUT + EARLIER + OWN
     sources = list(dict.fromkeys(r[1] for r in runs))
     cache: dict = {}
-    every = []
+    every, held = [], {}
     print("leave one source out (the GEMM shares refitted on the other sources)")
     for src in sources:
         mine, rest = [r for r in runs if r[1] == src], [r for r in runs if r[1] != src]
@@ -288,6 +302,7 @@ def cross_validate() -> None:
         for name in fitted:
             set_constant(name, FITTED[name][1])
         every += [abs(e) for e in errs]
+        held[SHORT[src]] = [(r[0], e) for r, e in zip(mine, errs, strict=True)]
         consts = ", ".join(f"{k} {v:.3f}" for k, v in fitted.items())
         worst = f"median {statistics.median(abs(e) for e in errs):.1f}, worst {max(map(abs, errs)):.1f}"
         print(
@@ -295,6 +310,7 @@ def cross_validate() -> None:
         )
     print(f"every source held out in turn: |error| median {statistics.median(every):.1f}, worst {max(every):.1f} "
           f"({len(every)} runs; target: median <= 3, worst <= 8)")  # fmt: skip
+    return held
 
 
 def main() -> None:
@@ -308,6 +324,7 @@ def main() -> None:
     errors += table(UNSTATED_CHUNKS, "interleaved without a chunk count (the planner picks it)")
     errors += table(OWN, "meshforge's own H100 runs (issue 28: measured tokens/s as MFU)")
     print(f"\nevery run: median {statistics.median(errors):.1f}, worst {max(errors):.1f} ({len(errors)} runs)")
+    table(BESIDE, "beside the set: further rows of the MPT tables (in no summary above)")
 
 
 if __name__ == "__main__":

@@ -102,3 +102,16 @@ def test_resume_on_the_command_line():
     assert parse_train_args(["--resume=runs/b"]).resume == "runs/b"
     with pytest.raises(Exception, match="--resume needs a value"):
         parse_train_args(["--resume"])
+
+
+def test_the_derived_warmup_is_kept_when_a_run_is_extended(tmp_path):
+    """``optim.warmup_steps = -1`` is min(100, steps / 10) of the run as first planned; config.toml
+    records the number, so an extended run (``--resume`` reads config.toml) keeps the warmup its
+    steps so far took, rather than re-deriving it from the new length (80 for 800 steps)."""
+    first = plan("wsd", 400, **{"optim.warmup_steps": -1})
+    assert first.optim.warmup_steps == 40
+    (tmp_path / "config.toml").write_text(first.to_toml())
+    longer = resolve(load_config(str(tmp_path / "config.toml"), {"train.steps": 800}))
+    assert longer.optim.warmup_steps == 40
+    assert resolve(load_config(None, {**BASE, "optim.warmup_steps": -1, "train.steps": 800})).optim.warmup_steps == 80
+    assert follows_schedule(meta("wsd", 400, 320), 320, longer)

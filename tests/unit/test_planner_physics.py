@@ -40,9 +40,10 @@ def test_materialized_scores_cost_traffic_that_grows_with_the_sequence():
 
 
 def test_fused_attention_is_slower_per_flop_on_short_sequences():
-    short = kernel_costs.flash_attention_rate(A100, 512, "bf16")
-    long = kernel_costs.flash_attention_rate(A100, 16384, "bf16")
-    assert short < 0.5 * long < long <= A100.peak("bf16") * A100.attention_efficiency
+    b200 = get_hardware("b200")  # no published kernel table: one fused share, halved at 1K tokens
+    short = kernel_costs.flash_attention_rate(b200, 512, "bf16")
+    long = kernel_costs.flash_attention_rate(b200, 16384, "bf16")
+    assert short < 0.5 * long < long <= b200.peak("bf16") * b200.attention_efficiency
     # a preset with a published kernel: seconds per token and key grow as the sequence shrinks
     per_key = [kernel_costs.attention_seconds(GPT, H100, s, 1e6, 24, "none", "bf16", 1.0) / s for s in (512, 16384)]
     assert per_key[0] > 1.3 * per_key[1]
@@ -92,3 +93,32 @@ def test_gemm_share_of_peak_by_generation():
     h100 = kernel_costs.gemm_rate(H100, big, "bf16") / H100.peak("bf16")
     assert a100 > h100 > 0.5
     assert kernel_costs.gemm_rate(H100, 1e9, "bf16") < 0.5 * kernel_costs.gemm_rate(H100, big, "bf16")
+
+
+def test_ampere_gemms_by_their_smallest_dimension_at_hoppers_half_rate_scaled_by_machine_balance():
+    """Issue 51: the roofline gives a GEMM whose smallest dimension is d the rate best·d/(d + c·balance),
+    balance = bf16 peak / HBM bandwidth; c is Hopper's (fitted on meshforge's H100 runs), so an A100
+    halves at ~210, not at a size in FLOPs that no transformer GEMM comes near. Megatron's pipelined
+    micro-batches of 2,048 tokens run slower GEMMs than its 32K-token ones; skinny tp shards too."""
+    balance = {hw.name: hw.peak("bf16") / hw.hbm_bw for hw in (A100, H100)}
+    assert H100.gemm_half_dim == 400.0
+    assert A100.gemm_half_dim == pytest.approx(400.0 * balance["a100-80g"] / balance["h100-sxm"])
+    assert 200 < A100.gemm_half_dim < 215
+    best = A100.peak("bf16") * A100.gemm_efficiency
+    assert kernel_costs.gemm_rate_dims(A100, 2048, 9600, 25600, "bf16") == pytest.approx(best * 2048 / 2256, rel=0.01)
+    assert kernel_costs.gemm_rate_dims(A100, 32768, 6144, 768, "bf16") < 0.8 * best
+    pipelined, flat = (kernel_costs.dense_gemm_rate(GPT, A100, t, 1, "bf16") for t in (2048, 32768))
+    assert pipelined < flat < best
+
+
+def test_ampere_attention_runs_flashattention2s_published_rates():
+    """Issue 51: an A100 prices its fused attention at FlashAttention-2's A100 rates (73% / 63% of
+    peak forward / backward on the kernel's FLOPs), the 2022 Triton kernel (llm-foundry's) at 1/1.4
+    and 1/2 of them, as FlashAttention-2's paper measured the two on the A100; not one fitted share."""
+    from meshforge.planner.hardware import ATTENTION_KERNELS
+
+    assert A100.attention_kernel == ATTENTION_KERNELS["fa2-a100"] == {"128": [0.73, 0.63]}
+    triton = replace(A100, attention_kernel=ATTENTION_KERNELS["triton-a100"])
+    assert kernel_costs.kernel_shares(triton, 128) == pytest.approx((0.73 / 1.4, 0.63 / 2))
+    fa2, old = (kernel_costs.attention_seconds(GPT, hw, 2048, 1e6, 24, "none", "bf16", 1.0) for hw in (A100, triton))
+    assert 1.4 < old / fa2 < 2.0

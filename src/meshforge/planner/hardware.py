@@ -146,12 +146,28 @@ def _tf(kind: str) -> dict[str, float]:
     return {k: v * 1e12 for k, v in PEAK_TFLOPS[kind].items()}
 
 
-AMPERE_GEMM = 0.78  # fitted: MPT's A100 table (docs/planner.md, "What is fitted")
+AMPERE_GEMM = 0.78  # fitted: the A100 runs' best GEMM share (docs/planner.md, "What is fitted"; N21, K22, MPT agree)
 # Hopper's GEMMs by their smallest dimension (kernel_costs.dense_gemm_rate): the best share 0.66
 # (653 TFLOP/s) and half of it at d = 400 give 2048^3 ~550, 4096^3 ~595, 8192^3 ~620 TFLOP/s, at the
 # low end of the 600-750 that cuBLAS bf16 reaches on H100 SXM for large GEMMs (sustained training
 # clocks); it is the one figure the issue-28 H100 rows calibrate (tests/unit/test_planner_h100_table.py)
 HOPPER_GEMM_BEST, HOPPER_HALF_DIM = 0.66, 400.0
+
+
+def machine_balance(hw: Hardware) -> float:
+    """FLOPs per byte of HBM traffic at which the tensor cores and the memory take as long (bf16
+    peak / HBM bandwidth): where a roofline turns from memory-bound to compute-bound."""
+    return hw.peak("bf16") / hw.hbm_bw
+
+
+def balance_half_dim(hw: Hardware, hopper: Hardware) -> float:
+    """The smallest GEMM dimension at which ``hw`` reaches half its best GEMM rate, from Hopper's
+    (fitted on meshforge's own H100 runs) by the roofline: a GEMM whose smallest dimension is d
+    does about d FLOPs per byte of the operand that dimension leaves whole (bf16: 2·d·n·k FLOPs over
+    2·n·k bytes), so time = FLOPs/peak + bytes/bandwidth gives the rate best·d/(d + c·balance), the
+    same c on every generation. An A100 (balance 153) halves at ~210, an H100 SXM (295) at 400."""
+    return HOPPER_HALF_DIM * machine_balance(hw) / machine_balance(hopper)
+
 
 PRESETS: dict[str, Hardware] = {
     # achievable GEMM shares of peak in published training runs (bench/bench_planner_published.py):
@@ -208,10 +224,23 @@ ATTENTION_KERNELS = {
 # (FlashAttention-2, arXiv 2307.08691, section 4.1) measures FlashAttention-2 "around 1.3-1.5x
 # faster ... in the forward pass and around 2x faster in the backward pass".
 ATTENTION_KERNELS["triton-h100"] = {d: [f / 1.4, b / 2.0] for d, (f, b) in ATTENTION_KERNELS["fa2-h100"].items()}
+# FlashAttention-2 on A100 80GB SXM4 (Dao 2023, arXiv 2307.08691: "50-73% of the theoretical maximum
+# FLOPs/s on A100"; taken as 73% forward, 63% backward at head dim 128 and long sequences, on the FLOPs
+# the kernel does): what torch's SDPA runs on Ampere since torch 2.2. The Triton kernel of 2022 by the
+# same paper's comparison (the 1.4x / 2x above, measured on the A100).
+ATTENTION_KERNELS["fa2-a100"] = {"128": [0.73, 0.63]}
+ATTENTION_KERNELS["triton-a100"] = {d: [f / 1.4, b / 2.0] for d, (f, b) in ATTENTION_KERNELS["fa2-a100"].items()}
 # A causal kernel on tiles of 128 keys does 1 + 128/s of its useful work (the diagonal tiles), and
 # the non-causal kernels themselves reach ~3/4 of their 4K rate at 512 tokens (same figures): both
 # together are a half-rate length of ~256 tokens.
 KERNEL_HALF_SEQ = 256.0
+for _name in ("a100-40g", "a100-80g"):  # Ampere: FlashAttention-2's rates, GEMMs by their smallest dimension
+    PRESETS[_name] = replace(
+        PRESETS[_name],
+        attention_kernel=ATTENTION_KERNELS["fa2-a100"],
+        attention_half_seq=KERNEL_HALF_SEQ,
+        gemm_half_dim=balance_half_dim(PRESETS[_name], PRESETS["h100-sxm"]),
+    )
 for _name in ("h100-sxm", "h100-pcie", "h200"):
     PRESETS[_name] = replace(
         PRESETS[_name],

@@ -168,7 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-kernel",
         choices=sorted(ATTENTION_KERNELS),
         help="the fused attention kernel's published rates (planner/hardware.py; default: the preset's, "
-        "on Hopper cuDNN as torch picks it; fa2-h100 for runs on flash-attn 2)",
+        "on Hopper cuDNN as torch picks it, on Ampere FlashAttention-2; fa2-h100 for runs on flash-attn 2, "
+        "triton-h100/triton-a100 for the 2022 Triton FlashAttention)",
     )
     for dotted in MOE_KEYS:  # with --model or --config they replace the preset's (docs/moe.md)
         key_flag(m, dotted, "mixture of experts; replaces the preset's")
