@@ -5,6 +5,7 @@ argparse's usage dump in front of a one-line error, and help that names a key th
 from __future__ import annotations
 
 from meshforge.metrics.step_metrics import end_line
+from meshforge.train.run_log import _more_validation
 
 
 def _summary(tokens: float) -> dict:
@@ -16,3 +17,12 @@ def _summary(tokens: float) -> dict:
 def test_a_short_runs_tokens_are_counted_not_rounded_to_zero_millions():
     assert "| 2,560 tokens |" in end_line(_summary(2560), "runs/x")  # was "0.00M tokens"
     assert "| 1.64M tokens |" in end_line(_summary(1_638_400), "runs/x")  # the main job's, as README shows
+
+
+def test_too_small_a_prepared_split_is_not_told_to_raise_val_fraction(tmp_path):
+    """data.val_fraction splits raw text as it is prepared; shards already split ignore it."""
+    (tmp_path / "index.json").write_text("{}")
+    hint = _more_validation(str(tmp_path))
+    assert "prepare the text again with a larger --val-fraction" in hint and "raise data.val_fraction" not in hint
+    assert _more_validation("") == "raise data.val_fraction or add data"  # the default corpus, prepared on use
+    assert _more_validation(str(tmp_path / "a.txt")) == "raise data.val_fraction or add data"
