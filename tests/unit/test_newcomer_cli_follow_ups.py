@@ -4,6 +4,9 @@ argparse's usage dump in front of a one-line error, and help that names a key th
 
 from __future__ import annotations
 
+import pytest
+
+from meshforge.cli.main import main
 from meshforge.metrics.step_metrics import end_line
 from meshforge.train.run_log import _more_validation
 
@@ -26,3 +29,22 @@ def test_too_small_a_prepared_split_is_not_told_to_raise_val_fraction(tmp_path):
     assert "prepare the text again with a larger --val-fraction" in hint and "raise data.val_fraction" not in hint
     assert _more_validation("") == "raise data.val_fraction or add data"  # the default corpus, prepared on use
     assert _more_validation(str(tmp_path / "a.txt")) == "raise data.val_fraction or add data"
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["plan", "--model", "llama3.1-8b", "--gpus", "0"],
+            "meshforge plan: error: argument --gpus: must be a positive",
+        ),
+        (["report"], "meshforge report: error: the following arguments are required: RUN_DIR"),
+        (["data", "prepare", "--out", "x"], "meshforge data prepare: error: the following arguments are required"),
+    ],
+)
+def test_a_bad_flag_is_one_paragraph_without_the_usage_dump(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(said), err
+    assert "usage:" not in err and len(err.strip().splitlines()) == 1, err  # plan's usage alone was 20 lines

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from meshforge import __version__
 from meshforge.errors import ConfigError, MeshforgeError
@@ -156,8 +157,16 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     return serve(args.bind, args.min_replicas)
 
 
+class OneParagraphParser(argparse.ArgumentParser):
+    """argparse, less the usage it prints before an error: `meshforge plan`'s alone is 20 lines above
+    the one that matters. Bad input is one paragraph and exit 2; the subcommands inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists every flag\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshforge", description="Train transformer language models across a device mesh.")
+    p = OneParagraphParser(prog="meshforge", description="Train transformer language models across a device mesh.")
     p.add_argument("--version", action="version", version=f"meshforge {__version__}")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("train", help="train a model (meshforge train --help)", add_help=False)
