@@ -48,3 +48,10 @@ def test_a_bad_flag_is_one_paragraph_without_the_usage_dump(argv, said, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(said), err
     assert "usage:" not in err and len(err.strip().splitlines()) == 1, err  # plan's usage alone was 20 lines
+
+
+def test_report_help_names_the_key_that_sets_a_run_directory(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    out = capsys.readouterr().out
+    assert "run.dir" in out and "out_dir" not in out  # there is no out_dir key: --run.out_dir is refused

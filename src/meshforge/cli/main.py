@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--quick", action="store_true", help="fewer sizes, repeats and calls per timing")
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's run.dir)")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
     lh = sub.add_parser("lighthouse", help="run torchft's lighthouse: the quorum server of fault-tolerant groups")
     lh.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on, e.g. 0.0.0.0:29510")
