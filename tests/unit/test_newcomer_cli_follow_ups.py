@@ -4,9 +4,13 @@ argparse's usage dump in front of a one-line error, and help that names a key th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from meshforge.cli.main import main
+from meshforge.errors import ConfigError
+from meshforge.guards.preflight import check_init_from
 from meshforge.metrics.step_metrics import end_line
 from meshforge.train.run_log import _more_validation
 
@@ -55,3 +59,11 @@ def test_report_help_names_the_key_that_sets_a_run_directory(capsys):
         main(["report", "--help"])
     out = capsys.readouterr().out
     assert "run.dir" in out and "out_dir" not in out  # there is no out_dir key: --run.out_dir is refused
+
+
+@pytest.mark.parametrize("name, said", [("nope", "does not exist"), ("a.txt", "is not a directory of weights")])
+def test_init_from_that_is_no_weights_directory_says_what_to_give(tmp_path, name, said):
+    (tmp_path / "a.txt").write_text("x")
+    plan = SimpleNamespace(model=SimpleNamespace(init_from=str(tmp_path / name)))
+    with pytest.raises(ConfigError, match=rf"{said}; give a run's final/ or the output of `meshforge convert"):
+        check_init_from(plan)
