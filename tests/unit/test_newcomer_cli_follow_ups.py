@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from meshforge.cli.main import main
+from meshforge.cli.resume import _check_world
+from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.guards.preflight import check_init_from
 from meshforge.metrics.step_metrics import end_line
@@ -67,3 +69,13 @@ def test_init_from_that_is_no_weights_directory_says_what_to_give(tmp_path, name
     plan = SimpleNamespace(model=SimpleNamespace(init_from=str(tmp_path / name)))
     with pytest.raises(ConfigError, match=rf"{said}; give a run's final/ or the output of `meshforge convert"):
         check_init_from(plan)
+
+
+def test_resuming_a_two_rank_run_without_its_nproc_names_the_nproc(tmp_path):
+    ran = load_config(None, {"parallel.dp_shard": 2, "parallel.zero_stage": 3})  # as its config.toml records it
+    with pytest.raises(ConfigError, match=r"ran on 2 rank\(s\) \(dp_shard 2\), this launch has 1; add --nproc 2"):
+        _check_world(tmp_path, ran, {"train.steps": 40}, 1)
+    _check_world(tmp_path, ran, {"train.steps": 40}, 2)  # as it ran
+    _check_world(tmp_path, ran, {"parallel.dp_shard": 1}, 1)  # another layout, given: the degrees' own check
+    with pytest.raises(ConfigError, match=r"ran on 1 rank\(s\) \(one rank\), this launch has 2; leave out --nproc"):
+        _check_world(tmp_path, load_config(None, {"parallel.dp_shard": 1}), {}, 2)
