@@ -79,3 +79,14 @@ def test_resuming_a_two_rank_run_without_its_nproc_names_the_nproc(tmp_path):
     _check_world(tmp_path, ran, {"parallel.dp_shard": 1}, 1)  # another layout, given: the degrees' own check
     with pytest.raises(ConfigError, match=r"ran on 1 rank\(s\) \(one rank\), this launch has 2; leave out --nproc"):
         _check_world(tmp_path, load_config(None, {"parallel.dp_shard": 1}), {}, 2)
+
+
+@pytest.mark.parametrize("flag, sub", [("--to-hf", "final"), ("--from-checkpoint", "checkpoints")])
+def test_convert_given_a_run_directory_names_the_folder_to_give(tmp_path, flag, sub, capsys):
+    run = tmp_path / "run"
+    (run / sub).mkdir(parents=True)
+    (run / "config.toml").write_text("[train]\nsteps = 2\n")
+    assert main(["convert", flag, str(run), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {run} is a run directory; give its {sub}/: {flag} {run / sub}" in err, err
+    assert not (tmp_path / "hf").exists()  # nothing written

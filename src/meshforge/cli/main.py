@@ -79,6 +79,7 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
     from meshforge.checkpoint.weights import load_pretrained, save_model_weights
     from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 
+    _refuse_run_dir(args)
     if args.from_checkpoint:
         from meshforge.checkpoint.export import checkpoint_to_hf
 
@@ -101,6 +102,20 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
         save_hf_checkpoint(model, out)
         print(f"converted {args.to_hf} -> Hugging Face checkpoint {out} (loads with from_pretrained)")
     return 0
+
+
+def _refuse_run_dir(args: argparse.Namespace) -> None:
+    """A run directory given where its final/ or checkpoints/ goes (generate takes a run directory
+    whole; convert does not): name the folder to give instead of "holds neither meshforge.json ..."."""
+    flag, sub = ("--to-hf", "final") if args.to_hf else ("--from-checkpoint", "checkpoints")
+    given = Path(args.to_hf or args.from_checkpoint or "")
+    if args.from_hf or not (given / "config.toml").is_file() or (given / "meshforge.json").is_file():
+        return
+    if (given / sub).is_dir():
+        raise ConfigError(f"{flag} {given} is a run directory; give its {sub}/: {flag} {given / sub}")
+    raise ConfigError(
+        f"{flag} {given} is a run directory without {sub}/; give weights (a run's final/) or a checkpoint"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
