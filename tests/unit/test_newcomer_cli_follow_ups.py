@@ -4,10 +4,12 @@ argparse's usage dump in front of a one-line error, and help that names a key th
 
 from __future__ import annotations
 
+import errno
 from types import SimpleNamespace
 
 import pytest
 
+from meshforge import explore
 from meshforge.cli.main import main
 from meshforge.cli.resume import _check_world
 from meshforge.config import load_config
@@ -90,3 +92,13 @@ def test_convert_given_a_run_directory_names_the_folder_to_give(tmp_path, flag, 
     err = capsys.readouterr().err
     assert f"{flag} {run} is a run directory; give its {sub}/: {flag} {run / sub}" in err, err
     assert not (tmp_path / "hf").exists()  # nothing written
+
+
+def test_explore_on_an_address_of_another_machine_points_at_host_not_port(monkeypatch, capsys):
+    def serve(host: str, port: int) -> int:
+        raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")  # bind() to 192.0.2.1 here
+
+    monkeypatch.setattr(explore, "serve", serve)
+    assert main(["explore", "--host", "192.0.2.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host must be an address of this machine" in err and "try another --port" not in err, err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import os
 import shlex
 import socket
@@ -149,7 +150,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
             f"cannot listen on --host {args.host} ({e.strerror}); give an address of this machine, e.g. 127.0.0.1"
         ) from None
     except OSError as e:
-        raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); try another --port") from None
+        fix = "try another --port"
+        if e.errno == errno.EADDRNOTAVAIL:  # an address of another machine, not a port in use
+            fix = "--host must be an address of this machine, e.g. 127.0.0.1 (or 0.0.0.0: all of them)"
+        raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); {fix}") from None
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
