@@ -16,6 +16,7 @@ from meshforge.config import load_config
 from meshforge.errors import ConfigError
 from meshforge.guards.preflight import check_init_from
 from meshforge.metrics.step_metrics import end_line
+from meshforge.parallel.degrees import resolve_degrees
 from meshforge.train.run_log import _more_validation
 
 
@@ -102,3 +103,11 @@ def test_explore_on_an_address_of_another_machine_points_at_host_not_port(monkey
     assert main(["explore", "--host", "192.0.2.1", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "--host must be an address of this machine" in err and "try another --port" not in err, err
+
+
+def test_tensor_parallel_on_one_rank_says_to_start_more_ranks():
+    """The newcomer's `meshforge train --parallel.tp 2` without --nproc: "world size" alone did not say how."""
+    with pytest.raises(
+        ConfigError, match=r"world size 1 is not divisible .* 2; start a multiple of 2 ranks \(--nproc 2"
+    ):
+        resolve_degrees(load_config(None, {"parallel.tp": 2}).layout, 1)
