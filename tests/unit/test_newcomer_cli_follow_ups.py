@@ -111,3 +111,17 @@ def test_tensor_parallel_on_one_rank_says_to_start_more_ranks():
         ConfigError, match=r"world size 1 is not divisible .* 2; start a multiple of 2 ranks \(--nproc 2"
     ):
         resolve_degrees(load_config(None, {"parallel.tp": 2}).layout, 1)
+
+
+@pytest.mark.parametrize(
+    "toml, said",
+    [
+        ('[job]\ndump_folder = "./outputs"\n', r"section \[job\] .*that is torchtitan's; meshforge's is \[run\] dir"),
+        ('[model]\nname = "llama3"\n', r"model\.name .*that is torchtitan's; meshforge's is \[model\] preset"),
+    ],
+)
+def test_a_torchtitan_job_config_is_pointed_at_meshforges_keys(tmp_path, toml, said):
+    """[model] name once answered "optim.name exists: did you mean [optim] name?" (the optimizer's)."""
+    (tmp_path / "tt.toml").write_text(toml)
+    with pytest.raises(ConfigError, match=said):
+        load_config(tmp_path / "tt.toml")
