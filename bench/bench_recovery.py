@@ -1,12 +1,14 @@
 """Recovery under repeated host failures, side by side: goodput, time from a kill to the survivors'
-next step, and steps lost, for (a) elastic restart from the disk checkpoint and (c) live recovery
-across replica groups (torchft). (b), restart from peer memory, is not built yet and is reported so.
+next step, and steps lost, for (a) elastic restart from the disk checkpoint, (b) elastic restart from
+peer memory (checkpoint.memory_interval) and (c) live recovery across replica groups (torchft).
 
 Three simulated hosts (scripts/sim_hosts.sh; loopback addresses where namespaces are not
 permitted). Every ``--kill-every`` seconds one host is SIGKILLed and started again ``--down``
 seconds later, hosts 1 and 2 in turn (host 0 holds what both modes need to stay up: torchrun's
 rendezvous store in (a), the lighthouse in (c), so it is never killed). (a): one torchrun job,
-``--nnodes 1:3 --max-restarts 100``, ``checkpoint.interval = --ckpt-interval``. (c): three replica
+``--nnodes 1:3 --max-restarts 100``, ``checkpoint.interval = --ckpt-interval``. (b): (a) plus
+``checkpoint.memory_interval = --mem-interval`` (each host's keeper holds the snapshots, mirrored to the
+next host; a restart loads the newest one every rank can fetch, else disk). (c): three replica
 groups of one rank each, ``fault_tolerance.replicas = 3, min_replicas = 1``, host 0's group
 measured, the same checkpoint interval (written by one group). Both train the same model on the
 same global batch.
@@ -21,6 +23,7 @@ same global batch.
 
     sudo python bench/bench_recovery.py                                   # the issue's run: 10 min, kill every 2 min
     sudo python bench/bench_recovery.py --minutes 4 --kill-every 60       # shorter
+    sudo python bench/bench_recovery.py --modes disk,memory --minutes 4 --kill-every 60   # (a) beside (b)
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class Watcher(threading.Thread):
             time.sleep(0.05)
 
 
-def disk_mode(hosts: SimHosts, a: argparse.Namespace, tmp: Path) -> tuple[Path, callable]:
+def disk_mode(hosts: SimHosts, a: argparse.Namespace, tmp: Path, extra: tuple = ()) -> tuple[Path, callable]:
     """(a): one elastic torchrun job over the three hosts; returns its metrics file and a starter per host."""
     run_dir, port = tmp / "run", free_port() if hosts.fallback else 29400
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
@@ -87,11 +90,17 @@ def disk_mode(hosts: SimHosts, a: argparse.Namespace, tmp: Path) -> tuple[Path, 
             PY, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=100",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.addr(0)}:{port}", f"--rdzv-id={hosts.name}",
             f"--rdzv-conf=is_host={int(i == 0)},join_timeout=60", f"--local-addr={hosts.addr(i)}",
-            "-m", "meshforge", "train", *model_args(a, run_dir), "--checkpoint.load=latest",
+            "-m", "meshforge", "train", *model_args(a, run_dir), "--checkpoint.load=latest", *extra,
         ]  # fmt: skip
-        hosts.popen(i, cmd, env, open(tmp / f"h{i}-{time.time():.0f}.log", "w"))  # noqa: SIM115
+        own = {**env, "MESHFORGE_HOST": hosts.addr(i)}  # (the memory keeper's address: loopback hosts too)
+        hosts.popen(i, cmd, own, open(tmp / f"h{i}-{time.time():.0f}.log", "w"))  # noqa: SIM115
 
     return run_dir / "metrics.jsonl", start
+
+
+def memory_mode(hosts: SimHosts, a: argparse.Namespace, tmp: Path) -> tuple[Path, callable]:
+    """(b): (a) with checkpoints in memory every ``--mem-interval`` steps, mirrored to the next host."""
+    return disk_mode(hosts, a, tmp, (f"--checkpoint.memory_interval={a.mem_interval}",))
 
 
 def live_mode(hosts: SimHosts, a: argparse.Namespace, tmp: Path) -> tuple[Path, callable]:
@@ -114,6 +123,9 @@ def live_mode(hosts: SimHosts, a: argparse.Namespace, tmp: Path) -> tuple[Path, 
     return tmp / "g0" / "metrics.jsonl", start
 
 
+MODES = {"disk": disk_mode, "memory": memory_mode, "live": live_mode}
+
+
 class _kept:
     """A folder that stays (``--logs``), used like a TemporaryDirectory."""
 
@@ -132,7 +144,7 @@ def measure(mode: str, a: argparse.Namespace) -> dict:
     """One mode's run: start the hosts, kill and restart them on the schedule, read the metrics."""
     with SimHosts(3) as hosts, tempfile.TemporaryDirectory() if a.logs is None else _kept(a.logs, mode) as t:
         tmp = Path(t)
-        metrics, start = (disk_mode if mode == "disk" else live_mode)(hosts, a, tmp)
+        metrics, start = MODES[mode](hosts, a, tmp)
         for i in range(3):
             start(i)
         watch = Watcher(metrics)
@@ -197,7 +209,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=12)
-    ap.add_argument("--modes", default="disk,live")
+    ap.add_argument("--mem-interval", type=int, default=5, help="(b): checkpoint.memory_interval")
+    ap.add_argument("--modes", default="disk,memory,live", help="of disk (a), memory (b), live (c)")
     ap.add_argument("--logs", default=None, help="keep each mode's run directories and host logs under this folder")
     ap.add_argument("--ft-timeout", type=float, default=10.0, help="(c): fault_tolerance.timeout_s")
     a = ap.parse_args()
@@ -211,9 +224,10 @@ def main() -> None:
             f"{fmt(r['steps_lost'], '{}'):>10} {r['median_step_s']:7.3f} {r['steps']} {r['replicas']}"
         )
     print(json.dumps(out))
-    print("peer-memory restart (b): not built yet (checkpoint.memory_interval)")
-    if len(out) == 2:
-        print(f"goodput live / disk: {out[1]['goodput'] / max(out[0]['goodput'], 1e-9):.2f}")
+    by = {r["mode"]: r["goodput"] for r in out}
+    for m in ("memory", "live"):
+        if "disk" in by and m in by:
+            print(f"goodput {m} / disk: {by[m] / max(by['disk'], 1e-9):.2f}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshforge.checkpoint import sharded, store
+from meshforge.checkpoint.memory_run import RunMemory, memory_tier
 from meshforge.checkpoint.resume_point import check_shape, continuation_note
 from meshforge.checkpoint.saver import CheckpointSaver, model_shape_hash, young_daly_steps
 from meshforge.checkpoint.train_state import TrainState
@@ -76,6 +77,7 @@ class RunCheckpoints:
         self.next_save = self._first_save_step()
         self.stable_end = _stable_end(plan)  # the wsd stable phase's last step, kept for extending the run
         self.checkpointer.protect = self.stable_end
+        self.memory: RunMemory | None = memory_tier(plan, mesh, model, optimizer, diloco is not None)
 
     def _first_save_step(self) -> int | None:
         step = self.state.step
@@ -113,6 +115,8 @@ class RunCheckpoints:
         end of a wsd run's stable phase."""
         due = self.next_save is not None and self.state.step >= self.next_save
         final = self.plan.checkpoint.final and (last or self.state.step == self.stable_end)
+        if self.memory and self.state.step % self.memory.interval == 0 and not last:
+            self.memory.snapshot_run(self.state, self.model, self.optimizer, self.event)
         if not (due or final):
             return
         self.save()
@@ -158,6 +162,7 @@ class RunCheckpoints:
         self.next_save = self._first_save_step()
         self.event(
             "resumed",
+            source="disk",
             path=str(path),
             step=self.state.step,
             saved_layout=meta["degrees"],
@@ -174,6 +179,17 @@ class RunCheckpoints:
             + (f" (saved on {meta['world_size']} ranks {meta['degrees']}, resharded)" if not same_layout else "")
             + (f"\n{note}" if note else "")
         )
+
+    def resume_memory(self, disk: Path | None) -> str | None:
+        """Load the newest memory checkpoint every rank can fetch, when no older than ``disk`` (a
+        collective); returns the line to print, or None: nothing usable in memory, resume from disk."""
+        if self.memory is None or self.plan.checkpoint.load == "none":
+            return None
+        step = self.memory.restore(self.state, self.model, self.optimizer, self.event, disk)
+        if step is None:
+            return None
+        self.next_save = self._first_save_step()
+        return f"resumed from memory at step {step}"
 
     def export_final(self, pipelined: bool) -> None:
         """Gather the full weights (a collective under sharding: every rank calls) and let

@@ -147,7 +147,7 @@ def staging_is_pinned() -> bool:
     return bool(s is not None and s._config.use_pinned_memory)
 
 
-def _dcp_load(state_dict: dict[str, Any], storage_reader: dcp.FileSystemReader, **kw: Any) -> None:
+def _dcp_read(state_dict: dict[str, Any], storage_reader: dcp.FileSystemReader, **kw: Any) -> None:
     """DCP's load, its failure to read the shards as the metadata places them (bytes moved or
     swapped by someone who hashed them again: an unpickling or size error inside DCP) said as a
     CheckpointError naming the checkpoint, not DCP's traceback of every rank."""
@@ -177,28 +177,31 @@ def load(
     group: dist.ProcessGroup | None = None,
     wrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
+    fill: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Load a checkpoint's model and optimizer state into this layout's shards (collective).
     ``wrap``: the tree the state was saved in (DiLoCo nests it per island, beside its own state);
-    ``extra``: more entries of that tree (plain tensors), loaded in place."""
-    reader = _reader(path)
+    ``extra``: more entries of that tree (plain tensors), loaded in place; ``fill``: fills the tree
+    in place instead of DCP reading ``path`` (a memory checkpoint: checkpoint/memory_tier.py)."""
+    reader = _reader(path) if fill is None else None
     no_dist = not dist.is_initialized()
+    read = _dcp_read if fill is None else (lambda sd, **kw: fill(sd))
     outer = wrap or (lambda sd: sd)
     wrap = lambda sd: outer({**sd, **(extra or {})})  # noqa: E731
     if hasattr(optimizer, "full_training_state"):
         full = optimizer.full_training_state(model, init=True)
-        _dcp_load(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
+        read(wrap(full), storage_reader=reader, process_group=group, no_dist=no_dist)
         optimizer.load_full_training_state(model, full)
         return
     msd = get_model_state_dict(model)
     if _is_zero1(optimizer):
         osd_state = _zero1_state(model, optimizer, init=True)
         sd = wrap({"model": msd, "optim": osd_state})
-        _dcp_load(sd, storage_reader=reader, process_group=group, no_dist=no_dist)
+        read(sd, storage_reader=reader, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, msd)
         return  # the state tensors were loaded in place into the local optimizer
     osd = get_optimizer_state_dict(model, optimizer)  # initialises empty Adam state to load into
-    _dcp_load(wrap({"model": msd, "optim": osd["state"]}), storage_reader=reader, process_group=group, no_dist=no_dist)
+    read(wrap({"model": msd, "optim": osd["state"]}), storage_reader=reader, process_group=group, no_dist=no_dist)
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
 
@@ -206,7 +209,7 @@ def load(
 def load_model_only(model: nn.Module, path: Path) -> None:
     """Full weights from a checkpoint into an unsharded model in this one process (for export)."""
     msd = get_model_state_dict(model, options=StateDictOptions())
-    _dcp_load({"model": msd}, storage_reader=_reader(path), no_dist=True)
+    _dcp_read({"model": msd}, storage_reader=_reader(path), no_dist=True)
     set_model_state_dict(model, msd)
 
 
@@ -224,7 +227,7 @@ def read_train_state(path: Path) -> dict[str, torch.Tensor] | None:
     tree: dict[str, Any] = {"train": {n: torch.zeros((), dtype=torch.int64) for n in names}}
     for part in reversed(found[0].split(".")[:-2]):  # islandN.train.step: nested under islandN
         tree = {part: tree}
-    _dcp_load(tree, storage_reader=_reader(path), no_dist=True)
+    _dcp_read(tree, storage_reader=_reader(path), no_dist=True)
     while "train" not in tree:
         tree = next(iter(tree.values()))
     return tree["train"]

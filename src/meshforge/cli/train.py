@@ -142,10 +142,12 @@ def cmd_train(argv: list[str]) -> int:
         config = load_config(args.config, args.overrides)  # the one read of --config
     if "--dry-run" in argv:
         return dry_run(config, args.nproc if "--nproc" in " ".join(argv) else launch_env.world_size())
-    if args.restarts and (config.checkpoint.interval == 0 or config.checkpoint.load == "none"):
+    c = config.checkpoint
+    if args.restarts and ((c.interval == 0 and c.memory_interval == 0) or c.load == "none"):
         raise ConfigError(
             f"--max-restarts {args.restarts}: a restarted group resumes from the last complete checkpoint, so it "
-            'needs checkpoint.interval > 0 (or "auto") and checkpoint.load = latest; e.g. --checkpoint.interval=100'
+            'needs checkpoint.interval > 0 (or "auto") or checkpoint.memory_interval > 0, and checkpoint.load = '
+            "latest; e.g. --checkpoint.interval=100"
         )
     if not launch_env.under_launcher():
         from meshforge.launch.local import check_nproc

@@ -148,6 +148,13 @@ class CheckpointConfig:
     `"auto"`: the Young/Daly optimum √(2 × blocking cost × MTBF), re-measured as the run goes (one save early to
     measure its cost, then that interval); the run plan and config.toml name this cadence `"young_daly"`, which a
     config may also give. See [checkpointing.md](checkpointing.md)"""
+    memory_interval: int = ranged(whole(0, MAX_STEPS), 0)
+    """steps between checkpoints in memory; 0: none. Each rank copies its shard of the training state to host
+    memory (training waits for that copy only) and sends it, in the background, to a keeper process on its host
+    and to the next host's keeper; a restart (`--max-restarts`, torchrun) loads the newest one every rank can
+    fetch when it is no older than the newest disk checkpoint, else the disk one. Needs a launcher that restarts
+    ranks (`--nproc N` or torchrun); `interval`'s disk checkpoints stay the persistent tier. See
+    [checkpointing.md](checkpointing.md#checkpoints-in-memory)"""
     keep: int = ranged(whole(1, 10**6), 3)
     """complete checkpoints to keep; older ones are deleted"""
     async_: bool = field(default=False, metadata={"key": "async"})

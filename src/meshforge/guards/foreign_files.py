@@ -2,7 +2,7 @@
 
 A run directory holds config.toml, metrics.jsonl, events.jsonl, summary.json, report.html,
 hang_report.json, pipeline_timeline.json, run.lock and the folders checkpoints/, tensorboard/,
-profile/, final/, final-hf/ and wandb/ (docs/running.md). A directory that is not already one of
+profile/, final/, final-hf/, wandb/ and memory/ (docs/running.md). A directory that is not already one of
 meshforge's runs and holds anything else -- or a config.toml meshforge did not write -- belongs
 to someone else: ``meshforge train`` refuses it as run.dir unless run.overwrite is set. Files
 added to a run afterwards are left alone (meshforge writes and removes only its own names), and
@@ -22,7 +22,7 @@ RUN_FILES = frozenset(
         *("hang_report.json", "pipeline_timeline.json", "run.lock"),
     }
 )
-RUN_DIRS = frozenset({"checkpoints", "tensorboard", "profile", "final", "final-hf", "wandb"})
+RUN_DIRS = frozenset({"checkpoints", "tensorboard", "profile", "final", "final-hf", "wandb", "memory"})
 # leftovers of a write cut short: the disk probe, the report's and meta.json's temporary files
 _LEFTOVER = re.compile(r"^\.(meshforge-write-probe-[^/]*|report\.html\.part)$")
 _CHECKPOINT = re.compile(r"^(\.tmp-)?step-\d+$")

@@ -213,13 +213,16 @@ class Trainer:
 
     def _resume(self, resume: Path | None) -> None:
         """Load the checkpoint to resume from (if any) and say where the run starts."""
-        meta, dropped = read_resume_point(Path(self.plan.run.dir), resume, self.mesh.is_main)
         where = {"world_size": self.mesh.world_size, "resume_from": str(resume) if resume else None}
         if launch_env.restart_count():
             self.log.event("restart", attempt=launch_env.restart_count(), **where)
         self.log.event("world", attempt=launch_env.restart_count(), **where)  # each (re)start: elastic change points
-        if resume:
-            self.log.say(self.checkpoints.resume(resume, meta, dropped))
+        line = self.checkpoints.resume_memory(resume)  # (checkpoint.memory_interval: newer than disk, or None)
+        if line is None:
+            meta, dropped = read_resume_point(Path(self.plan.run.dir), resume, self.mesh.is_main)
+            line = self.checkpoints.resume(resume, meta, dropped) if resume else None
+        if line:
+            self.log.say(line)
 
     def _runner(self, train_model: torch.nn.Module) -> PlainStep | PipelineStep:
         common = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "loss": self.loss}
