@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import os
 import shlex
 import socket
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from meshforge import __version__
 from meshforge.errors import ConfigError, MeshforgeError
@@ -78,6 +80,7 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
     from meshforge.checkpoint.weights import load_pretrained, save_model_weights
     from meshforge.models.hf import load_hf_checkpoint, save_hf_checkpoint
 
+    _refuse_run_dir(args)
     if args.from_checkpoint:
         from meshforge.checkpoint.export import checkpoint_to_hf
 
@@ -100,6 +103,20 @@ def _convert(args: argparse.Namespace, out: Path) -> int:
         save_hf_checkpoint(model, out)
         print(f"converted {args.to_hf} -> Hugging Face checkpoint {out} (loads with from_pretrained)")
     return 0
+
+
+def _refuse_run_dir(args: argparse.Namespace) -> None:
+    """A run directory given where its final/ or checkpoints/ goes (generate takes a run directory
+    whole; convert does not): name the folder to give instead of "holds neither meshforge.json ..."."""
+    flag, sub = ("--to-hf", "final") if args.to_hf else ("--from-checkpoint", "checkpoints")
+    given = Path(args.to_hf or args.from_checkpoint or "")
+    if args.from_hf or not (given / "config.toml").is_file() or (given / "meshforge.json").is_file():
+        return
+    if (given / sub).is_dir():
+        raise ConfigError(f"{flag} {given} is a run directory; give its {sub}/: {flag} {given / sub}")
+    raise ConfigError(
+        f"{flag} {given} is a run directory without {sub}/; give weights (a run's final/) or a checkpoint"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -133,7 +150,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
             f"cannot listen on --host {args.host} ({e.strerror}); give an address of this machine, e.g. 127.0.0.1"
         ) from None
     except OSError as e:
-        raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); try another --port") from None
+        fix = "try another --port"
+        if e.errno == errno.EADDRNOTAVAIL:  # an address of another machine, not a port in use
+            fix = "--host must be an address of this machine, e.g. 127.0.0.1 (or 0.0.0.0: all of them)"
+        raise MeshforgeError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); {fix}") from None
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -156,8 +176,16 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     return serve(args.bind, args.min_replicas)
 
 
+class OneParagraphParser(argparse.ArgumentParser):
+    """argparse, less the usage it prints before an error: `meshforge plan`'s alone is 20 lines above
+    the one that matters. Bad input is one paragraph and exit 2; the subcommands inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists every flag\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshforge", description="Train transformer language models across a device mesh.")
+    p = OneParagraphParser(prog="meshforge", description="Train transformer language models across a device mesh.")
     p.add_argument("--version", action="version", version=f"meshforge {__version__}")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("train", help="train a model (meshforge train --help)", add_help=False)
@@ -188,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--quick", action="store_true", help="fewer sizes, repeats and calls per timing")
     rep = sub.add_parser("report", help="write a self-contained HTML report of one or more runs (curves overlaid)")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's out_dir)")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (meshforge train's run.dir)")
     rep.add_argument("--out", metavar="FILE", help="where to write it (default: the first run's report.html)")
     lh = sub.add_parser("lighthouse", help="run torchft's lighthouse: the quorum server of fault-tolerant groups")
     lh.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on, e.g. 0.0.0.0:29510")

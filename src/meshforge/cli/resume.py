@@ -24,6 +24,7 @@ from meshforge.checkpoint.weights import shape_mismatch
 from meshforge.config import Config, load_config
 from meshforge.errors import ConfigError
 from meshforge.guards.foreign_files import is_meshforge_run
+from meshforge.parallel.rule_types import product
 
 
 def resume_config(args: Any, world: int) -> Config:
@@ -44,6 +45,7 @@ def resume_config(args: Any, world: int) -> Config:
         raise ConfigError(_no_checkpoint(run, world))
     newest = complete[-1]
     _check_shape(run, newest.path, config, args.overrides)
+    _check_world(run, config, args.overrides, world)
     steps = config.train.steps
     if steps <= newest.step:
         given = "train.steps" in args.overrides
@@ -91,6 +93,22 @@ def _check_shape(run: Path, checkpoint: Path, config: Config, overrides: dict[st
             f"--resume {run} continues its model, but {given} change its shape ({'; '.join(diff)}); leave them "
             "out (a run continues the shape it has; another shape is a new run: --config FILE.toml)"
         )
+
+
+def _check_world(run: Path, config: Config, overrides: dict[str, Any], world: int) -> None:
+    """A run resumed on another number of ranks than its layout's, with no new layout given, most
+    likely lacks the --nproc it ran with: say that, not only that the degrees do not multiply."""
+    degrees = config.layout.degrees()
+    ranks = product(degrees.values()) * config.layout.islands
+    if any(k.startswith(("parallel.", "diloco.")) for k in overrides) or min(degrees.values()) < 1 or ranks == world:
+        return
+    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "one rank"
+    same = "leave out --nproc" if ranks == 1 else f"add --nproc {ranks} (under torchrun: {ranks} ranks in all)"
+    raise ConfigError(
+        f"--resume {run}: the run ran on {ranks} rank(s) ({shown}), this launch has {world}; {same} to continue it "
+        f"as it ran, or give its layout on {world} rank(s) with --parallel.* keys (a checkpoint reshards onto "
+        "another layout: docs/checkpointing.md)"
+    )
 
 
 def _no_checkpoint(run: Path, world: int) -> str:

@@ -31,13 +31,35 @@ def key_type(dotted: str) -> Any:
     return k.type if k else None
 
 
+# torchtitan job-config words a newcomer brings, and where meshforge keeps them (no near spelling finds these)
+TORCHTITAN = {
+    "job": "[run] dir (its dump_folder)",
+    "training": "[train] (steps, seq_len, global_batch_size)",
+    "parallelism": "[parallel] (tp, pp, cp, dp_shard, dp_replicate)",
+    "lr_scheduler": "[optim] (warmup_steps, schedule)",
+    "optimizer": "[optim]",
+    "activation_checkpoint": "[train] activation_checkpoint",
+    "float8": '[train] precision = "fp8"',
+    "model.name": '[model] preset (e.g. preset = "llama3.1-8b")',
+    "model.flavor": '[model] preset (e.g. preset = "llama3.1-8b")',
+}
+
+
+def _titan(ours: str) -> str:
+    """Where meshforge keeps what a torchtitan job config named."""
+    return f"that is torchtitan's; meshforge's is {ours} (every key: meshforge train --help)"
+
+
 def _lookup(section: str, key: str, where: str) -> Key:
     """The key ``section.key``, or an error naming the nearest section or key."""
     if section not in SECTIONS:
-        raise ConfigError(f"unknown config section [{section}] in {where}; {suggest(section, SECTIONS)}")
+        hint = _titan(TORCHTITAN[section]) if section in TORCHTITAN else suggest(section, SECTIONS)
+        raise ConfigError(f"unknown config section [{section}] in {where}; {hint}")
     found = section_keys(section).get(key)
     if found:
         return found
+    if f"{section}.{key}" in TORCHTITAN:
+        raise ConfigError(f"unknown key {section}.{key} in {where}; {_titan(TORCHTITAN[f'{section}.{key}'])}")
     elsewhere = [sec for sec in SECTIONS if key in section_keys(sec)]
     if elsewhere:
         dashed = where.startswith("--")

@@ -123,7 +123,8 @@ class DataConfig:
     tokenizer: str = "byte"
     """`byte` or a path to a Hugging Face `tokenizer.json`"""
     val_fraction: float = ranged(unit(hi_open=True), 0.01)
-    """share of the corpus held out for validation"""
+    """share of the corpus held out for validation, as raw text is prepared (a prepared shard dir keeps the split
+    `meshforge data prepare --val-fraction` made)"""
     cache_dir: str = ""
     """where prepared corpora are cached; empty = `$MESHFORGE_CACHE` or `~/.cache/meshforge`"""
     allow_binary: bool = False

@@ -143,7 +143,11 @@ def check_init_from(plan: RunPlan) -> None:
     if not path:
         return
     if not Path(path).is_dir():
-        raise ConfigError(f"model.init_from = {path} is not a directory of weights")
+        what = "does not exist" if not Path(path).exists() else "is not a directory of weights"
+        raise ConfigError(
+            f"model.init_from = {path} {what}; give a run's final/ or the output of "
+            "`meshforge convert --from-hf DIR --out WEIGHTS` (a checkpoint resumes with checkpoint.load instead)"
+        )
     diff = shape_mismatch(pretrained_shape(path), plan.shape)
     if diff:
         raise ConfigError(f"model.init_from = {path} has another shape than [model]: " + "; ".join(diff))

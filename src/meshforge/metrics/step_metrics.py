@@ -178,10 +178,15 @@ def end_line(summary: dict[str, Any], run_dir: str) -> str:
     loss = f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} (mean of the last {tail} steps)"
     return (
         f"{'stopped early' if summary['interrupted'] else 'done'}: {summary['steps']} steps in "
-        f"{summary['wall_time_s']:.1f}s{_pace(summary)} | {summary['tokens'] / 1e6:.2f}M tokens | {loss}{vl} | "
+        f"{summary['wall_time_s']:.1f}s{_pace(summary)} | {_tokens(summary['tokens'])} | {loss}{vl} | "
         f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
         f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
     )
+
+
+def _tokens(n: float) -> str:
+    """Tokens seen, in millions once there are many (a short run's 2,560 is not "0.00M")."""
+    return f"{n:,.0f} tokens" if n < 100_000 else f"{n / 1e6:.2f}M tokens"
 
 
 def _pace(summary: dict[str, Any]) -> str:

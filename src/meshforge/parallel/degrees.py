@@ -30,7 +30,8 @@ def resolve_degrees(layout: Layout, world_size: int) -> Layout:
         if world_size % known:
             raise ConfigError(
                 f"parallel degrees {shown}: world size {world_size} is not divisible by the fixed degrees' "
-                f"product {known}; use a world size that is a multiple of {known} or change the degrees"
+                f"product {known}; start a multiple of {known} ranks (--nproc {known}, or as many under torchrun) "
+                "or change the degrees"
             )
         mesh[free[0]] = world_size // known
     elif known != world_size:

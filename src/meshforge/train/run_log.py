@@ -78,7 +78,7 @@ class RunLog:
         if t.eval_batches and len(data.val) < t.global_batch_size:
             line = (
                 f"no evaluation: the validation split holds {len(data.val)} sequences of {t.seq_len + 1} tokens, "
-                f"fewer than one global batch ({t.global_batch_size}); raise data.val_fraction or add data"
+                f"fewer than one global batch ({t.global_batch_size}); {_more_validation(self.plan.data.path)}"
             )
             self.event("warning", key="train.eval_batches", message=line)
             self.say(f"note: {line}")
@@ -152,3 +152,14 @@ class RunLog:
     def close(self) -> None:
         if self.logger:
             self.logger.close()
+
+
+def _more_validation(path: str) -> str:
+    """How to get a larger validation split: data.val_fraction splits raw text as it is prepared,
+    so it does nothing to shards that `meshforge data prepare` already split."""
+    if path and (Path(path) / "index.json").is_file():
+        return (
+            f"{path} holds prepared shards, split when they were prepared (data.val_fraction does not apply to "
+            f"them): prepare the text again with a larger --val-fraction, or add data"
+        )
+    return "raise data.val_fraction or add data"
