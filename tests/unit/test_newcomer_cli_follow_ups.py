@@ -31,6 +31,14 @@ def test_a_short_runs_tokens_are_counted_not_rounded_to_zero_millions():
     assert "| 1.64M tokens |" in end_line(_summary(1_638_400), "runs/x")  # the main job's, as README shows
 
 
+def test_a_resumed_sessions_last_line_counts_its_own_steps():
+    """The wall time is this session's: a run resumed at step 10 that ended at 14 took 4 steps in it
+    (it said "done: 14 steps in 3.6s")."""
+    resumed = _summary(2560) | {"steps": 14, "start_step": 10}
+    assert "done: steps 11-14 (4 steps, resumed at step 10) in 4.0s" in end_line(resumed, "runs/x")
+    assert "done: 10 steps in 4.0s" in end_line(_summary(2560) | {"start_step": 0}, "runs/x")
+
+
 def test_too_small_a_prepared_split_is_not_told_to_raise_val_fraction(tmp_path):
     """data.val_fraction splits raw text as it is prepared; shards already split ignore it."""
     (tmp_path / "index.json").write_text("{}")

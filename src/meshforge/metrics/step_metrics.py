@@ -118,12 +118,13 @@ class StepMetrics:
     def summary(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor], **fields: Any) -> dict[str, Any]:
         """The run's summary. ``reduce_loss`` turns the kept per-rank losses into global ones in
         one collective (every rank calls this). ``fields``: steps, interrupted, tokens,
-        wall_time_s, val_loss."""
+        wall_time_s, val_loss, and start_step (where a resumed session began; 0 by default)."""
         kept = reduce_loss(torch.stack([self.first_loss, *self.recent])).tolist()
         warm = self.times[max(1, len(self.times) // 10) :] or self.times  # leave out the first steps (compile, caches)
         tps = self.tokens_per_step * len(warm) / sum(warm)
         per_device = tps / self.world_size
         out = {k: fields[k] for k in ("steps", "interrupted", "tokens", "wall_time_s")}
+        out["start_step"] = fields.get("start_step", 0)
         flops, hw_flops = self.flops(sum(self.spans) / len(self.spans) if self.spans else None)
         return {
             **out,
@@ -177,11 +178,17 @@ def end_line(summary: dict[str, Any], run_dir: str) -> str:
     tail = summary.get("final_loss_steps", SUMMARY_TAIL)
     loss = f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} (mean of the last {tail} steps)"
     return (
-        f"{'stopped early' if summary['interrupted'] else 'done'}: {summary['steps']} steps in "
+        f"{'stopped early' if summary['interrupted'] else 'done'}: {_steps(summary)} in "
         f"{summary['wall_time_s']:.1f}s{_pace(summary)} | {_tokens(summary['tokens'])} | {loss}{vl} | "
         f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
         f"HFU {100 * summary['hfu']:.1f}% | peak mem {summary['peak_mem_gib']:.2f} GiB | {run_dir}"
     )
+
+
+def _steps(summary: dict[str, Any]) -> str:
+    """The steps this session took: a resumed run's wall time is not that of all its steps."""
+    start, end = summary.get("start_step", 0), summary["steps"]
+    return f"{end} steps" if not start else f"steps {start + 1}-{end} ({end - start} steps, resumed at step {start})"
 
 
 def _tokens(n: float) -> str:

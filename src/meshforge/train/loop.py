@@ -285,7 +285,7 @@ class Trainer:
             self.log.say(f"already trained to step {st.step} (train.steps = {t.steps}); raise train.steps to continue")
             return {"steps": st.step, "interrupted": False, "tokens": st.tokens_seen, "already_done": True}
         self.log.announce(self.model, self.data)
-        interrupted, t_start = False, time.perf_counter()
+        interrupted, t_start, start = False, time.perf_counter(), st.step
         while st.step < t.steps:
             if self.replicas:
                 self._join_quorum()
@@ -307,7 +307,7 @@ class Trainer:
         with self.log.phases("checkpoint"):
             self.checkpoints.checkpointer.wait()
         val_loss = self._evaluate_and_log() if t.eval_batches else None
-        return self._finish(interrupted, time.perf_counter() - t_start, val_loss)
+        return self._finish(interrupted, time.perf_counter() - t_start, val_loss, start)
 
     def _one_step(self, n: int, logged: bool, last: bool) -> bool:
         """Step ``n`` with its watchers, record and checkpoint; False when it rolled back instead."""
@@ -363,10 +363,11 @@ class Trainer:
         self.log.evaluation(self.state.step, v)
         return v
 
-    def _finish(self, interrupted: bool, wall: float, val_loss: float | None) -> dict[str, Any]:
-        """The summary (a collective), the final weights, then the last lines."""
+    def _finish(self, interrupted: bool, wall: float, val_loss: float | None, start: int) -> dict[str, Any]:
+        """The summary (a collective), the final weights, then the last lines. ``start``: the step this
+        process resumed at (0 for a fresh run): the wall time and tokens/s are this session's."""
         st = self.state
-        fields = {"steps": st.step, "tokens": st.tokens_seen, "val_loss": val_loss}
+        fields = {"steps": st.step, "start_step": start, "tokens": st.tokens_seen, "val_loss": val_loss}
         summary = self.log.summary(self.runner.reduce_loss, interrupted, wall, **fields)
         self.checkpoints.export_final(pipelined=self.pipeline is not None)
         self.log.finish(summary)
