@@ -53,7 +53,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     index = read_json(out / "index.json", ConfigError)
     counts = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
     print(
-        f"prepared {index['documents']} documents into {out}: {counts.get('train', 0):,} train tokens, "
+        f"prepared {index['documents']:,} document{'s' if index['documents'] != 1 else ''} into {out}: "
+        f"{counts.get('train', 0):,} train tokens, "
         f"{counts.get('val', 0):,} val tokens ({index['dtype']}, tokenizer {index['tokenizer']})"
     )
     sys.stdout.flush()  # (the warnings on stderr come after this line, before the next)
