@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.checkpoint.memory_frame import MemoryShardError, recv_msg, send_msg
+from meshforge.launch.tie import alive
 from meshforge.safeio.files import read_regular
 from meshforge.safeio.links import open_append, write_new
 from meshforge.safeio.parse import read_json
@@ -128,19 +129,9 @@ def serve(mem_dir: Path, host: str, watch: int) -> None:
             threading.Thread(target=keeper.serve, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept_loop, daemon=True).start()
-    while _alive(watch):
+    while alive(watch):
         time.sleep(0.5)
     os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def request(

@@ -44,7 +44,7 @@ def _parent_death_signal(sig: int) -> bool:
 def _die_with(launcher: int, parent: int) -> None:
     while True:
         threading.Event().wait(POLL_S)
-        if os.getppid() != parent or not _alive(launcher):
+        if os.getppid() != parent or not alive(launcher):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -57,13 +57,13 @@ def tie_to_launcher() -> bool:
     launcher, parent = int(raw), os.getppid()
     if parent == launcher:
         _parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent or not _alive(launcher):  # gone already: no signal will ever come
+    if os.getppid() != parent or not alive(launcher):  # gone already: no signal will ever come
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=_die_with, args=(launcher, parent), name="meshforge-launcher-tie", daemon=True).start()
     return True
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether ``pid`` exists (a zombie counts as gone only once reaped)."""
     try:
         os.kill(pid, 0)
